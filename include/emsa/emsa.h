@@ -1,0 +1,190 @@
+/* emsa.h — the C ABI of libemsa.
+ *
+ * This is what the Python front end calls through ctypes, and what any other language binds.
+ * One built library serves every Python and every torch version: nothing here mentions torch.
+ *
+ * Conventions
+ *  - Every fallible call returns emsa_status (EMSA_OK = 0). On failure, emsa_last_error()
+ *    returns a message for the calling thread, valid until that thread's next emsa call.
+ *    A failed call changes nothing and leaves output pointers untouched.
+ *  - Opaque handles come in create/destroy pairs. destroy(NULL) is a no-op.
+ *  - Strings returned through char** are owned by the caller: release them with emsa_free().
+ *  - Structs passed in begin with `struct_size`, set by the caller with the matching
+ *    emsa_*_init(), so fields can be appended later without breaking old callers.
+ *  - Element counts are int64_t, byte sizes uint64_t. Pointers are raw host pointers.
+ *  - No call throws; no call exits the process.
+ *  - Thread safety: handles are not shared between threads without external locking;
+ *    different handles may be used from different threads.
+ */
+#ifndef EMSA_EMSA_H_
+#define EMSA_EMSA_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define EMSA_API __declspec(dllexport)
+#else
+#define EMSA_API __attribute__((visibility("default")))
+#endif
+
+#define EMSA_ABI_VERSION 1
+
+/* ---- status -------------------------------------------------------------------------------- */
+typedef int32_t emsa_status;
+#define EMSA_OK 0
+#define EMSA_INVALID_ARGUMENT 1
+#define EMSA_PARSE_ERROR 2
+#define EMSA_UNSUPPORTED 3
+#define EMSA_INFEASIBLE 4
+#define EMSA_OUT_OF_MEMORY 5
+#define EMSA_CUDA_ERROR 6
+#define EMSA_IO_ERROR 7
+#define EMSA_NOT_FOUND 8
+#define EMSA_INTERNAL 9
+
+/* ---- constants ----------------------------------------------------------------------------- */
+#define EMSA_DTYPE_FLOAT32 0
+#define EMSA_DTYPE_BFLOAT16 1
+#define EMSA_DTYPE_FLOAT16 2
+
+#define EMSA_OPTIMIZER_ADAMW 0
+#define EMSA_OPTIMIZER_ADAM 1
+#define EMSA_OPTIMIZER_LION 2
+
+#define EMSA_SIMD_SCALAR 0
+#define EMSA_SIMD_AVX2 1
+#define EMSA_SIMD_AVX512 2
+
+#define EMSA_ROUNDING_NEAREST 0
+#define EMSA_ROUNDING_STOCHASTIC 1
+
+/* ---- library ------------------------------------------------------------------------------- */
+EMSA_API uint32_t emsa_abi_version(void);      /* EMSA_ABI_VERSION of the built library */
+EMSA_API const char* emsa_version(void);       /* "0.1.0"; static, do not free */
+EMSA_API const char* emsa_last_error(void);    /* "" when the last call succeeded */
+EMSA_API void emsa_free(void* p);              /* frees strings returned by emsa */
+EMSA_API emsa_status emsa_parse_bytes(const char* text, uint64_t* bytes_out); /* "24GiB" */
+
+/* ---- device profile ------------------------------------------------------------------------ */
+/* The highest SIMD level this CPU supports (EMSA_SIMD_*), after the EMSA_MAX_SIMD cap. */
+EMSA_API int32_t emsa_simd_level(void);
+/* Measures this machine (CPU; GPU when one is usable) and returns the profile as JSON.
+ * measure_bandwidth = 0 skips the timed parts. Takes well under a second on the CPU side. */
+EMSA_API emsa_status emsa_profile_measure(int32_t measure_bandwidth, int32_t gpu_device,
+                                          char** json_out);
+
+/* ---- plan ---------------------------------------------------------------------------------- */
+typedef struct emsa_plan emsa_plan;
+
+typedef struct emsa_plan_options {
+  uint32_t struct_size;         /* sizeof(emsa_plan_options) */
+  int32_t optimizer;            /* EMSA_OPTIMIZER_*; default ADAMW */
+  int32_t state_dtype;          /* EMSA_DTYPE_FLOAT32 or _BFLOAT16; default FLOAT32 */
+  int32_t allow_host_tier;      /* default 1 */
+  int32_t force_all_host;       /* default 0 */
+  uint64_t budget_bytes;        /* 0: free device memory minus the margin (no GPU: unlimited) */
+  uint64_t safety_margin_bytes; /* default 1 GiB */
+  uint64_t bucket_bytes;        /* default 32 MiB of parameters per bucket */
+} emsa_plan_options;
+
+EMSA_API void emsa_plan_options_init(emsa_plan_options* options);
+
+/* Plans a probe record (JSON text) against a device profile (JSON text, or NULL to use the
+ * record's embedded profile, or else to measure this machine). On EMSA_INFEASIBLE the message
+ * names the smallest budget that works and *min_budget_out (if not NULL) receives it. */
+EMSA_API emsa_status emsa_plan_create(const char* probe_json, const char* profile_json,
+                                      const emsa_plan_options* options, emsa_plan** plan_out,
+                                      uint64_t* min_budget_out);
+EMSA_API void emsa_plan_destroy(emsa_plan* plan);
+EMSA_API emsa_status emsa_plan_to_json(const emsa_plan* plan, char** json_out);
+EMSA_API emsa_status emsa_plan_to_table(const emsa_plan* plan, char** table_out);
+/* Sizes the arenas must have: device state bytes and host state bytes. */
+EMSA_API emsa_status emsa_plan_arena_bytes(const emsa_plan* plan, uint64_t* device_bytes,
+                                           uint64_t* host_bytes);
+
+/* ---- pinned host arena --------------------------------------------------------------------- */
+typedef struct emsa_host_arena emsa_host_arena;
+
+/* One zero-filled allocation; pinned (page-locked through CUDA) when want_pinned and a device is
+ * usable, else plain memory aligned to 2 MiB. *pinned_out tells which. */
+EMSA_API emsa_status emsa_host_arena_create(uint64_t bytes, int32_t want_pinned,
+                                            emsa_host_arena** arena_out);
+EMSA_API void emsa_host_arena_destroy(emsa_host_arena* arena);
+EMSA_API emsa_status emsa_host_arena_info(const emsa_host_arena* arena, void** data_out,
+                                          uint64_t* bytes_out, int32_t* pinned_out);
+
+/* ---- CPU optimizer step -------------------------------------------------------------------- */
+typedef struct emsa_cpu_updater emsa_cpu_updater;
+
+typedef struct emsa_hyperparams {
+  uint32_t struct_size; /* sizeof(emsa_hyperparams) */
+  float lr;             /* default 1e-3 */
+  float beta1;          /* default 0.9 */
+  float beta2;          /* default 0.999 */
+  float eps;            /* default 1e-8 */
+  float weight_decay;   /* default 1e-2 */
+  int32_t maximize;     /* default 0 */
+} emsa_hyperparams;
+
+typedef struct emsa_tensor_update {
+  uint32_t struct_size; /* sizeof(emsa_tensor_update) */
+  int32_t param_dtype;  /* EMSA_DTYPE_* */
+  int32_t grad_dtype;
+  int32_t state_dtype;
+  void* param;          /* numel elements, updated in place */
+  const void* grad;
+  void* exp_avg;
+  void* exp_avg_sq;     /* NULL for Lion */
+  float* master;        /* fp32 master weights, or NULL */
+  int64_t numel;
+  int64_t step;         /* this update's step number, >= 1 */
+  const emsa_hyperparams* hyper;
+} emsa_tensor_update;
+
+typedef struct emsa_step_options {
+  uint32_t struct_size;   /* sizeof(emsa_step_options) */
+  int32_t optimizer;      /* EMSA_OPTIMIZER_*; default ADAMW */
+  float grad_multiplier;  /* clip_coef / loss_scale; default 1 */
+  int32_t check_finite;   /* 1: any inf/nan gradient skips the whole step; default 0 */
+  int32_t rounding;       /* EMSA_ROUNDING_*; default STOCHASTIC (only bf16/fp16 stores) */
+  uint64_t seed;          /* stochastic rounding stream; default 0 */
+} emsa_step_options;
+
+typedef struct emsa_step_report {
+  uint32_t struct_size;          /* sizeof(emsa_step_report) */
+  int32_t skipped;               /* 1: non-finite gradient found, nothing written */
+  int64_t nonfinite_count;
+  int64_t first_nonfinite_tensor;
+} emsa_step_report;
+
+EMSA_API void emsa_hyperparams_init(emsa_hyperparams* hyper);
+EMSA_API void emsa_tensor_update_init(emsa_tensor_update* tensor);
+EMSA_API void emsa_step_options_init(emsa_step_options* options);
+EMSA_API void emsa_step_report_init(emsa_step_report* report);
+
+/* threads <= 0: all cores this process may use. max_simd caps the ISA (EMSA_SIMD_*). */
+EMSA_API emsa_status emsa_cpu_updater_create(int32_t threads, int32_t max_simd,
+                                             emsa_cpu_updater** updater_out);
+EMSA_API void emsa_cpu_updater_destroy(emsa_cpu_updater* updater);
+EMSA_API emsa_status emsa_cpu_updater_info(const emsa_cpu_updater* updater, int32_t* threads_out,
+                                           int32_t* simd_out);
+/* One optimizer step over `count` tensors on the updater's worker pool; returns when done.
+ * Validates everything first; an invalid batch changes nothing. Allocates nothing. */
+EMSA_API emsa_status emsa_cpu_step(emsa_cpu_updater* updater, const emsa_tensor_update* tensors,
+                                   size_t count, const emsa_step_options* options,
+                                   emsa_step_report* report);
+/* Sum of squares of all gradients and the count of non-finite elements, in one pass. */
+EMSA_API emsa_status emsa_cpu_grad_stats(emsa_cpu_updater* updater,
+                                         const emsa_tensor_update* tensors, size_t count,
+                                         double* sum_sq_out, int64_t* nonfinite_out);
+
+#ifdef __cplusplus
+}  /* extern "C" */
+#endif
+
+#endif  /* EMSA_EMSA_H_ */

@@ -1,0 +1,124 @@
+// emsa/plan.h — where every byte of optimizer state lives and when every update runs.
+//
+// MakePlan() is pure C++ (no CUDA, no clocks): the same ProbeRecord, DeviceProfile and
+// PlanOptions always give a byte-identical Plan and PlanToJson() text.
+//
+// The model (DESIGN.md, "Hotness is slack"): parameter i's gradient is ready at r_i in backward,
+// its next use is f_i in the next forward, the step period is P. Its update may run anywhere in
+// the window s_i = P + f_i - r_i. Sending its update to the host costs c_i (gradient down over
+// PCIe, CPU update at host bandwidth, parameter back up). hotness_i = c_i / s_i, scaled by
+// (1 + centrality_i) when the record has a graph. The hottest state stays on the device; the
+// coldest goes to the host first, as much as the budget requires.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "emsa/probe_record.h"
+#include "emsa/profile.h"
+#include "emsa/status.h"
+#include "emsa/types.h"
+
+namespace emsa {
+
+struct PlanOptions {
+  // Device memory the whole training process may use at its peak (parameters, gradients,
+  // activations, optimizer state, emsa's workspace). 0 = the profile's free memory minus
+  // safety_margin_bytes; with no GPU in the profile, 0 means "no device limit".
+  uint64_t budget_bytes = 0;
+  uint64_t safety_margin_bytes = 1ull << 30;  // kept free when the budget is defaulted
+  OptimizerKind optimizer = OptimizerKind::kAdamW;
+  DType state_dtype = DType::kFloat32;  // exp_avg / exp_avg_sq precision (bf16: CUDA issue)
+  bool allow_host_tier = true;          // false: everything on the device or infeasible
+  bool force_all_host = false;          // put every state on the host (benchmarks, tests)
+  uint64_t bucket_bytes = 32ull << 20;  // target parameter bytes per update bucket
+  uint64_t device_module_alignment = 2ull << 20;  // modules with >= this much state start here
+  uint64_t device_tensor_alignment = 256;         // every device view starts at a multiple
+  uint64_t host_tensor_alignment = 64;            // every host view starts at a multiple
+};
+
+// One parameter's plan. Offsets are bytes from the start of the owning arena; -1 = absent.
+struct ParamPlan {
+  int64_t index = 0;               // position in ProbeRecord::params
+  std::string name;
+  std::string module;
+  int64_t numel = 0;
+  DType param_dtype = DType::kFloat32;
+  bool trainable = true;
+  Tier tier = Tier::kL1;
+  DType state_dtype = DType::kFloat32;
+  bool master_weights = false;     // fp32 master copy kept in state (param is bf16/fp16, or L2)
+  double slack = 0.0;              // s, s_i
+  double cost = 0.0;               // s, c_i
+  double centrality = 0.0;         // [0,1], share of graph ops downstream of this param's ops
+  double hotness = 0.0;            // c_i / s_i * (1 + centrality): share of its window a host
+                                   // round trip would take
+  // Position in the order state leaves the device (0 = first: the lowest hotness per byte of
+  // device state freed). -1 for frozen parameters. The first offload_rank < k params are on L2.
+  int64_t offload_rank = -1;
+  int64_t bucket = -1;             // index into Plan::buckets
+  // Views. Device tier: exp_avg, exp_avg_sq, master in the device arena. Host tier: exp_avg,
+  // exp_avg_sq, master, grad (staging for the device->host copy) and param_out (staging for the
+  // host->device copy, only when the param is not fp32) in the host arena.
+  int64_t exp_avg_offset = -1;
+  int64_t exp_avg_sq_offset = -1;  // -1 for Lion
+  int64_t master_offset = -1;
+  int64_t grad_offset = -1;        // host tier only
+  int64_t param_out_offset = -1;   // host tier only, non-fp32 params
+  uint64_t state_bytes = 0;        // bytes this parameter occupies in its arena, padding included
+};
+
+// A contiguous range of one module's device-tier state, in the plan's order.
+struct ModuleRange {
+  std::string module;
+  Tier tier = Tier::kL1;
+  uint64_t offset = 0;             // in the arena of that tier
+  uint64_t bytes = 0;
+};
+
+// Parameters whose updates launch together, in grad-ready order, all of one tier.
+struct Bucket {
+  Tier tier = Tier::kL1;
+  std::vector<int64_t> params;     // indices into Plan::params
+  double ready_time = 0.0;         // s, the last member's grad-ready time
+  uint64_t param_bytes = 0;
+};
+
+struct Prediction {
+  double period = 0.0;             // s, P = forward + backward from the probe
+  double hbm_time = 0.0;           // s, device-tier update traffic / HBM bandwidth
+  double d2h_time = 0.0;           // s, host-tier gradients down / d2h bandwidth
+  double h2d_time = 0.0;           // s, host-tier parameters up / h2d bandwidth
+  double cpu_time = 0.0;           // s, host-tier update traffic / host update bandwidth
+  double stall_time = 0.0;         // s, how long the next forward waits (timeline simulation)
+  double step_time = 0.0;          // s, period + stall
+  uint64_t device_state_bytes = 0; // device arena size
+  uint64_t host_state_bytes = 0;   // host arena size
+  uint64_t peak_device_bytes = 0;  // predicted peak, optimizer state included
+};
+
+struct Plan {
+  static constexpr int kVersion = 1;
+  PlanOptions options;
+  uint64_t budget_bytes = 0;       // the budget actually applied (resolved); 0 = no device limit
+  uint64_t min_budget_bytes = 0;   // the smallest budget this model could be planned under
+  std::vector<ParamPlan> params;   // same order as ProbeRecord::params
+  std::vector<ModuleRange> modules;  // arena order
+  std::vector<Bucket> buckets;     // grad-ready order
+  Prediction prediction;
+};
+
+// kInfeasible when the budget cannot be met, with the smallest budget that works in the message
+// and in *min_budget_out when given. kInvalidArgument for bad options.
+Result<Plan> MakePlan(const ProbeRecord& record, const DeviceProfile& profile,
+                      const PlanOptions& options, uint64_t* min_budget_out = nullptr);
+
+std::string PlanToJson(const Plan& plan);
+// A table a person can read: one row per parameter (tier, state bytes, slack, hotness, bucket),
+// module ranges, and the prediction.
+std::string PlanToTable(const Plan& plan);
+// The same table without the per-parameter rows and module ranges: totals and prediction only.
+std::string PlanSummaryToTable(const Plan& plan);
+
+}  // namespace emsa

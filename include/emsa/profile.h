@@ -1,0 +1,82 @@
+// emsa/profile.h — what the machine is: CPU, host memory bandwidth, GPU, PCIe.
+//
+// MeasureDeviceProfile() runs short measurements (well under a second in all on the CPU side; a
+// few hundred milliseconds more when a GPU is present). The result is plain data, serializable to
+// JSON so that a profile taken on one machine can be planned against on another (the CLI's
+// --profile). Bandwidths are in bytes per second and count bytes read plus bytes written.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "emsa/status.h"
+
+namespace emsa {
+
+// Values equal the C ABI's EMSA_SIMD_* constants. Ordered: a higher level implies the lower ones.
+enum class SimdLevel : int32_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+const char* SimdLevelName(SimdLevel level);  // "scalar", "avx2", "avx512"
+Result<SimdLevel> ParseSimdLevel(const std::string& name);
+// What this CPU and OS support, from cpuid and xgetbv (AVX-512 needs F, BW, VL, DQ and OS
+// support for the zmm state; AVX2 needs AVX2, FMA, F16C and the ymm state).
+//
+// The environment variable EMSA_MAX_SIMD=scalar|avx2|avx512 caps the result (it never raises
+// it): for testing the lower paths, or for hypervisors that advertise an ISA they handle badly.
+// It is read on every call. Any other non-empty value caps at scalar, with one warning on stderr.
+SimdLevel DetectSimdLevel();
+
+struct CpuProfile {
+  std::string model;                  // brand string, or "unknown"
+  int logical_cores = 0;              // threads the OS lets this process use (affinity mask)
+  SimdLevel simd = SimdLevel::kScalar;
+  double host_mem_bandwidth = 0.0;    // B/s, multi-threaded streaming copy, read+write, measured
+  double host_update_bandwidth = 0.0; // B/s, an Adam-shaped pass (4 fp32 streams in, 3 out:
+                                      // 28 bytes per element), measured
+};
+
+struct GpuProfile {
+  bool present = false;               // false: every other field is zero/empty
+  int device = 0;                     // CUDA ordinal
+  std::string name;
+  int compute_capability_major = 0;
+  int compute_capability_minor = 0;
+  int sm_count = 0;
+  uint64_t total_memory = 0;          // bytes
+  uint64_t free_memory = 0;           // bytes, when measured
+  uint64_t l2_bytes = 0;
+  uint64_t max_persisting_l2_bytes = 0;  // 0: the device has no persisting L2 (or MIG)
+  double hbm_bandwidth = 0.0;         // B/s, device-to-device copy, read+write, measured
+  // PCIe figures count each byte once (it crosses the link once), one direction at a time.
+  double h2d_bandwidth = 0.0;         // B/s, pinned host to device, measured
+  double d2h_bandwidth = 0.0;         // B/s, device to pinned host, measured
+};
+
+struct DeviceProfile {
+  static constexpr int kVersion = 1;
+  CpuProfile cpu;
+  GpuProfile gpu;
+};
+
+struct ProfileOptions {
+  bool measure_bandwidth = true;   // false: skip the timed parts (bandwidths stay 0)
+  int gpu_device = 0;              // which CUDA device to describe, if any
+  int threads = 0;                 // CPU threads for the host measurement; 0 = all allowed
+};
+
+// CPU part only; never touches CUDA.
+Result<CpuProfile> MeasureCpuProfile(const ProfileOptions& options = {});
+// GPU part; {present=false} when there is no CUDA build, no driver or no device (not an error).
+// A gpu_device beyond the devices present is kInvalidArgument. Restores the calling thread's
+// current device; frees everything it allocated (about 2 GiB of device memory, 256 MiB pinned).
+Result<GpuProfile> MeasureGpuProfile(const ProfileOptions& options = {});
+Result<DeviceProfile> MeasureDeviceProfile(const ProfileOptions& options = {});
+
+// JSON: {"version":1,"cpu":{...},"gpu":{...}}, keys named as the struct fields. Reading a file
+// of another version, or with a missing or mistyped field, is kParseError naming the field
+// ("profile.cpu.simd: ..."). Unknown keys (a preset's "note") are ignored. With
+// "gpu":{"present":false} the other GPU fields are neither written nor required.
+// Presets for machines not at hand live in examples/profiles/ (h200.json).
+std::string DeviceProfileToJson(const DeviceProfile& profile);
+Result<DeviceProfile> DeviceProfileFromJson(const std::string& text);
+
+}  // namespace emsa

@@ -1,0 +1,62 @@
+// emsa/update.h — the optimizer arithmetic's inputs, shared by the CPU and CUDA paths.
+//
+// One update touches one tensor: its parameter, gradient and state, each a raw pointer owned by
+// the caller (or a view into an emsa arena). The math follows torch.optim exactly:
+//   AdamW: p *= 1 - lr*wd; m = lerp(m, g, 1-b1); v = b2*v + (1-b2)*g*g;
+//          p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)
+//   Adam:  g += wd*p (L2 decay), then as AdamW without the decoupled decay
+//   Lion:  c = lerp(m, g, 1-b1); p *= 1 - lr*wd; p -= lr*sign(c); m = lerp(m, g, 1-b2)
+// Before any of that the gradient is multiplied by grad_multiplier (= clip_coef / loss_scale).
+#pragma once
+
+#include <cstdint>
+
+#include "emsa/types.h"
+
+namespace emsa {
+
+struct HyperParams {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 1e-2f;
+  bool maximize = false;  // ascend instead of descend, as torch's maximize=True
+};
+
+// Rounding of values stored in bf16/fp16 (states, and params without a master copy).
+enum class Rounding : int32_t {
+  kNearest = 0,     // round to nearest even
+  kStochastic = 1,  // unbiased; deterministic from (seed, step, element index)
+};
+
+struct TensorUpdate {
+  void* param = nullptr;          // numel elements of param_dtype; updated in place
+  const void* grad = nullptr;     // numel elements of grad_dtype
+  void* exp_avg = nullptr;        // numel elements of state_dtype
+  void* exp_avg_sq = nullptr;     // numel elements of state_dtype; unused (may be null) for Lion
+  float* master = nullptr;        // numel fp32 master weights, or null (then param is the master;
+                                  // param must be fp32 unless rounding is stochastic)
+  int64_t numel = 0;
+  DType param_dtype = DType::kFloat32;
+  DType grad_dtype = DType::kFloat32;
+  DType state_dtype = DType::kFloat32;
+  int64_t step = 1;               // this update's step number, >= 1 (bias correction)
+  const HyperParams* hyper = nullptr;  // per-tensor (param group) hyperparameters
+};
+
+struct StepOptions {
+  OptimizerKind optimizer = OptimizerKind::kAdamW;
+  float grad_multiplier = 1.0f;   // clip_coef / loss_scale, applied to every gradient element
+  bool check_finite = false;      // scan gradients first; any inf/nan skips the whole update
+  Rounding rounding = Rounding::kStochastic;
+  uint64_t seed = 0;              // stochastic rounding stream
+};
+
+struct StepReport {
+  bool skipped = false;           // true: a non-finite gradient was found, nothing was written
+  int64_t nonfinite_count = 0;    // gradient elements that were inf or nan (when checked)
+  int64_t first_nonfinite_tensor = -1;  // index in the batch of the first offending tensor
+};
+
+}  // namespace emsa

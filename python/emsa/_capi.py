@@ -1,0 +1,234 @@
+"""The declared ctypes table for libemsa's C ABI (include/emsa/emsa.h).
+
+One built library serves any Python and any torch: nothing here links torch. The library is
+found at first use: $EMSA_LIBRARY, then next to this package, then the repo's build folders.
+A missing library or an ABI mismatch raises EmsaLibraryError with what to do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+__all__ = [
+    "EmsaError",
+    "EmsaLibraryError",
+    "Hyperparams",
+    "TensorUpdate",
+    "StepOptions",
+    "StepReport",
+    "PlanOptions",
+    "lib",
+    "check",
+    "take_string",
+    "DTYPE",
+    "OPTIMIZER",
+    "SIMD",
+    "ROUNDING",
+]
+
+ABI_VERSION = 1
+
+DTYPE = {"float32": 0, "bfloat16": 1, "float16": 2}
+OPTIMIZER = {"adamw": 0, "adam": 1, "lion": 2}
+SIMD = {"scalar": 0, "avx2": 1, "avx512": 2}
+ROUNDING = {"nearest": 0, "stochastic": 1}
+
+STATUS_NAMES = {
+    1: "invalid argument",
+    2: "parse error",
+    3: "unsupported",
+    4: "infeasible",
+    5: "out of memory",
+    6: "CUDA error",
+    7: "I/O error",
+    8: "not found",
+    9: "internal error",
+}
+
+
+class EmsaLibraryError(RuntimeError):
+    """libemsa could not be found or does not match this package."""
+
+
+class EmsaError(RuntimeError):
+    """An emsa call failed; .status is the EMSA_* code, the message says what to do."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"{message} [{STATUS_NAMES.get(status, status)}]")
+        self.status = status
+
+
+class Hyperparams(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("lr", ctypes.c_float),
+        ("beta1", ctypes.c_float),
+        ("beta2", ctypes.c_float),
+        ("eps", ctypes.c_float),
+        ("weight_decay", ctypes.c_float),
+        ("maximize", ctypes.c_int32),
+    ]
+
+
+class TensorUpdate(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("param_dtype", ctypes.c_int32),
+        ("grad_dtype", ctypes.c_int32),
+        ("state_dtype", ctypes.c_int32),
+        ("param", ctypes.c_void_p),
+        ("grad", ctypes.c_void_p),
+        ("exp_avg", ctypes.c_void_p),
+        ("exp_avg_sq", ctypes.c_void_p),
+        ("master", ctypes.c_void_p),
+        ("numel", ctypes.c_int64),
+        ("step", ctypes.c_int64),
+        ("hyper", ctypes.POINTER(Hyperparams)),
+    ]
+
+
+class StepOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("optimizer", ctypes.c_int32),
+        ("grad_multiplier", ctypes.c_float),
+        ("check_finite", ctypes.c_int32),
+        ("rounding", ctypes.c_int32),
+        ("seed", ctypes.c_uint64),
+    ]
+
+
+class StepReport(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("skipped", ctypes.c_int32),
+        ("nonfinite_count", ctypes.c_int64),
+        ("first_nonfinite_tensor", ctypes.c_int64),
+    ]
+
+
+class PlanOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("optimizer", ctypes.c_int32),
+        ("state_dtype", ctypes.c_int32),
+        ("allow_host_tier", ctypes.c_int32),
+        ("force_all_host", ctypes.c_int32),
+        ("budget_bytes", ctypes.c_uint64),
+        ("safety_margin_bytes", ctypes.c_uint64),
+        ("bucket_bytes", ctypes.c_uint64),
+    ]
+
+
+_P = ctypes.c_void_p
+_S = ctypes.c_int32  # emsa_status
+_TABLE = {
+    # name: (restype, argtypes)
+    "emsa_abi_version": (ctypes.c_uint32, []),
+    "emsa_version": (ctypes.c_char_p, []),
+    "emsa_last_error": (ctypes.c_char_p, []),
+    "emsa_free": (None, [_P]),
+    "emsa_parse_bytes": (_S, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint64)]),
+    "emsa_simd_level": (ctypes.c_int32, []),
+    "emsa_profile_measure": (_S, [ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(_P)]),
+    "emsa_plan_options_init": (None, [ctypes.POINTER(PlanOptions)]),
+    "emsa_plan_create": (
+        _S,
+        [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(PlanOptions), ctypes.POINTER(_P),
+         ctypes.POINTER(ctypes.c_uint64)],
+    ),
+    "emsa_plan_destroy": (None, [_P]),
+    "emsa_plan_to_json": (_S, [_P, ctypes.POINTER(_P)]),
+    "emsa_plan_to_table": (_S, [_P, ctypes.POINTER(_P)]),
+    "emsa_plan_arena_bytes": (
+        _S, [_P, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]),
+    "emsa_host_arena_create": (_S, [ctypes.c_uint64, ctypes.c_int32, ctypes.POINTER(_P)]),
+    "emsa_host_arena_destroy": (None, [_P]),
+    "emsa_host_arena_info": (
+        _S, [_P, ctypes.POINTER(_P), ctypes.POINTER(ctypes.c_uint64),
+             ctypes.POINTER(ctypes.c_int32)]),
+    "emsa_hyperparams_init": (None, [ctypes.POINTER(Hyperparams)]),
+    "emsa_tensor_update_init": (None, [ctypes.POINTER(TensorUpdate)]),
+    "emsa_step_options_init": (None, [ctypes.POINTER(StepOptions)]),
+    "emsa_step_report_init": (None, [ctypes.POINTER(StepReport)]),
+    "emsa_cpu_updater_create": (_S, [ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(_P)]),
+    "emsa_cpu_updater_destroy": (None, [_P]),
+    "emsa_cpu_updater_info": (
+        _S, [_P, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]),
+    "emsa_cpu_step": (
+        _S, [_P, ctypes.POINTER(TensorUpdate), ctypes.c_size_t, ctypes.POINTER(StepOptions),
+             ctypes.POINTER(StepReport)]),
+    "emsa_cpu_grad_stats": (
+        _S, [_P, ctypes.POINTER(TensorUpdate), ctypes.c_size_t, ctypes.POINTER(ctypes.c_double),
+             ctypes.POINTER(ctypes.c_int64)]),
+}
+
+
+def _candidates() -> list[Path]:
+    env = os.environ.get("EMSA_LIBRARY")
+    if env:
+        return [Path(env)]
+    here = Path(__file__).resolve().parent
+    repo = here.parent.parent
+    return [here / "libemsa.so", repo / "build" / "libemsa.so", repo / "build-asan" / "libemsa.so"]
+
+
+class _Lib:
+    """Loads libemsa at first attribute access and declares every entry point."""
+
+    def __init__(self):
+        self._dll = None
+
+    def _load(self):
+        tried = []
+        for path in _candidates():
+            tried.append(str(path))
+            if path.exists():
+                try:
+                    dll = ctypes.CDLL(str(path))
+                except OSError as e:
+                    raise EmsaLibraryError(f"libemsa at {path} failed to load: {e}") from e
+                break
+        else:
+            raise EmsaLibraryError(
+                "libemsa.so not found (tried " + ", ".join(tried) + "). Build it with "
+                "`bash scripts/test` or `cmake -S . -B build && cmake --build build`, "
+                "or point EMSA_LIBRARY at it.")
+        for name, (restype, argtypes) in _TABLE.items():
+            try:
+                fn = getattr(dll, name)
+            except AttributeError as e:
+                raise EmsaLibraryError(
+                    f"libemsa at {path} lacks {name}: it is older than this Python package; "
+                    "rebuild it") from e
+            fn.restype = restype
+            fn.argtypes = argtypes
+        abi = dll.emsa_abi_version()
+        if abi != ABI_VERSION:
+            raise EmsaLibraryError(
+                f"libemsa at {path} has ABI {abi}, this package needs {ABI_VERSION}; rebuild it")
+        self._dll = dll
+
+    def __getattr__(self, name):
+        if self._dll is None:
+            self._load()
+        return getattr(self._dll, name)
+
+
+lib = _Lib()
+
+
+def check(status: int) -> None:
+    """Raises EmsaError with the library's message when status is not EMSA_OK."""
+    if status != 0:
+        raise EmsaError(status, lib.emsa_last_error().decode("utf-8", "replace"))
+
+
+def take_string(ptr: ctypes.c_void_p) -> str:
+    """Copies a string returned by emsa and frees it."""
+    try:
+        return ctypes.string_at(ptr).decode("utf-8")
+    finally:
+        lib.emsa_free(ptr)

@@ -1,0 +1,480 @@
+// emsa_capi.cc — the only extern "C" translation unit: wraps the C++ core for include/emsa/emsa.h.
+//
+// Every entry point catches nothing because the core throws nothing; what can throw here is
+// std::bad_alloc from building strings, which we turn into EMSA_OUT_OF_MEMORY at the boundary.
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+
+#include "emsa/cpu_update.h"
+#include "emsa/emsa.h"
+#include "emsa/host_arena.h"
+#include "emsa/plan.h"
+#include "emsa/probe_record.h"
+#include "emsa/profile.h"
+#include "emsa/types.h"
+
+struct emsa_plan {
+  emsa::Plan plan;
+};
+struct emsa_host_arena {
+  std::unique_ptr<emsa::HostArena> arena;
+};
+struct emsa_cpu_updater {
+  std::unique_ptr<emsa::CpuUpdater> updater;
+};
+
+namespace {
+
+thread_local std::string g_last_error;
+
+emsa_status Report(const emsa::Status& status) {
+  g_last_error = status.ok() ? std::string() : status.message();
+  return static_cast<emsa_status>(status.code());
+}
+
+emsa_status Fail(emsa_status code, const std::string& message) {
+  g_last_error = message;
+  return code;
+}
+
+// Wraps a body so an allocation failure becomes a status instead of crossing the C boundary.
+template <typename Fn>
+emsa_status Guard(Fn&& fn) {
+  try {
+    return fn();
+  } catch (const std::bad_alloc&) {
+    return Fail(EMSA_OUT_OF_MEMORY, "out of host memory inside emsa");
+  } catch (...) {
+    return Fail(EMSA_INTERNAL, "unexpected exception inside emsa; please report it");
+  }
+}
+
+char* CopyString(const std::string& s) {
+  char* out = static_cast<char*>(std::malloc(s.size() + 1));
+  if (out != nullptr) std::memcpy(out, s.c_str(), s.size() + 1);
+  return out;
+}
+
+emsa_status ReturnString(const std::string& s, char** out) {
+  if (out == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "output pointer is NULL");
+  char* copy = CopyString(s);
+  if (copy == nullptr) return Fail(EMSA_OUT_OF_MEMORY, "cannot allocate the returned string");
+  *out = copy;
+  return Report(emsa::Status::Ok());
+}
+
+// A versioned struct from the caller: struct_size must be one this library knows.
+template <typename T>
+emsa_status CheckSize(const T* s, const char* type, const char* init) {
+  if (s == nullptr) return Fail(EMSA_INVALID_ARGUMENT, std::string(type) + " pointer is NULL");
+  if (s->struct_size != sizeof(T)) {
+    return Fail(EMSA_INVALID_ARGUMENT,
+                std::string(type) + ".struct_size is " + std::to_string(s->struct_size) +
+                    ", this library expects " + std::to_string(sizeof(T)) + "; call " + init +
+                    "() first, and use the emsa.h that matches the library");
+  }
+  return EMSA_OK;
+}
+
+emsa::Result<emsa::DType> ToDType(int32_t v, const char* field) {
+  if (v < EMSA_DTYPE_FLOAT32 || v > EMSA_DTYPE_FLOAT16) {
+    return emsa::Status::InvalidArgument(std::string(field) + " = " + std::to_string(v) +
+                                         " is not an EMSA_DTYPE_* value");
+  }
+  return static_cast<emsa::DType>(v);
+}
+
+emsa::Result<emsa::OptimizerKind> ToOptimizer(int32_t v) {
+  if (v < EMSA_OPTIMIZER_ADAMW || v > EMSA_OPTIMIZER_LION) {
+    return emsa::Status::InvalidArgument("optimizer = " + std::to_string(v) +
+                                         " is not an EMSA_OPTIMIZER_* value");
+  }
+  return static_cast<emsa::OptimizerKind>(v);
+}
+
+emsa::Result<emsa::StepOptions> ToStepOptions(const emsa_step_options* o) {
+  emsa::StepOptions out;
+  if (o == nullptr) return out;
+  if (o->struct_size != sizeof(emsa_step_options)) {
+    return emsa::Status::InvalidArgument(
+        "emsa_step_options.struct_size mismatch; call emsa_step_options_init() first");
+  }
+  EMSA_ASSIGN_OR_RETURN(out.optimizer, ToOptimizer(o->optimizer));
+  out.grad_multiplier = o->grad_multiplier;
+  out.check_finite = o->check_finite != 0;
+  if (o->rounding != EMSA_ROUNDING_NEAREST && o->rounding != EMSA_ROUNDING_STOCHASTIC) {
+    return emsa::Status::InvalidArgument("rounding must be EMSA_ROUNDING_NEAREST or _STOCHASTIC");
+  }
+  out.rounding = static_cast<emsa::Rounding>(o->rounding);
+  out.seed = o->seed;
+  return out;
+}
+
+// The C tensors are converted in fixed-size chunks on the stack: no heap allocation per step,
+// whatever the tensor count.
+constexpr size_t kChunk = 64;
+
+emsa::Status ConvertChunk(const emsa_tensor_update* in, size_t base, size_t n,
+                          emsa::TensorUpdate* out, emsa::HyperParams* hyper) {
+  for (size_t i = 0; i < n; ++i) {
+    const emsa_tensor_update& t = in[i];
+    const std::string where = "tensors[" + std::to_string(base + i) + "]";
+    if (t.struct_size != sizeof(emsa_tensor_update)) {
+      return emsa::Status::InvalidArgument(
+          where + ".struct_size mismatch; call emsa_tensor_update_init() first");
+    }
+    if (t.hyper == nullptr) return emsa::Status::InvalidArgument(where + ".hyper is NULL");
+    if (t.hyper->struct_size != sizeof(emsa_hyperparams)) {
+      return emsa::Status::InvalidArgument(
+          where + ".hyper->struct_size mismatch; call emsa_hyperparams_init() first");
+    }
+    hyper[i] = emsa::HyperParams{t.hyper->lr,  t.hyper->beta1,        t.hyper->beta2,
+                                 t.hyper->eps, t.hyper->weight_decay, t.hyper->maximize != 0};
+    emsa::TensorUpdate& u = out[i];
+    u.param = t.param;
+    u.grad = t.grad;
+    u.exp_avg = t.exp_avg;
+    u.exp_avg_sq = t.exp_avg_sq;
+    u.master = t.master;
+    u.numel = t.numel;
+    u.step = t.step;
+    u.hyper = &hyper[i];
+    EMSA_ASSIGN_OR_RETURN(u.param_dtype, ToDType(t.param_dtype, (where + ".param_dtype").c_str()));
+    EMSA_ASSIGN_OR_RETURN(u.grad_dtype, ToDType(t.grad_dtype, (where + ".grad_dtype").c_str()));
+    EMSA_ASSIGN_OR_RETURN(u.state_dtype, ToDType(t.state_dtype, (where + ".state_dtype").c_str()));
+  }
+  return emsa::Status::Ok();
+}
+
+// Calls fn(updates, n, base) for each chunk of converted tensors.
+template <typename Fn>
+emsa::Status ForEachChunk(const emsa_tensor_update* tensors, size_t count, Fn&& fn) {
+  emsa::TensorUpdate updates[kChunk];
+  emsa::HyperParams hyper[kChunk];
+  for (size_t base = 0; base < count; base += kChunk) {
+    size_t n = count - base < kChunk ? count - base : kChunk;
+    EMSA_RETURN_IF_ERROR(ConvertChunk(tensors + base, base, n, updates, hyper));
+    EMSA_RETURN_IF_ERROR(fn(updates, n, base));
+  }
+  return emsa::Status::Ok();
+}
+
+}  // namespace
+
+extern "C" {
+
+// ---- library
+// -------------------------------------------------------------------------------------
+
+uint32_t emsa_abi_version(void) { return EMSA_ABI_VERSION; }
+const char* emsa_version(void) { return "0.1.0"; }
+const char* emsa_last_error(void) { return g_last_error.c_str(); }
+void emsa_free(void* p) { std::free(p); }
+
+emsa_status emsa_parse_bytes(const char* text, uint64_t* bytes_out) {
+  return Guard([&] {
+    if (text == nullptr || bytes_out == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "text and bytes_out must not be NULL");
+    }
+    auto r = emsa::ParseBytes(text);
+    if (!r.ok()) return Report(r.status());
+    *bytes_out = *r;
+    return Report(emsa::Status::Ok());
+  });
+}
+
+// ---- profile
+// -------------------------------------------------------------------------------------
+
+int32_t emsa_simd_level(void) { return static_cast<int32_t>(emsa::DetectSimdLevel()); }
+
+emsa_status emsa_profile_measure(int32_t measure_bandwidth, int32_t gpu_device, char** json_out) {
+  return Guard([&] {
+    if (json_out == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "json_out is NULL");
+    emsa::ProfileOptions options;
+    options.measure_bandwidth = measure_bandwidth != 0;
+    options.gpu_device = gpu_device;
+    auto profile = emsa::MeasureDeviceProfile(options);
+    if (!profile.ok()) return Report(profile.status());
+    return ReturnString(emsa::DeviceProfileToJson(*profile), json_out);
+  });
+}
+
+// ---- plan
+// ----------------------------------------------------------------------------------------
+
+void emsa_plan_options_init(emsa_plan_options* o) {
+  if (o == nullptr) return;
+  emsa::PlanOptions d;
+  *o = emsa_plan_options{};
+  o->struct_size = sizeof(emsa_plan_options);
+  o->optimizer = static_cast<int32_t>(d.optimizer);
+  o->state_dtype = static_cast<int32_t>(d.state_dtype);
+  o->allow_host_tier = d.allow_host_tier ? 1 : 0;
+  o->force_all_host = d.force_all_host ? 1 : 0;
+  o->budget_bytes = d.budget_bytes;
+  o->safety_margin_bytes = d.safety_margin_bytes;
+  o->bucket_bytes = d.bucket_bytes;
+}
+
+emsa_status emsa_plan_create(const char* probe_json, const char* profile_json,
+                             const emsa_plan_options* options, emsa_plan** plan_out,
+                             uint64_t* min_budget_out) {
+  return Guard([&] {
+    if (probe_json == nullptr || plan_out == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "probe_json and plan_out must not be NULL");
+    }
+    emsa::PlanOptions po;
+    if (options != nullptr) {
+      if (emsa_status s = CheckSize(options, "emsa_plan_options", "emsa_plan_options_init")) {
+        return s;
+      }
+      auto opt = ToOptimizer(options->optimizer);
+      if (!opt.ok()) return Report(opt.status());
+      auto sd = ToDType(options->state_dtype, "state_dtype");
+      if (!sd.ok()) return Report(sd.status());
+      po.optimizer = *opt;
+      po.state_dtype = *sd;
+      po.allow_host_tier = options->allow_host_tier != 0;
+      po.force_all_host = options->force_all_host != 0;
+      po.budget_bytes = options->budget_bytes;
+      po.safety_margin_bytes = options->safety_margin_bytes;
+      po.bucket_bytes = options->bucket_bytes;
+    }
+    auto record = emsa::ProbeRecordFromJson(probe_json);
+    if (!record.ok()) return Report(record.status().Annotate("probe record"));
+    emsa::DeviceProfile profile;
+    if (profile_json != nullptr) {
+      auto p = emsa::DeviceProfileFromJson(profile_json);
+      if (!p.ok()) return Report(p.status().Annotate("device profile"));
+      profile = std::move(p).value();
+    } else if (record->has_profile) {
+      profile = record->profile;
+    } else {
+      auto p = emsa::MeasureDeviceProfile();
+      if (!p.ok()) return Report(p.status());
+      profile = std::move(p).value();
+    }
+    uint64_t min_budget = 0;
+    auto plan = emsa::MakePlan(*record, profile, po, &min_budget);
+    if (!plan.ok()) {
+      if (min_budget_out != nullptr) *min_budget_out = min_budget;
+      return Report(plan.status());
+    }
+    if (min_budget_out != nullptr) *min_budget_out = plan->min_budget_bytes;
+    *plan_out = new emsa_plan{std::move(plan).value()};
+    return Report(emsa::Status::Ok());
+  });
+}
+
+void emsa_plan_destroy(emsa_plan* plan) { delete plan; }
+
+emsa_status emsa_plan_to_json(const emsa_plan* plan, char** json_out) {
+  return Guard([&] {
+    if (plan == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "plan is NULL");
+    return ReturnString(emsa::PlanToJson(plan->plan), json_out);
+  });
+}
+
+emsa_status emsa_plan_to_table(const emsa_plan* plan, char** table_out) {
+  return Guard([&] {
+    if (plan == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "plan is NULL");
+    return ReturnString(emsa::PlanToTable(plan->plan), table_out);
+  });
+}
+
+emsa_status emsa_plan_arena_bytes(const emsa_plan* plan, uint64_t* device_bytes,
+                                  uint64_t* host_bytes) {
+  if (plan == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "plan is NULL");
+  if (device_bytes != nullptr) *device_bytes = plan->plan.prediction.device_state_bytes;
+  if (host_bytes != nullptr) *host_bytes = plan->plan.prediction.host_state_bytes;
+  return Report(emsa::Status::Ok());
+}
+
+// ---- host arena
+// ----------------------------------------------------------------------------------
+
+emsa_status emsa_host_arena_create(uint64_t bytes, int32_t want_pinned,
+                                   emsa_host_arena** arena_out) {
+  return Guard([&] {
+    if (arena_out == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "arena_out is NULL");
+    auto arena = emsa::HostArena::Create(bytes, want_pinned != 0);
+    if (!arena.ok()) return Report(arena.status());
+    *arena_out = new emsa_host_arena{std::move(arena).value()};
+    return Report(emsa::Status::Ok());
+  });
+}
+
+void emsa_host_arena_destroy(emsa_host_arena* arena) { delete arena; }
+
+emsa_status emsa_host_arena_info(const emsa_host_arena* arena, void** data_out, uint64_t* bytes_out,
+                                 int32_t* pinned_out) {
+  if (arena == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "arena is NULL");
+  if (data_out != nullptr) *data_out = arena->arena->data();
+  if (bytes_out != nullptr) *bytes_out = arena->arena->size();
+  if (pinned_out != nullptr) *pinned_out = arena->arena->kind() == emsa::HostArena::Kind::kPinned;
+  return Report(emsa::Status::Ok());
+}
+
+// ---- CPU step
+// ------------------------------------------------------------------------------------
+
+void emsa_hyperparams_init(emsa_hyperparams* h) {
+  if (h == nullptr) return;
+  emsa::HyperParams d;
+  *h = emsa_hyperparams{sizeof(emsa_hyperparams), d.lr, d.beta1, d.beta2, d.eps, d.weight_decay,
+                        d.maximize ? 1 : 0};
+}
+
+void emsa_tensor_update_init(emsa_tensor_update* t) {
+  if (t == nullptr) return;
+  *t = emsa_tensor_update{};
+  t->struct_size = sizeof(emsa_tensor_update);
+  t->step = 1;
+}
+
+void emsa_step_options_init(emsa_step_options* o) {
+  if (o == nullptr) return;
+  emsa::StepOptions d;
+  *o = emsa_step_options{
+      sizeof(emsa_step_options), static_cast<int32_t>(d.optimizer), d.grad_multiplier,
+      d.check_finite ? 1 : 0,    static_cast<int32_t>(d.rounding),  d.seed};
+}
+
+void emsa_step_report_init(emsa_step_report* r) {
+  if (r == nullptr) return;
+  *r = emsa_step_report{sizeof(emsa_step_report), 0, 0, -1};
+}
+
+emsa_status emsa_cpu_updater_create(int32_t threads, int32_t max_simd,
+                                    emsa_cpu_updater** updater_out) {
+  return Guard([&] {
+    if (updater_out == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "updater_out is NULL");
+    if (max_simd < EMSA_SIMD_SCALAR || max_simd > EMSA_SIMD_AVX512) {
+      return Fail(EMSA_INVALID_ARGUMENT, "max_simd must be an EMSA_SIMD_* value");
+    }
+    emsa::CpuUpdaterOptions options;
+    options.threads = threads;
+    options.max_simd = static_cast<emsa::SimdLevel>(max_simd);
+    auto updater = emsa::CpuUpdater::Create(options);
+    if (!updater.ok()) return Report(updater.status());
+    *updater_out = new emsa_cpu_updater{std::move(updater).value()};
+    return Report(emsa::Status::Ok());
+  });
+}
+
+void emsa_cpu_updater_destroy(emsa_cpu_updater* updater) { delete updater; }
+
+emsa_status emsa_cpu_updater_info(const emsa_cpu_updater* updater, int32_t* threads_out,
+                                  int32_t* simd_out) {
+  if (updater == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "updater is NULL");
+  if (threads_out != nullptr) *threads_out = updater->updater->threads();
+  if (simd_out != nullptr) *simd_out = static_cast<int32_t>(updater->updater->simd());
+  return Report(emsa::Status::Ok());
+}
+
+emsa_status emsa_cpu_grad_stats(emsa_cpu_updater* updater, const emsa_tensor_update* tensors,
+                                size_t count, double* sum_sq_out, int64_t* nonfinite_out) {
+  return Guard([&] {
+    if (updater == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "updater is NULL");
+    if (tensors == nullptr && count > 0) return Fail(EMSA_INVALID_ARGUMENT, "tensors is NULL");
+    double total = 0.0;
+    int64_t bad = 0;
+    emsa::Status s =
+        ForEachChunk(tensors, count, [&](const emsa::TensorUpdate* u, size_t n, size_t base) {
+          double sq = 0.0;
+          int64_t nf = 0;
+          emsa::Status st = updater->updater->GradStats(u, n, &sq, &nf);
+          total += sq;
+          bad += nf;
+          return st.ok() ? st : st.Annotate("chunk at tensor " + std::to_string(base));
+        });
+    if (!s.ok()) return Report(s);
+    if (sum_sq_out != nullptr) *sum_sq_out = total;
+    if (nonfinite_out != nullptr) *nonfinite_out = bad;
+    return Report(emsa::Status::Ok());
+  });
+}
+
+emsa_status emsa_cpu_step(emsa_cpu_updater* updater, const emsa_tensor_update* tensors,
+                          size_t count, const emsa_step_options* options,
+                          emsa_step_report* report) {
+  return Guard([&] {
+    if (updater == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "updater is NULL");
+    if (tensors == nullptr && count > 0) return Fail(EMSA_INVALID_ARGUMENT, "tensors is NULL");
+    if (report != nullptr && report->struct_size != sizeof(emsa_step_report)) {
+      return Fail(EMSA_INVALID_ARGUMENT,
+                  "emsa_step_report.struct_size mismatch; call emsa_step_report_init() first");
+    }
+    auto opts = ToStepOptions(options);
+    if (!opts.ok()) return Report(opts.status());
+    emsa::StepOptions step = *opts;
+    emsa::StepReport result;
+    // Batches larger than one chunk: the finite check must see every tensor before any update,
+    // so it runs over all chunks first and the chunked updates then run without it.
+    if (count > kChunk && step.check_finite) {
+      int64_t bad = 0, first_bad = -1;
+      emsa::Status s =
+          ForEachChunk(tensors, count, [&](const emsa::TensorUpdate* u, size_t n, size_t base) {
+            double sq = 0.0;
+            int64_t nf = 0;
+            EMSA_RETURN_IF_ERROR(updater->updater->GradStats(u, n, &sq, &nf));
+            if (nf > 0 && first_bad < 0) {
+              for (size_t i = 0; i < n && first_bad < 0; ++i) {
+                double sqi = 0.0;
+                int64_t nfi = 0;
+                EMSA_RETURN_IF_ERROR(updater->updater->GradStats(u + i, 1, &sqi, &nfi));
+                if (nfi > 0) first_bad = static_cast<int64_t>(base + i);
+              }
+            }
+            bad += nf;
+            return emsa::Status::Ok();
+          });
+      if (!s.ok()) return Report(s);
+      if (bad > 0) {
+        result.skipped = true;
+        result.nonfinite_count = bad;
+        result.first_nonfinite_tensor = first_bad;
+      }
+      step.check_finite = false;
+    }
+    if (!result.skipped) {
+      // Validate every chunk before the first update so an invalid tensor late in the batch
+      // leaves the early ones untouched.
+      if (count > kChunk) {
+        emsa::Status v =
+            ForEachChunk(tensors, count, [&](const emsa::TensorUpdate* u, size_t n, size_t base) {
+              emsa::Status st = updater->updater->Validate(u, n, step);
+              return st.ok() ? st : st.Annotate("tensors from index " + std::to_string(base));
+            });
+        if (!v.ok()) return Report(v);
+      }
+      emsa::Status s =
+          ForEachChunk(tensors, count, [&](const emsa::TensorUpdate* u, size_t n, size_t base) {
+            emsa::StepReport part;
+            emsa::Status st = updater->updater->Step(u, n, step, &part);
+            if (part.skipped) {
+              result.skipped = true;
+              result.nonfinite_count += part.nonfinite_count;
+              if (result.first_nonfinite_tensor < 0) {
+                result.first_nonfinite_tensor =
+                    static_cast<int64_t>(base) + part.first_nonfinite_tensor;
+              }
+            }
+            return st;
+          });
+      if (!s.ok()) return Report(s);
+    }
+    if (report != nullptr) {
+      report->skipped = result.skipped ? 1 : 0;
+      report->nonfinite_count = result.nonfinite_count;
+      report->first_nonfinite_tensor = result.first_nonfinite_tensor;
+    }
+    return Report(emsa::Status::Ok());
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,246 @@
+/* capi_test.c — the C ABI exercised from plain C11, the way ctypes and other bindings see it. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "emsa/emsa.h"
+
+static int g_failed = 0;
+static int g_passed = 0;
+
+#define CHECK(cond)                                                   \
+  do {                                                                \
+    if (cond) {                                                       \
+      ++g_passed;                                                     \
+    } else {                                                          \
+      ++g_failed;                                                     \
+      fprintf(stderr, "%s:%d: CHECK failed: %s (last error: %s)\n",   \
+              __FILE__, __LINE__, #cond, emsa_last_error());          \
+    }                                                                 \
+  } while (0)
+
+static char* read_file(const char* path) {
+  FILE* f = fopen(path, "rb");
+  if (!f) return NULL;
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  char* buf = (char*)malloc((size_t)n + 1);
+  if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) {
+    free(buf);
+    buf = NULL;
+  }
+  if (buf) buf[n] = '\0';
+  fclose(f);
+  return buf;
+}
+
+static void test_library(void) {
+  CHECK(emsa_abi_version() == EMSA_ABI_VERSION);
+  CHECK(strlen(emsa_version()) > 0);
+  uint64_t bytes = 0;
+  CHECK(emsa_parse_bytes("24GiB", &bytes) == EMSA_OK);
+  CHECK(bytes == 24ull << 30);
+  CHECK(strcmp(emsa_last_error(), "") == 0);
+  bytes = 7;
+  CHECK(emsa_parse_bytes("-3GiB", &bytes) == EMSA_INVALID_ARGUMENT);
+  CHECK(bytes == 7); /* a failed call leaves outputs alone */
+  CHECK(strlen(emsa_last_error()) > 0);
+  CHECK(emsa_parse_bytes(NULL, &bytes) == EMSA_INVALID_ARGUMENT);
+  int32_t simd = emsa_simd_level();
+  CHECK(simd >= EMSA_SIMD_SCALAR && simd <= EMSA_SIMD_AVX512);
+  char* profile = NULL;
+  CHECK(emsa_profile_measure(0, 0, &profile) == EMSA_OK);
+  CHECK(profile != NULL && strstr(profile, "\"cpu\"") != NULL);
+  emsa_free(profile);
+}
+
+/* AdamW on 1000 elements against a double-precision reference written here, in C. */
+static void test_cpu_step(void) {
+  enum { N = 1000, STEPS = 3 };
+  float p[N], g[N], m[N], v[N];
+  double rp[N], rm[N], rv[N];
+  unsigned s = 12345u;
+  for (int i = 0; i < N; ++i) {
+    s = s * 1103515245u + 12345u;
+    p[i] = (float)((int)(s >> 8) % 2001 - 1000) / 1000.0f;
+    rp[i] = p[i];
+    m[i] = v[i] = 0.0f;
+    rm[i] = rv[i] = 0.0;
+  }
+  emsa_cpu_updater* up = NULL;
+  CHECK(emsa_cpu_updater_create(2, EMSA_SIMD_AVX512, &up) == EMSA_OK);
+  int32_t threads = 0, level = -1;
+  CHECK(emsa_cpu_updater_info(up, &threads, &level) == EMSA_OK);
+  CHECK(threads == 2);
+  CHECK(level == emsa_simd_level());
+
+  emsa_hyperparams h;
+  emsa_hyperparams_init(&h);
+  h.lr = 0.01f;
+  h.weight_decay = 0.1f;
+  emsa_step_options o;
+  emsa_step_options_init(&o);
+  emsa_step_report r;
+  emsa_step_report_init(&r);
+  for (int step = 1; step <= STEPS; ++step) {
+    for (int i = 0; i < N; ++i) {
+      s = s * 1103515245u + 12345u;
+      g[i] = (float)((int)(s >> 8) % 2001 - 1000) / 500.0f;
+    }
+    emsa_tensor_update t;
+    emsa_tensor_update_init(&t);
+    t.param = p;
+    t.grad = g;
+    t.exp_avg = m;
+    t.exp_avg_sq = v;
+    t.numel = N;
+    t.step = step;
+    t.hyper = &h;
+    CHECK(emsa_cpu_step(up, &t, 1, &o, &r) == EMSA_OK);
+    CHECK(r.skipped == 0);
+    double b1 = h.beta1, b2 = h.beta2, lr = h.lr, wd = h.weight_decay, eps = h.eps;
+    double bc1 = 1.0 - pow(b1, step), bc2 = 1.0 - pow(b2, step);
+    for (int i = 0; i < N; ++i) {
+      double gi = g[i];
+      rp[i] *= 1.0 - lr * wd;
+      rm[i] = b1 * rm[i] + (1.0 - b1) * gi;
+      rv[i] = b2 * rv[i] + (1.0 - b2) * gi * gi;
+      rp[i] -= lr / bc1 * rm[i] / (sqrt(rv[i]) / sqrt(bc2) + eps);
+    }
+  }
+  double worst = 0.0;
+  for (int i = 0; i < N; ++i) {
+    double err = fabs(p[i] - rp[i]) / (fabs(rp[i]) + 1e-6);
+    if (err > worst) worst = err;
+  }
+  CHECK(worst < 1e-5);
+
+  /* A non-finite gradient with check_finite: skipped, reported, nothing changed. */
+  float before[N];
+  memcpy(before, p, sizeof p);
+  g[17] = NAN;
+  emsa_tensor_update t;
+  emsa_tensor_update_init(&t);
+  t.param = p;
+  t.grad = g;
+  t.exp_avg = m;
+  t.exp_avg_sq = v;
+  t.numel = N;
+  t.step = STEPS + 1;
+  t.hyper = &h;
+  o.check_finite = 1;
+  CHECK(emsa_cpu_step(up, &t, 1, &o, &r) == EMSA_OK);
+  CHECK(r.skipped == 1);
+  CHECK(r.nonfinite_count == 1);
+  CHECK(r.first_nonfinite_tensor == 0);
+  CHECK(memcmp(before, p, sizeof p) == 0);
+
+  /* Bad input: each an error with a message, nothing changed. */
+  g[17] = 1.0f;
+  t.struct_size = 3;
+  CHECK(emsa_cpu_step(up, &t, 1, &o, &r) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "emsa_tensor_update_init") != NULL);
+  emsa_tensor_update_init(&t);
+  t.param = p;
+  t.grad = g;
+  t.exp_avg = m;
+  t.exp_avg_sq = NULL; /* AdamW needs exp_avg_sq */
+  t.numel = N;
+  t.hyper = &h;
+  CHECK(emsa_cpu_step(up, &t, 1, &o, &r) != EMSA_OK);
+  CHECK(memcmp(before, p, sizeof p) == 0);
+  t.exp_avg_sq = v;
+  t.param_dtype = 7;
+  CHECK(emsa_cpu_step(up, &t, 1, &o, &r) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "param_dtype") != NULL);
+  CHECK(emsa_cpu_step(NULL, &t, 1, &o, &r) == EMSA_INVALID_ARGUMENT);
+
+  /* Grad statistics for clipping. */
+  double sq = 0.0;
+  int64_t nf = -1;
+  emsa_tensor_update_init(&t);
+  t.param = p;
+  t.grad = g;
+  t.exp_avg = m;
+  t.exp_avg_sq = v;
+  t.numel = N;
+  t.hyper = &h;
+  CHECK(emsa_cpu_grad_stats(up, &t, 1, &sq, &nf) == EMSA_OK);
+  double want = 0.0;
+  for (int i = 0; i < N; ++i) want += (double)g[i] * g[i];
+  CHECK(fabs(sq - want) <= 1e-9 * want);
+  CHECK(nf == 0);
+  emsa_cpu_updater_destroy(up);
+  emsa_cpu_updater_destroy(NULL);
+}
+
+static void test_plan_and_arena(void) {
+  char* probe = read_file(EMSA_SOURCE_DIR "/examples/probes/llama-1.1b.json");
+  char* profile = read_file(EMSA_SOURCE_DIR "/examples/profiles/h200.json");
+  CHECK(probe != NULL && profile != NULL);
+  if (probe == NULL || profile == NULL) return;
+  emsa_plan_options o;
+  emsa_plan_options_init(&o);
+  o.budget_bytes = 1ull << 40; /* 1 TiB: everything fits on the device */
+  emsa_plan* plan = NULL;
+  uint64_t min_budget = 0;
+  CHECK(emsa_plan_create(probe, profile, &o, &plan, &min_budget) == EMSA_OK);
+  CHECK(min_budget > 0);
+  uint64_t dev = 0, host = 0;
+  CHECK(emsa_plan_arena_bytes(plan, &dev, &host) == EMSA_OK);
+  CHECK(dev > 0 && host == 0);
+  char* table = NULL;
+  CHECK(emsa_plan_to_table(plan, &table) == EMSA_OK);
+  CHECK(table != NULL && strstr(table, "lm_head") != NULL);
+  emsa_free(table);
+  char* json = NULL;
+  CHECK(emsa_plan_to_json(plan, &json) == EMSA_OK);
+  CHECK(json != NULL && strstr(json, "\"emsa.plan\"") != NULL);
+  emsa_free(json);
+  emsa_plan_destroy(plan);
+
+  /* A budget below the minimum: infeasible, and the minimum is reported. */
+  o.budget_bytes = min_budget - 1;
+  plan = NULL;
+  uint64_t reported = 0;
+  CHECK(emsa_plan_create(probe, profile, &o, &plan, &reported) == EMSA_INFEASIBLE);
+  CHECK(plan == NULL);
+  CHECK(reported == min_budget);
+  CHECK(strlen(emsa_last_error()) > 0);
+  o.budget_bytes = min_budget;
+  CHECK(emsa_plan_create(probe, profile, &o, &plan, NULL) == EMSA_OK);
+  CHECK(emsa_plan_arena_bytes(plan, &dev, &host) == EMSA_OK);
+  CHECK(host > 0);
+
+  emsa_host_arena* arena = NULL;
+  CHECK(emsa_host_arena_create(host, 1, &arena) == EMSA_OK);
+  void* data = NULL;
+  uint64_t size = 0;
+  int32_t pinned = -1;
+  CHECK(emsa_host_arena_info(arena, &data, &size, &pinned) == EMSA_OK);
+  CHECK(data != NULL && size == host && (pinned == 0 || pinned == 1));
+  CHECK(((const unsigned char*)data)[size - 1] == 0);
+  emsa_host_arena_destroy(arena);
+  emsa_plan_destroy(plan);
+
+  /* Malformed input is an error, not a crash. */
+  plan = NULL;
+  CHECK(emsa_plan_create("{\"format\": \"emsa.probe\"", profile, &o, &plan, NULL) ==
+        EMSA_PARSE_ERROR);
+  CHECK(plan == NULL);
+  o.struct_size = 1;
+  CHECK(emsa_plan_create(probe, profile, &o, &plan, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_host_arena_create(0, 0, &arena) == EMSA_INVALID_ARGUMENT);
+  free(probe);
+  free(profile);
+}
+
+int main(void) {
+  test_library();
+  test_cpu_step();
+  test_plan_and_arena();
+  printf("capi_test: %d passed, %d failed\n", g_passed, g_failed);
+  return g_failed == 0 ? 0 : 1;
+}
