@@ -30,14 +30,14 @@ struct DecoderConfig {
   int64_t intermediate_size = 5632;
   int64_t num_layers = 22;
   int64_t num_heads = 32;
-  int64_t num_kv_heads = 4;          // grouped-query attention; = num_heads for plain MHA
+  int64_t num_kv_heads = 4;  // grouped-query attention; = num_heads for plain MHA
   bool tie_embeddings = false;
-  bool attention_bias = false;       // q/k/v biases (Qwen2 style)
-  DType dtype = DType::kFloat32;     // parameter dtype
+  bool attention_bias = false;    // q/k/v biases (Qwen2 style)
+  DType dtype = DType::kFloat32;  // parameter dtype
   int64_t batch = 1;
   int64_t seq_len = 2048;
   bool activation_checkpointing = false;
-  double matmul_flops = 400e12;      // FLOP/s the forward/backward reaches (assumed, not peak)
+  double matmul_flops = 400e12;  // FLOP/s the forward/backward reaches (assumed, not peak)
 };
 
 // Errors: kInvalidArgument naming the DecoderConfig field (non-positive sizes, hidden_size not

@@ -17,27 +17,27 @@
 namespace emsa {
 
 struct ParamRecord {
-  std::string name;                // e.g. "model.layers.0.self_attn.q_proj.weight"
-  std::string module;              // owning module, e.g. "model.layers.0.self_attn.q_proj"
+  std::string name;    // e.g. "model.layers.0.self_attn.q_proj.weight"
+  std::string module;  // owning module, e.g. "model.layers.0.self_attn.q_proj"
   std::vector<int64_t> shape;
   DType dtype = DType::kFloat32;
-  int64_t numel = 0;               // product of shape; must match it
-  uint64_t bytes = 0;              // numel * DTypeSize(dtype); must match it
-  bool trainable = true;           // false: frozen, holds memory but no optimizer state
+  int64_t numel = 0;                    // product of shape; must match it
+  uint64_t bytes = 0;                   // numel * DTypeSize(dtype); must match it
+  bool trainable = true;                // false: frozen, holds memory but no optimizer state
   std::vector<std::string> tied_names;  // other names of this same tensor (tied/shared)
-  int use_count = 1;               // times used in forward (shared modules: > 1)
-  int64_t forward_order = -1;      // rank of first use in forward (0 = first); -1 never used
-  double forward_time = 0.0;       // s, first use in forward
-  int64_t grad_ready_order = -1;   // rank of grad becoming final in backward; -1 no grad
-  double grad_ready_time = 0.0;    // s, when .grad is final (post-accumulate-grad hook)
+  int use_count = 1;                    // times used in forward (shared modules: > 1)
+  int64_t forward_order = -1;           // rank of first use in forward (0 = first); -1 never used
+  double forward_time = 0.0;            // s, first use in forward
+  int64_t grad_ready_order = -1;        // rank of grad becoming final in backward; -1 no grad
+  double grad_ready_time = 0.0;         // s, when .grad is final (post-accumulate-grad hook)
 };
 
 // Device memory in use at a module boundary.
 struct MemorySample {
   std::string module;
-  std::string event;               // "forward_pre", "forward_post", "backward_post"
-  double time = 0.0;               // s
-  uint64_t device_bytes = 0;       // memory allocated on the device at that moment
+  std::string event;          // "forward_pre", "forward_post", "backward_post"
+  double time = 0.0;          // s
+  uint64_t device_bytes = 0;  // memory allocated on the device at that moment
 };
 
 // Optional structure from torch.fx: ops in topological order, each naming the parameters it
@@ -45,22 +45,22 @@ struct MemorySample {
 struct GraphOp {
   std::string name;
   std::vector<std::string> params;
-  std::vector<int64_t> inputs;     // indices of earlier ops
+  std::vector<int64_t> inputs;  // indices of earlier ops
 };
 
 struct ProbeRecord {
   static constexpr int kVersion = 1;
-  std::string model;               // free text, e.g. "LlamaForCausalLM"
-  std::string device;              // where the probe ran: "cuda:0", "cpu"
-  double forward_time = 0.0;       // s, forward duration
-  double backward_time = 0.0;      // s, backward duration (forward_time + backward_time = P)
-  uint64_t peak_device_bytes = 0;  // peak device memory during forward+backward, no optimizer
+  std::string model;                   // free text, e.g. "LlamaForCausalLM"
+  std::string device;                  // where the probe ran: "cuda:0", "cpu"
+  double forward_time = 0.0;           // s, forward duration
+  double backward_time = 0.0;          // s, backward duration (forward_time + backward_time = P)
+  uint64_t peak_device_bytes = 0;      // peak device memory during forward+backward, no optimizer
   uint64_t activation_peak_bytes = 0;  // peak minus memory in use before forward
-  std::vector<ParamRecord> params; // trainable and frozen, tied tensors listed once
+  std::vector<ParamRecord> params;     // trainable and frozen, tied tensors listed once
   std::vector<MemorySample> memory;
-  std::vector<GraphOp> graph;      // empty when the model did not trace
+  std::vector<GraphOp> graph;  // empty when the model did not trace
   bool has_profile = false;
-  DeviceProfile profile;           // the machine the probe ran on, when has_profile
+  DeviceProfile profile;  // the machine the probe ran on, when has_profile
 };
 
 // Checks internal consistency: numel = prod(shape) (>= 0), bytes = numel * dtype size, unique
@@ -80,9 +80,10 @@ Status ValidateProbeRecord(const ProbeRecord& record);
 //    "graph": [{"name", "params": [..], "inputs": [..]}, ...],
 //    "profile": {DeviceProfileToJson's object}}            <- only when has_profile
 // Reading requires format, version, forward_time, backward_time, peak_device_bytes,
-// activation_peak_bytes, params, and per parameter name, module, shape, dtype, numel, bytes.
-// Everything else may be absent (or null) and takes the struct's default; unknown keys are
-// ignored, so a newer writer's additions do not break an older reader.
+// activation_peak_bytes, params; per parameter name, module, shape, dtype, numel, bytes; per
+// memory sample all four keys; per graph op its name. Everything else may be absent (or null)
+// and takes the struct's default; unknown keys are ignored, so a newer writer's additions do
+// not break an older reader.
 std::string ProbeRecordToJson(const ProbeRecord& record);
 // Parses and validates. Wrong "format" or "version", missing or mistyped fields: kParseError
 // naming the field ("params[12].shape: expected an array of integers"). Unsupported dtypes:

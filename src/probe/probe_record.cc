@@ -1,0 +1,401 @@
+// probe_record.cc — checking a ProbeRecord, and its versioned JSON form.
+#include "emsa/probe_record.h"
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <unordered_map>
+#include <utility>
+
+#include "common/json.h"
+
+namespace emsa {
+namespace {
+
+constexpr const char* kFormat = "emsa.probe";
+
+std::string ParamLabel(size_t i, const std::string& name) {
+  return "params[" + std::to_string(i) + "] ('" + name + "')";
+}
+
+Status CheckTime(double t, const std::string& field) {
+  if (std::isfinite(t) && t >= 0) return Status::Ok();
+  return Status::InvalidArgument(field + ": " + std::to_string(t) +
+                                 " is not a time; times are finite seconds >= 0");
+}
+
+// Order -1 means "none"; the others must be distinct ranks.
+Status CheckOrder(int64_t order, size_t i, const std::string& label, const char* field,
+                  std::unordered_map<int64_t, size_t>* seen) {
+  if (order < -1) {
+    return Status::InvalidArgument(label + "." + field + ": " + std::to_string(order) +
+                                   " is not a rank; use -1 for none or a rank >= 0");
+  }
+  if (order == -1) return Status::Ok();
+  auto [it, inserted] = seen->emplace(order, i);
+  if (!inserted) {
+    return Status::InvalidArgument(label + "." + field + ": rank " + std::to_string(order) +
+                                   " is also held by params[" + std::to_string(it->second) +
+                                   "]; ranks must be unique");
+  }
+  return Status::Ok();
+}
+
+Status CheckParam(const ParamRecord& p, size_t i, std::unordered_map<std::string, size_t>* names,
+                  std::unordered_map<int64_t, size_t>* forward_ranks,
+                  std::unordered_map<int64_t, size_t>* grad_ranks) {
+  const std::string label = ParamLabel(i, p.name);
+  if (p.name.empty()) return Status::InvalidArgument(label + ".name: must not be empty");
+  auto claim = [&](const std::string& name, const std::string& field) -> Status {
+    if (name.empty()) return Status::InvalidArgument(label + "." + field + ": must not be empty");
+    auto [it, inserted] = names->emplace(name, i);
+    if (inserted) return Status::Ok();
+    return Status::InvalidArgument(
+        label + "." + field + ": name '" + name + "' is already used by params[" +
+        std::to_string(it->second) +
+        "]; list a tied tensor once, with its other names in tied_names");
+  };
+  EMSA_RETURN_IF_ERROR(claim(p.name, "name"));
+  for (size_t k = 0; k < p.tied_names.size(); ++k) {
+    EMSA_RETURN_IF_ERROR(claim(p.tied_names[k], "tied_names[" + std::to_string(k) + "]"));
+  }
+
+  int64_t product = 1;
+  for (size_t k = 0; k < p.shape.size(); ++k) {
+    const std::string field = label + ".shape[" + std::to_string(k) + "]";
+    if (p.shape[k] < 0) {
+      return Status::InvalidArgument(field + ": " + std::to_string(p.shape[k]) +
+                                     " is negative; sizes are >= 0");
+    }
+    if (__builtin_mul_overflow(product, p.shape[k], &product)) {
+      return Status::InvalidArgument(field + ": the shape's element count overflows int64");
+    }
+  }
+  if (p.numel < 0) {
+    return Status::InvalidArgument(label + ".numel: " + std::to_string(p.numel) + " is negative");
+  }
+  if (p.numel != product) {
+    return Status::InvalidArgument(label + ".numel: " + std::to_string(p.numel) +
+                                   " does not equal the product of shape, " +
+                                   std::to_string(product));
+  }
+  const size_t elem = DTypeSize(p.dtype);
+  if (elem == 0) {
+    return Status::InvalidArgument(label + ".dtype: not a known DType value (" +
+                                   std::to_string(static_cast<int>(p.dtype)) + ")");
+  }
+  uint64_t want_bytes = 0;
+  if (__builtin_mul_overflow(static_cast<uint64_t>(p.numel), static_cast<uint64_t>(elem),
+                             &want_bytes)) {
+    return Status::InvalidArgument(label + ".numel: byte size overflows uint64");
+  }
+  if (p.bytes != want_bytes) {
+    return Status::InvalidArgument(label + ".bytes: " + std::to_string(p.bytes) +
+                                   " does not equal numel * " + std::to_string(elem) + " (" +
+                                   DTypeName(p.dtype) + ") = " + std::to_string(want_bytes));
+  }
+  if (p.use_count < 0) {
+    return Status::InvalidArgument(label + ".use_count: " + std::to_string(p.use_count) +
+                                   " is negative");
+  }
+  EMSA_RETURN_IF_ERROR(CheckOrder(p.forward_order, i, label, "forward_order", forward_ranks));
+  EMSA_RETURN_IF_ERROR(CheckOrder(p.grad_ready_order, i, label, "grad_ready_order", grad_ranks));
+  if (!p.trainable && p.grad_ready_order >= 0) {
+    return Status::InvalidArgument(label +
+                                   ".grad_ready_order: a frozen (trainable=false) parameter has "
+                                   "no gradient; use -1");
+  }
+  EMSA_RETURN_IF_ERROR(CheckTime(p.forward_time, label + ".forward_time"));
+  return CheckTime(p.grad_ready_time, label + ".grad_ready_time");
+}
+
+// ---- writing
+// -------------------------------------------------------------------------------------
+
+json::Value StringArray(const std::vector<std::string>& items) {
+  json::Value out = json::Value::MakeArray();
+  for (const std::string& s : items) out.Push(s);
+  return out;
+}
+
+json::Value IntArray(const std::vector<int64_t>& items) {
+  json::Value out = json::Value::MakeArray();
+  for (int64_t v : items) out.Push(v);
+  return out;
+}
+
+json::Value ParamToJson(const ParamRecord& p) {
+  json::Value o = json::Value::MakeObject();
+  o.Set("name", p.name);
+  o.Set("module", p.module);
+  o.Set("shape", IntArray(p.shape));
+  o.Set("dtype", DTypeName(p.dtype));
+  o.Set("numel", p.numel);
+  o.Set("bytes", p.bytes);
+  o.Set("trainable", p.trainable);
+  o.Set("tied_names", StringArray(p.tied_names));
+  o.Set("use_count", p.use_count);
+  o.Set("forward_order", p.forward_order);
+  o.Set("forward_time", p.forward_time);
+  o.Set("grad_ready_order", p.grad_ready_order);
+  o.Set("grad_ready_time", p.grad_ready_time);
+  return o;
+}
+
+json::Value SampleToJson(const MemorySample& m) {
+  json::Value o = json::Value::MakeObject();
+  o.Set("module", m.module);
+  o.Set("event", m.event);
+  o.Set("time", m.time);
+  o.Set("device_bytes", m.device_bytes);
+  return o;
+}
+
+json::Value OpToJson(const GraphOp& op) {
+  json::Value o = json::Value::MakeObject();
+  o.Set("name", op.name);
+  o.Set("params", StringArray(op.params));
+  o.Set("inputs", IntArray(op.inputs));
+  return o;
+}
+
+// ---- reading
+// -------------------------------------------------------------------------------------
+
+Status RequireObject(const json::Reader& r) {
+  if (r.value().is_object()) return Status::Ok();
+  return Status::ParseError(r.path() + ": expected an object");
+}
+
+Result<std::vector<std::string>> ReadStrings(const json::Reader& r, std::string_view key) {
+  std::vector<std::string> out;
+  if (!r.Has(key)) return out;
+  EMSA_ASSIGN_OR_RETURN(std::vector<json::Reader> items, r.Array(key));
+  for (const json::Reader& item : items) {
+    EMSA_ASSIGN_OR_RETURN(std::string s, item.AsString());
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+Result<std::vector<int64_t>> ReadInts(const json::Reader& r, std::string_view key) {
+  EMSA_ASSIGN_OR_RETURN(std::vector<json::Reader> items, r.Array(key));
+  std::vector<int64_t> out;
+  for (const json::Reader& item : items) {
+    EMSA_ASSIGN_OR_RETURN(int64_t v, item.AsInt());
+    out.push_back(v);
+  }
+  return out;
+}
+
+Result<int> ReadSmallInt(const json::Reader& r, std::string_view key, int def) {
+  EMSA_ASSIGN_OR_RETURN(int64_t v, r.Int(key, def));
+  if (v < std::numeric_limits<int>::min() || v > std::numeric_limits<int>::max()) {
+    return r.Error(key, "value " + std::to_string(v) + " is out of range");
+  }
+  return static_cast<int>(v);
+}
+
+Result<ParamRecord> ReadParam(const json::Reader& r) {
+  EMSA_RETURN_IF_ERROR(RequireObject(r));
+  ParamRecord p;
+  EMSA_ASSIGN_OR_RETURN(p.name, r.String("name"));
+  EMSA_ASSIGN_OR_RETURN(p.module, r.String("module"));
+  EMSA_ASSIGN_OR_RETURN(p.shape, ReadInts(r, "shape"));
+  EMSA_ASSIGN_OR_RETURN(std::string dtype, r.String("dtype"));
+  Result<DType> parsed = ParseDType(dtype);
+  if (!parsed.ok()) {
+    return Status::Unsupported(r.path() + ".dtype: parameter '" + p.name +
+                               "': " + parsed.status().message());
+  }
+  p.dtype = parsed.value();
+  EMSA_ASSIGN_OR_RETURN(p.numel, r.Int("numel"));
+  EMSA_ASSIGN_OR_RETURN(p.bytes, r.UInt("bytes"));
+  EMSA_ASSIGN_OR_RETURN(p.trainable, r.Bool("trainable", true));
+  EMSA_ASSIGN_OR_RETURN(p.tied_names, ReadStrings(r, "tied_names"));
+  EMSA_ASSIGN_OR_RETURN(p.use_count, ReadSmallInt(r, "use_count", 1));
+  EMSA_ASSIGN_OR_RETURN(p.forward_order, r.Int("forward_order", -1));
+  EMSA_ASSIGN_OR_RETURN(p.forward_time, r.Number("forward_time", 0.0));
+  EMSA_ASSIGN_OR_RETURN(p.grad_ready_order, r.Int("grad_ready_order", -1));
+  EMSA_ASSIGN_OR_RETURN(p.grad_ready_time, r.Number("grad_ready_time", 0.0));
+  return p;
+}
+
+Result<MemorySample> ReadSample(const json::Reader& r) {
+  EMSA_RETURN_IF_ERROR(RequireObject(r));
+  MemorySample m;
+  EMSA_ASSIGN_OR_RETURN(m.module, r.String("module"));
+  EMSA_ASSIGN_OR_RETURN(m.event, r.String("event"));
+  EMSA_ASSIGN_OR_RETURN(m.time, r.Number("time"));
+  EMSA_ASSIGN_OR_RETURN(m.device_bytes, r.UInt("device_bytes"));
+  return m;
+}
+
+Result<GraphOp> ReadOp(const json::Reader& r) {
+  EMSA_RETURN_IF_ERROR(RequireObject(r));
+  GraphOp op;
+  EMSA_ASSIGN_OR_RETURN(op.name, r.String("name"));
+  EMSA_ASSIGN_OR_RETURN(op.params, ReadStrings(r, "params"));
+  if (r.Has("inputs")) {
+    EMSA_ASSIGN_OR_RETURN(op.inputs, ReadInts(r, "inputs"));
+  }
+  return op;
+}
+
+// Reads an optional array of objects with `read_one` for each element.
+template <typename T, typename F>
+Result<std::vector<T>> ReadList(const json::Reader& r, std::string_view key, F read_one) {
+  std::vector<T> out;
+  if (!r.Has(key)) return out;
+  EMSA_ASSIGN_OR_RETURN(std::vector<json::Reader> items, r.Array(key));
+  out.reserve(items.size());
+  for (const json::Reader& item : items) {
+    EMSA_ASSIGN_OR_RETURN(T v, read_one(item));
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+Status ReadProfile(const json::Value& doc, ProbeRecord* record) {
+  const json::Value* v = doc.Find("profile");
+  if (v == nullptr || v->is_null()) return Status::Ok();
+  if (!v->is_object()) return Status::ParseError("profile: expected an object");
+  // The profile's own reader owns its layout and its messages (already prefixed "profile.");
+  // it reads text, so hand it text.
+  EMSA_ASSIGN_OR_RETURN(record->profile, DeviceProfileFromJson(json::Write(*v, -1)));
+  record->has_profile = true;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ValidateProbeRecord(const ProbeRecord& record) {
+  EMSA_RETURN_IF_ERROR(CheckTime(record.forward_time, "forward_time"));
+  EMSA_RETURN_IF_ERROR(CheckTime(record.backward_time, "backward_time"));
+  if (record.activation_peak_bytes > record.peak_device_bytes) {
+    return Status::InvalidArgument(
+        "activation_peak_bytes: " + std::to_string(record.activation_peak_bytes) +
+        " exceeds peak_device_bytes " + std::to_string(record.peak_device_bytes));
+  }
+  std::unordered_map<std::string, size_t> names;
+  std::unordered_map<int64_t, size_t> forward_ranks;
+  std::unordered_map<int64_t, size_t> grad_ranks;
+  for (size_t i = 0; i < record.params.size(); ++i) {
+    EMSA_RETURN_IF_ERROR(CheckParam(record.params[i], i, &names, &forward_ranks, &grad_ranks));
+  }
+  for (size_t i = 0; i < record.memory.size(); ++i) {
+    const MemorySample& m = record.memory[i];
+    const std::string label = "memory[" + std::to_string(i) + "]";
+    EMSA_RETURN_IF_ERROR(CheckTime(m.time, label + ".time"));
+    if (m.event.empty()) return Status::InvalidArgument(label + ".event: must not be empty");
+    if (m.device_bytes > record.peak_device_bytes) {
+      return Status::InvalidArgument(label + ".device_bytes: " + std::to_string(m.device_bytes) +
+                                     " exceeds peak_device_bytes " +
+                                     std::to_string(record.peak_device_bytes));
+    }
+  }
+  for (size_t i = 0; i < record.graph.size(); ++i) {
+    const GraphOp& op = record.graph[i];
+    const std::string label = "graph[" + std::to_string(i) + "]";
+    for (size_t k = 0; k < op.params.size(); ++k) {
+      if (names.count(op.params[k]) == 0) {
+        return Status::InvalidArgument(label + ".params[" + std::to_string(k) + "]: '" +
+                                       op.params[k] + "' names no parameter in params");
+      }
+    }
+    for (size_t k = 0; k < op.inputs.size(); ++k) {
+      if (op.inputs[k] < 0 || op.inputs[k] >= static_cast<int64_t>(i)) {
+        return Status::InvalidArgument(label + ".inputs[" + std::to_string(k) +
+                                       "]: " + std::to_string(op.inputs[k]) +
+                                       " is not the index of an earlier op (ops are in "
+                                       "topological order)");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+std::string ProbeRecordToJson(const ProbeRecord& record) {
+  json::Value doc = json::Value::MakeObject();
+  doc.Set("format", kFormat);
+  doc.Set("version", ProbeRecord::kVersion);
+  doc.Set("model", record.model);
+  doc.Set("device", record.device);
+  doc.Set("forward_time", record.forward_time);
+  doc.Set("backward_time", record.backward_time);
+  doc.Set("peak_device_bytes", record.peak_device_bytes);
+  doc.Set("activation_peak_bytes", record.activation_peak_bytes);
+  json::Value params = json::Value::MakeArray();
+  for (const ParamRecord& p : record.params) params.Push(ParamToJson(p));
+  doc.Set("params", std::move(params));
+  json::Value memory = json::Value::MakeArray();
+  for (const MemorySample& m : record.memory) memory.Push(SampleToJson(m));
+  doc.Set("memory", std::move(memory));
+  json::Value graph = json::Value::MakeArray();
+  for (const GraphOp& op : record.graph) graph.Push(OpToJson(op));
+  doc.Set("graph", std::move(graph));
+  if (record.has_profile) {
+    Result<json::Value> profile = json::Parse(DeviceProfileToJson(record.profile));
+    // Cannot fail unless the profile writer is broken; then write something that fails loudly
+    // on reading rather than dropping the profile silently.
+    doc.Set("profile", profile.ok()
+                           ? std::move(profile).value()
+                           : json::Value("unwritable profile: " + profile.status().message()));
+  }
+  return json::Write(doc, 2);
+}
+
+Result<ProbeRecord> ProbeRecordFromJson(const std::string& text) {
+  EMSA_ASSIGN_OR_RETURN(json::Value doc, json::Parse(text));
+  if (!doc.is_object()) {
+    return Status::ParseError("expected a JSON object with \"format\": \"emsa.probe\"");
+  }
+  const json::Reader root(doc, "");
+  EMSA_ASSIGN_OR_RETURN(std::string format, root.String("format"));
+  if (format != kFormat) {
+    return root.Error("format",
+                      "\"" + format + "\" is not \"emsa.probe\"; this is not a probe record");
+  }
+  EMSA_ASSIGN_OR_RETURN(int64_t version, root.Int("version"));
+  if (version != ProbeRecord::kVersion) {
+    return root.Error("version", "probe record version " + std::to_string(version) +
+                                     " is not supported; this emsa reads version " +
+                                     std::to_string(ProbeRecord::kVersion) +
+                                     " (probe again with this emsa)");
+  }
+  ProbeRecord record;
+  EMSA_ASSIGN_OR_RETURN(record.model, root.String("model", ""));
+  EMSA_ASSIGN_OR_RETURN(record.device, root.String("device", ""));
+  EMSA_ASSIGN_OR_RETURN(record.forward_time, root.Number("forward_time"));
+  EMSA_ASSIGN_OR_RETURN(record.backward_time, root.Number("backward_time"));
+  EMSA_ASSIGN_OR_RETURN(record.peak_device_bytes, root.UInt("peak_device_bytes"));
+  EMSA_ASSIGN_OR_RETURN(record.activation_peak_bytes, root.UInt("activation_peak_bytes"));
+  EMSA_ASSIGN_OR_RETURN(std::vector<json::Reader> params, root.Array("params"));
+  record.params.reserve(params.size());
+  for (const json::Reader& r : params) {
+    EMSA_ASSIGN_OR_RETURN(ParamRecord p, ReadParam(r));
+    record.params.push_back(std::move(p));
+  }
+  EMSA_ASSIGN_OR_RETURN(record.memory, ReadList<MemorySample>(root, "memory", ReadSample));
+  EMSA_ASSIGN_OR_RETURN(record.graph, ReadList<GraphOp>(root, "graph", ReadOp));
+  EMSA_RETURN_IF_ERROR(ReadProfile(doc, &record));
+  Status valid = ValidateProbeRecord(record);
+  // An inconsistent file is a file that is not what it claims to be.
+  if (!valid.ok()) return Status::ParseError(valid.message());
+  return record;
+}
+
+Result<ProbeRecord> LoadProbeRecord(const std::string& path) {
+  EMSA_ASSIGN_OR_RETURN(std::string text, json::ReadFile(path));
+  Result<ProbeRecord> record = ProbeRecordFromJson(text);
+  if (!record.ok()) return record.status().Annotate(path);
+  return record;
+}
+
+Status SaveProbeRecord(const ProbeRecord& record, const std::string& path) {
+  // Never write a file that would not load back.
+  EMSA_RETURN_IF_ERROR(ValidateProbeRecord(record));
+  return json::WriteFile(path, ProbeRecordToJson(record));
+}
+
+}  // namespace emsa
