@@ -5,10 +5,22 @@
 //
 // The model (DESIGN.md, "Hotness is slack"): parameter i's gradient is ready at r_i in backward,
 // its next use is f_i in the next forward, the step period is P. Its update may run anywhere in
-// the window s_i = P + f_i - r_i. Sending its update to the host costs c_i (gradient down over
-// PCIe, CPU update at host bandwidth, parameter back up). hotness_i = c_i / s_i, scaled by
-// (1 + centrality_i) when the record has a graph. The hottest state stays on the device; the
-// coldest goes to the host first, as much as the budget requires.
+// the window s_i = P + f_i - r_i (floored at 1 µs). Sending its update to the host costs c_i
+// (gradient down over PCIe, CPU update at host bandwidth, parameter back up). hotness_i =
+// c_i / s_i, scaled by (1 + centrality_i) when the record has a graph, where centrality_i is the
+// share of graph ops downstream of (and including) the ops that read the parameter. A parameter
+// never used in forward has f_i = forward_time; one whose gradient never became ready has
+// r_i = P. Profile bandwidths that are 0 (not measured) default to HBM 2e12, PCIe 25e9 each way
+// and host update 50e9 B/s (host update falls back to host_mem_bandwidth first).
+//
+// Tiers: L1 (device arena) and L2 (pinned host arena); L0 is not assigned yet. Frozen parameters
+// get no state (tier L1, no views, bucket -1). State leaves the device coldest first, where
+// "coldest" is the least hotness per byte of device state freed (a cost that scales with bytes
+// makes this the longest window first: the output head, then the late layers; never the
+// embedding), until the budget is met: peak device bytes = max(record.peak_device_bytes, bytes
+// of all parameters + gradients of the trainable ones) + the device arena (its 2 MiB padding
+// included). When nothing fits, MakePlan fails with the smallest budget that works: with every
+// state on the host (or, without the host tier, every state on the device).
 #pragma once
 
 #include <cstdint>
@@ -40,7 +52,7 @@ struct PlanOptions {
 
 // One parameter's plan. Offsets are bytes from the start of the owning arena; -1 = absent.
 struct ParamPlan {
-  int64_t index = 0;               // position in ProbeRecord::params
+  int64_t index = 0;  // position in ProbeRecord::params
   std::string name;
   std::string module;
   int64_t numel = 0;
@@ -48,69 +60,73 @@ struct ParamPlan {
   bool trainable = true;
   Tier tier = Tier::kL1;
   DType state_dtype = DType::kFloat32;
-  bool master_weights = false;     // fp32 master copy kept in state (param is bf16/fp16, or L2)
-  double slack = 0.0;              // s, s_i
-  double cost = 0.0;               // s, c_i
-  double centrality = 0.0;         // [0,1], share of graph ops downstream of this param's ops
-  double hotness = 0.0;            // c_i / s_i * (1 + centrality): share of its window a host
-                                   // round trip would take
+  bool master_weights = false;  // fp32 master copy kept in state (param is bf16/fp16, or L2)
+  double slack = 0.0;           // s, s_i
+  double cost = 0.0;            // s, c_i
+  double centrality = 0.0;      // [0,1], share of graph ops downstream of this param's ops
+  double hotness = 0.0;         // c_i / s_i * (1 + centrality): share of its window a host
+                                // round trip would take
   // Position in the order state leaves the device (0 = first: the lowest hotness per byte of
-  // device state freed). -1 for frozen parameters. The first offload_rank < k params are on L2.
+  // device state freed). -1 for frozen parameters. With k params on L2, they are exactly the
+  // ones with offload_rank < k.
   int64_t offload_rank = -1;
-  int64_t bucket = -1;             // index into Plan::buckets
+  int64_t bucket = -1;  // index into Plan::buckets
   // Views. Device tier: exp_avg, exp_avg_sq, master in the device arena. Host tier: exp_avg,
   // exp_avg_sq, master, grad (staging for the device->host copy) and param_out (staging for the
   // host->device copy, only when the param is not fp32) in the host arena.
   int64_t exp_avg_offset = -1;
   int64_t exp_avg_sq_offset = -1;  // -1 for Lion
   int64_t master_offset = -1;
-  int64_t grad_offset = -1;        // host tier only
-  int64_t param_out_offset = -1;   // host tier only, non-fp32 params
-  uint64_t state_bytes = 0;        // bytes this parameter occupies in its arena, padding included
+  int64_t grad_offset = -1;       // host tier only
+  int64_t param_out_offset = -1;  // host tier only, non-fp32 params
+  uint64_t state_bytes = 0;       // bytes this parameter occupies in its arena, padding included
 };
 
-// A contiguous range of one module's device-tier state, in the plan's order.
+// A contiguous range of one module's state in one tier's arena.
 struct ModuleRange {
   std::string module;
   Tier tier = Tier::kL1;
-  uint64_t offset = 0;             // in the arena of that tier
+  uint64_t offset = 0;  // in the arena of that tier
   uint64_t bytes = 0;
 };
 
 // Parameters whose updates launch together, in grad-ready order, all of one tier.
 struct Bucket {
   Tier tier = Tier::kL1;
-  std::vector<int64_t> params;     // indices into Plan::params
-  double ready_time = 0.0;         // s, the last member's grad-ready time
+  std::vector<int64_t> params;  // indices into Plan::params
+  double ready_time = 0.0;      // s, the last member's grad-ready time
   uint64_t param_bytes = 0;
 };
 
 struct Prediction {
-  double period = 0.0;             // s, P = forward + backward from the probe
-  double hbm_time = 0.0;           // s, device-tier update traffic / HBM bandwidth
-  double d2h_time = 0.0;           // s, host-tier gradients down / d2h bandwidth
-  double h2d_time = 0.0;           // s, host-tier parameters up / h2d bandwidth
-  double cpu_time = 0.0;           // s, host-tier update traffic / host update bandwidth
-  double stall_time = 0.0;         // s, how long the next forward waits (timeline simulation)
-  double step_time = 0.0;          // s, period + stall
-  uint64_t device_state_bytes = 0; // device arena size
-  uint64_t host_state_bytes = 0;   // host arena size
-  uint64_t peak_device_bytes = 0;  // predicted peak, optimizer state included
+  double period = 0.0;              // s, P = forward + backward from the probe
+  double hbm_time = 0.0;            // s, device-tier update traffic / HBM bandwidth
+  double d2h_time = 0.0;            // s, host-tier gradients down / d2h bandwidth
+  double h2d_time = 0.0;            // s, host-tier parameters up / h2d bandwidth
+  double cpu_time = 0.0;            // s, host-tier update traffic / host update bandwidth
+  double stall_time = 0.0;          // s, how long the next forward waits (timeline simulation)
+  double step_time = 0.0;           // s, period + stall
+  uint64_t device_state_bytes = 0;  // device arena size
+  uint64_t host_state_bytes = 0;    // host arena size
+  uint64_t peak_device_bytes = 0;   // predicted peak, optimizer state included
 };
 
 struct Plan {
   static constexpr int kVersion = 1;
   PlanOptions options;
-  uint64_t budget_bytes = 0;       // the budget actually applied (resolved); 0 = no device limit
-  uint64_t min_budget_bytes = 0;   // the smallest budget this model could be planned under
-  std::vector<ParamPlan> params;   // same order as ProbeRecord::params
+  uint64_t budget_bytes = 0;         // the budget actually applied (resolved); 0 = no device limit
+  uint64_t min_budget_bytes = 0;     // the smallest budget this model could be planned under with
+                                     // these options
+  std::vector<ParamPlan> params;     // same order as ProbeRecord::params
   std::vector<ModuleRange> modules;  // arena order
-  std::vector<Bucket> buckets;     // grad-ready order
+  std::vector<Bucket> buckets;       // grad-ready order
   Prediction prediction;
 };
 
-// kInfeasible when the budget cannot be met, with the smallest budget that works in the message
-// and in *min_budget_out when given. kInvalidArgument for bad options.
+// kInfeasible when the budget cannot be met, with the smallest budget that works in the message.
+// *min_budget_out (when given) receives that smallest budget whenever the inputs are valid, on
+// success too. kInvalidArgument for bad options or a record ValidateProbeRecord() rejects; then
+// nothing is written.
 Result<Plan> MakePlan(const ProbeRecord& record, const DeviceProfile& profile,
                       const PlanOptions& options, uint64_t* min_budget_out = nullptr);
 

@@ -1,0 +1,64 @@
+// costs.cc — bytes per view and per update; bandwidths with defaults.
+#include "plan/costs.h"
+
+namespace emsa::plan_internal {
+namespace {
+
+double Or(double measured, double fallback) { return measured > 0.0 ? measured : fallback; }
+
+uint64_t U(int64_t numel) { return static_cast<uint64_t>(numel); }
+
+}  // namespace
+
+Bandwidths ResolveBandwidths(const DeviceProfile& profile) {
+  Bandwidths bw;
+  bw.hbm = Or(profile.gpu.hbm_bandwidth, kDefaultHbmBandwidth);
+  bw.d2h = Or(profile.gpu.d2h_bandwidth, kDefaultLinkBandwidth);
+  bw.h2d = Or(profile.gpu.h2d_bandwidth, kDefaultLinkBandwidth);
+  bw.host_update = Or(profile.cpu.host_update_bandwidth,
+                      Or(profile.cpu.host_mem_bandwidth, kDefaultHostUpdateBandwidth));
+  return bw;
+}
+
+int TierViews(Tier tier, int64_t numel, DType param_dtype, const PlanOptions& options,
+              ViewSpec out[kMaxViews]) {
+  const uint64_t n = U(numel);
+  const uint64_t state = n * DTypeSize(options.state_dtype);
+  const uint64_t param = n * DTypeSize(param_dtype);
+  const bool fp32 = param_dtype == DType::kFloat32;
+  const bool two_moments = StateCount(options.optimizer) == 2;
+  int count = 0;
+  if (tier == Tier::kL2) out[count++] = {ViewKind::kGrad, param};
+  out[count++] = {ViewKind::kExpAvg, state};
+  if (two_moments) out[count++] = {ViewKind::kExpAvgSq, state};
+  if (tier == Tier::kL2 || !fp32) out[count++] = {ViewKind::kMaster, n * 4};
+  if (tier == Tier::kL2 && !fp32) out[count++] = {ViewKind::kParamOut, param};
+  return count;
+}
+
+uint64_t PaddedStateBytes(Tier tier, int64_t numel, DType param_dtype, const PlanOptions& options,
+                          uint64_t align) {
+  ViewSpec views[kMaxViews];
+  const int count = TierViews(tier, numel, param_dtype, options, views);
+  uint64_t total = 0;
+  for (int v = 0; v < count; ++v) total += AlignUp(views[v].bytes, align);
+  return total;
+}
+
+uint64_t DeviceUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions& options) {
+  const uint64_t n = U(numel);
+  const uint64_t param = n * DTypeSize(param_dtype);
+  const uint64_t moments = n * DTypeSize(options.state_dtype) * StateCount(options.optimizer);
+  const uint64_t master = param_dtype == DType::kFloat32 ? 0 : n * 4;
+  return 2 * param + param + 2 * moments + 2 * master;
+}
+
+uint64_t HostUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions& options) {
+  const uint64_t n = U(numel);
+  const uint64_t param = n * DTypeSize(param_dtype);
+  const uint64_t moments = n * DTypeSize(options.state_dtype) * StateCount(options.optimizer);
+  const uint64_t param_out = param_dtype == DType::kFloat32 ? 0 : param;
+  return param + 2 * n * 4 + 2 * moments + param_out;
+}
+
+}  // namespace emsa::plan_internal

@@ -1,0 +1,55 @@
+// costs.h — what one parameter's optimizer state weighs (bytes per view, per arena) and what its
+// update moves (bytes through HBM, PCIe and host memory), and the bandwidths that turn bytes into
+// seconds. Internal to the planner.
+#pragma once
+
+#include <cstdint>
+
+#include "emsa/plan.h"
+#include "emsa/profile.h"
+#include "emsa/types.h"
+
+namespace emsa::plan_internal {
+
+// Used where the profile has a zero (not measured, no GPU). Deliberately modest so that a plan
+// made without measurements errs towards predicting stalls rather than hiding them.
+constexpr double kDefaultHbmBandwidth = 2e12;         // B/s, read+write: an older HBM2e card
+constexpr double kDefaultLinkBandwidth = 25e9;        // B/s per direction: PCIe 4.0 x16 in practice
+constexpr double kDefaultHostUpdateBandwidth = 50e9;  // B/s, read+write: a few DDR channels
+
+struct Bandwidths {
+  double hbm = kDefaultHbmBandwidth;
+  double d2h = kDefaultLinkBandwidth;
+  double h2d = kDefaultLinkBandwidth;
+  double host_update = kDefaultHostUpdateBandwidth;
+};
+// Measured values where present; host_update falls back to host_mem_bandwidth, then the default.
+Bandwidths ResolveBandwidths(const DeviceProfile& profile);
+
+enum class ViewKind { kGrad, kExpAvg, kExpAvgSq, kMaster, kParamOut };
+struct ViewSpec {
+  ViewKind kind;
+  uint64_t bytes;
+};
+constexpr int kMaxViews = 5;
+
+// The views a parameter of `numel` elements owns in `tier`'s arena, in layout order. Returns the
+// count. Device: exp_avg, exp_avg_sq (not Lion), master (param not fp32). Host: grad staging,
+// exp_avg, exp_avg_sq, master (always: for an fp32 param it is the weights' host copy), param_out
+// staging (param not fp32).
+int TierViews(Tier tier, int64_t numel, DType param_dtype, const PlanOptions& options,
+              ViewSpec out[kMaxViews]);
+// Sum of the views' sizes, each rounded up to `align`: what the parameter takes in the arena.
+uint64_t PaddedStateBytes(Tier tier, int64_t numel, DType param_dtype, const PlanOptions& options,
+                          uint64_t align);
+
+// Bytes read plus written by one update of a device-tier parameter: param r+w, grad r, each
+// moment r+w, master r+w when present.
+uint64_t DeviceUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions& options);
+// Bytes the CPU reads plus writes for one host-tier update: grad r, master r+w, each moment r+w,
+// param_out w when the param is not fp32.
+uint64_t HostUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions& options);
+
+inline uint64_t AlignUp(uint64_t x, uint64_t align) { return (x + align - 1) & ~(align - 1); }
+
+}  // namespace emsa::plan_internal

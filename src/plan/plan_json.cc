@@ -1,0 +1,112 @@
+// plan_json.cc — PlanToJson: {"format":"emsa.plan","version":1, ...}, every field of the Plan.
+// Keys are written in a fixed order and doubles in shortest round-trip form, so the same plan is
+// always the same text.
+#include <string>
+
+#include "common/json.h"
+#include "emsa/plan.h"
+
+namespace emsa {
+namespace {
+
+using json::Value;
+
+Value OptionsJson(const PlanOptions& o) {
+  Value v = Value::MakeObject();
+  v.Set("budget_bytes", o.budget_bytes);
+  v.Set("safety_margin_bytes", o.safety_margin_bytes);
+  v.Set("optimizer", OptimizerName(o.optimizer));
+  v.Set("state_dtype", DTypeName(o.state_dtype));
+  v.Set("allow_host_tier", o.allow_host_tier);
+  v.Set("force_all_host", o.force_all_host);
+  v.Set("bucket_bytes", o.bucket_bytes);
+  v.Set("device_module_alignment", o.device_module_alignment);
+  v.Set("device_tensor_alignment", o.device_tensor_alignment);
+  v.Set("host_tensor_alignment", o.host_tensor_alignment);
+  return v;
+}
+
+Value ParamJson(const ParamPlan& p) {
+  Value v = Value::MakeObject();
+  v.Set("index", p.index);
+  v.Set("name", p.name);
+  v.Set("module", p.module);
+  v.Set("numel", p.numel);
+  v.Set("param_dtype", DTypeName(p.param_dtype));
+  v.Set("trainable", p.trainable);
+  v.Set("tier", TierName(p.tier));
+  v.Set("state_dtype", DTypeName(p.state_dtype));
+  v.Set("master_weights", p.master_weights);
+  v.Set("slack", p.slack);
+  v.Set("cost", p.cost);
+  v.Set("centrality", p.centrality);
+  v.Set("hotness", p.hotness);
+  v.Set("offload_rank", p.offload_rank);
+  v.Set("bucket", p.bucket);
+  v.Set("exp_avg_offset", p.exp_avg_offset);
+  v.Set("exp_avg_sq_offset", p.exp_avg_sq_offset);
+  v.Set("master_offset", p.master_offset);
+  v.Set("grad_offset", p.grad_offset);
+  v.Set("param_out_offset", p.param_out_offset);
+  v.Set("state_bytes", p.state_bytes);
+  return v;
+}
+
+Value ModuleJson(const ModuleRange& m) {
+  Value v = Value::MakeObject();
+  v.Set("module", m.module);
+  v.Set("tier", TierName(m.tier));
+  v.Set("offset", m.offset);
+  v.Set("bytes", m.bytes);
+  return v;
+}
+
+Value BucketJson(const Bucket& b) {
+  Value v = Value::MakeObject();
+  v.Set("tier", TierName(b.tier));
+  Value params = Value::MakeArray();
+  for (int64_t i : b.params) params.Push(i);
+  v.Set("params", std::move(params));
+  v.Set("ready_time", b.ready_time);
+  v.Set("param_bytes", b.param_bytes);
+  return v;
+}
+
+Value PredictionJson(const Prediction& p) {
+  Value v = Value::MakeObject();
+  v.Set("period", p.period);
+  v.Set("hbm_time", p.hbm_time);
+  v.Set("d2h_time", p.d2h_time);
+  v.Set("h2d_time", p.h2d_time);
+  v.Set("cpu_time", p.cpu_time);
+  v.Set("stall_time", p.stall_time);
+  v.Set("step_time", p.step_time);
+  v.Set("device_state_bytes", p.device_state_bytes);
+  v.Set("host_state_bytes", p.host_state_bytes);
+  v.Set("peak_device_bytes", p.peak_device_bytes);
+  return v;
+}
+
+}  // namespace
+
+std::string PlanToJson(const Plan& plan) {
+  Value root = Value::MakeObject();
+  root.Set("format", "emsa.plan");
+  root.Set("version", Plan::kVersion);
+  root.Set("budget_bytes", plan.budget_bytes);
+  root.Set("min_budget_bytes", plan.min_budget_bytes);
+  root.Set("options", OptionsJson(plan.options));
+  root.Set("prediction", PredictionJson(plan.prediction));
+  Value params = Value::MakeArray();
+  for (const ParamPlan& p : plan.params) params.Push(ParamJson(p));
+  root.Set("params", std::move(params));
+  Value modules = Value::MakeArray();
+  for (const ModuleRange& m : plan.modules) modules.Push(ModuleJson(m));
+  root.Set("modules", std::move(modules));
+  Value buckets = Value::MakeArray();
+  for (const Bucket& b : plan.buckets) buckets.Push(BucketJson(b));
+  root.Set("buckets", std::move(buckets));
+  return json::Write(root, 2) + "\n";
+}
+
+}  // namespace emsa

@@ -1,0 +1,146 @@
+// plan_table.cc — PlanToTable / PlanSummaryToTable: the plan as fixed-width text for a person.
+#include <cstdarg>
+#include <cstdio>
+#include <string>
+
+#include "emsa/plan.h"
+
+namespace emsa {
+namespace {
+
+constexpr size_t kNameWidth = 44;
+
+void Append(std::string* out, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+void Append(std::string* out, const char* fmt, ...) {
+  char buf[512];
+  va_list args;
+  va_start(args, fmt);
+  std::vsnprintf(buf, sizeof buf, fmt, args);
+  va_end(args);
+  *out += buf;
+}
+
+// Keeps the tail: in "model.layers.17.self_attn.q_proj.weight" the end says the most.
+std::string Fit(const std::string& name, size_t width) {
+  if (name.size() <= width) return name;
+  return "..." + name.substr(name.size() - (width - 3));
+}
+
+std::string Grouped(uint64_t n) {
+  std::string digits = std::to_string(n);
+  std::string out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+double Ms(double seconds) { return seconds * 1e3; }
+
+void Header(const Plan& plan, std::string* out) {
+  size_t trainable = 0;
+  for (const ParamPlan& p : plan.params) trainable += p.trainable ? 1 : 0;
+  Append(out, "emsa plan: %s, state %s, %zu parameters (%zu trainable), %zu buckets\n",
+         OptimizerName(plan.options.optimizer), DTypeName(plan.options.state_dtype),
+         plan.params.size(), trainable, plan.buckets.size());
+}
+
+void ParamRows(const Plan& plan, std::string* out) {
+  Append(out, "\n%6s  %-*s %15s  %-4s  %-8s  %12s  %10s  %10s  %6s  %6s\n", "idx",
+         static_cast<int>(kNameWidth), "name", "numel", "tier", "state", "state bytes", "slack ms",
+         "hotness", "rank", "bucket");
+  for (const ParamPlan& p : plan.params) {
+    const std::string name = Fit(p.name, kNameWidth);
+    const std::string numel = Grouped(static_cast<uint64_t>(p.numel));
+    if (!p.trainable) {
+      Append(out, "%6lld  %-*s %15s  %-4s  %-8s  %12s  %10s  %10s  %6s  %6s\n",
+             static_cast<long long>(p.index), static_cast<int>(kNameWidth), name.c_str(),
+             numel.c_str(), "-", "frozen", "-", "-", "-", "-", "-");
+      continue;
+    }
+    Append(out, "%6lld  %-*s %15s  %-4s  %-8s  %12s  %10.3f  %10.3g  %6lld  %6lld\n",
+           static_cast<long long>(p.index), static_cast<int>(kNameWidth), name.c_str(),
+           numel.c_str(), TierName(p.tier), DTypeName(p.state_dtype),
+           FormatBytes(p.state_bytes).c_str(), Ms(p.slack), p.hotness,
+           static_cast<long long>(p.offload_rank), static_cast<long long>(p.bucket));
+  }
+}
+
+void ModuleRows(const Plan& plan, std::string* out) {
+  Append(out, "\nmodule ranges (arena order)\n%4s  %14s  %12s  %s\n", "tier", "offset", "bytes",
+         "module");
+  for (const ModuleRange& m : plan.modules) {
+    Append(out, "%4s  %14s  %12s  %s\n", TierName(m.tier), Grouped(m.offset).c_str(),
+           FormatBytes(m.bytes).c_str(), m.module.empty() ? "(root)" : m.module.c_str());
+  }
+}
+
+void Totals(const Plan& plan, std::string* out) {
+  struct Sum {
+    size_t params = 0;
+    uint64_t numel = 0, state = 0;
+  } sums[2];
+  size_t frozen = 0;
+  for (const ParamPlan& p : plan.params) {
+    if (!p.trainable) {
+      ++frozen;
+      continue;
+    }
+    Sum& s = sums[p.tier == Tier::kL2 ? 1 : 0];
+    ++s.params;
+    s.numel += static_cast<uint64_t>(p.numel);
+    s.state += p.state_bytes;
+  }
+  const Prediction& pr = plan.prediction;
+  Append(out, "\n%-12s  %8s  %17s  %12s  %12s\n", "tier", "params", "numel", "state bytes",
+         "arena bytes");
+  const uint64_t arenas[2] = {pr.device_state_bytes, pr.host_state_bytes};
+  const char* names[2] = {"L1 (device)", "L2 (host)"};
+  for (int t = 0; t < 2; ++t) {
+    Append(out, "%-12s  %8zu  %17s  %12s  %12s\n", names[t], sums[t].params,
+           Grouped(sums[t].numel).c_str(), FormatBytes(sums[t].state).c_str(),
+           FormatBytes(arenas[t]).c_str());
+  }
+  if (frozen > 0) Append(out, "%-12s  %8zu  (no optimizer state)\n", "frozen", frozen);
+}
+
+void PredictionRows(const Plan& plan, std::string* out) {
+  const Prediction& p = plan.prediction;
+  Append(out, "\nprediction\n");
+  Append(out, "  %-34s %10.3f ms\n", "forward + backward (P)", Ms(p.period));
+  Append(out, "  %-34s %10.3f ms\n", "device update (HBM)", Ms(p.hbm_time));
+  Append(out, "  %-34s %10.3f ms\n", "gradients down (D2H)", Ms(p.d2h_time));
+  Append(out, "  %-34s %10.3f ms\n", "host update (CPU)", Ms(p.cpu_time));
+  Append(out, "  %-34s %10.3f ms\n", "parameters up (H2D)", Ms(p.h2d_time));
+  Append(out, "  %-34s %10.3f ms\n", "stall before the next forward", Ms(p.stall_time));
+  Append(out, "  %-34s %10.3f ms\n", "step", Ms(p.step_time));
+  const std::string budget = plan.budget_bytes == 0 ? std::string("no device limit")
+                                                    : "budget " + FormatBytes(plan.budget_bytes);
+  Append(out, "  %-34s %13s  (%s)\n", "peak device memory",
+         FormatBytes(p.peak_device_bytes).c_str(), budget.c_str());
+  Append(out, "  %-34s %13s\n", "smallest budget that works",
+         FormatBytes(plan.min_budget_bytes).c_str());
+}
+
+}  // namespace
+
+std::string PlanToTable(const Plan& plan) {
+  std::string out;
+  Header(plan, &out);
+  ParamRows(plan, &out);
+  ModuleRows(plan, &out);
+  Totals(plan, &out);
+  PredictionRows(plan, &out);
+  return out;
+}
+
+std::string PlanSummaryToTable(const Plan& plan) {
+  std::string out;
+  Header(plan, &out);
+  Totals(plan, &out);
+  PredictionRows(plan, &out);
+  return out;
+}
+
+}  // namespace emsa

@@ -1,0 +1,191 @@
+// planner.cc — MakePlan: check the inputs, rank the parameters, choose tiers under the budget,
+// then lay out, bucket and predict.
+//
+// Memory model (what must fit in the budget): the larger of the probe's measured peak and the
+// bytes of every parameter plus the gradients of the trainable ones, plus the device arena. The
+// probe's peak already holds parameters, gradients and activations; a CPU probe reports 0, so the
+// parameter and gradient bytes stand in for it. emsa's own workspace adds nothing yet.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "emsa/plan.h"
+#include "plan/costs.h"
+#include "plan/hotness.h"
+#include "plan/layout.h"
+#include "plan/schedule.h"
+
+namespace emsa {
+namespace {
+
+using plan_internal::DeviceSizer;
+using plan_internal::LayoutOrder;
+
+bool IsPowerOfTwo(uint64_t x) { return x != 0 && (x & (x - 1)) == 0; }
+
+std::string Bytes(uint64_t bytes) {
+  return FormatBytes(bytes) + " (" + std::to_string(bytes) + " bytes)";
+}
+
+Status ValidateOptions(const PlanOptions& o) {
+  if (o.optimizer != OptimizerKind::kAdamW && o.optimizer != OptimizerKind::kAdam &&
+      o.optimizer != OptimizerKind::kLion) {
+    return Status::InvalidArgument("options.optimizer " +
+                                   std::to_string(static_cast<int>(o.optimizer)) +
+                                   " is not one of adamw (0), adam (1), lion (2)");
+  }
+  if (o.state_dtype != DType::kFloat32 && o.state_dtype != DType::kBFloat16) {
+    return Status::InvalidArgument(
+        std::string("options.state_dtype ") +
+        (o.state_dtype == DType::kFloat16 ? "float16"
+                                          : std::to_string(static_cast<int>(o.state_dtype))) +
+        " is not supported for optimizer state; use float32 or bfloat16");
+  }
+  if (o.bucket_bytes == 0) {
+    return Status::InvalidArgument("options.bucket_bytes is 0; use a positive size such as 32MiB");
+  }
+  const struct {
+    const char* name;
+    uint64_t value;
+  } aligns[] = {{"device_module_alignment", o.device_module_alignment},
+                {"device_tensor_alignment", o.device_tensor_alignment},
+                {"host_tensor_alignment", o.host_tensor_alignment}};
+  for (const auto& a : aligns) {
+    if (!IsPowerOfTwo(a.value)) {
+      return Status::InvalidArgument(std::string("options.") + a.name + " is " +
+                                     std::to_string(a.value) + "; it must be a power of two");
+    }
+  }
+  if (o.device_module_alignment < o.device_tensor_alignment) {
+    return Status::InvalidArgument(
+        "options.device_module_alignment (" + std::to_string(o.device_module_alignment) +
+        ") is smaller than options.device_tensor_alignment (" +
+        std::to_string(o.device_tensor_alignment) + "); make it at least as large");
+  }
+  if (o.force_all_host && !o.allow_host_tier) {
+    return Status::InvalidArgument(
+        "options.force_all_host and options.allow_host_tier = false contradict each other; "
+        "set at most one of them");
+  }
+  return Status::Ok();
+}
+
+// The budget actually applied; 0 = no device limit. min_budget only words the error.
+Result<uint64_t> ResolveBudget(const PlanOptions& options, const DeviceProfile& profile,
+                               uint64_t min_budget) {
+  if (options.budget_bytes != 0) return options.budget_bytes;
+  if (!profile.gpu.present) return uint64_t{0};
+  const uint64_t memory =
+      profile.gpu.free_memory != 0 ? profile.gpu.free_memory : profile.gpu.total_memory;
+  if (memory == 0) return uint64_t{0};  // a GPU that reported no memory: nothing to hold to
+  if (memory <= options.safety_margin_bytes) {
+    return Status::Infeasible(
+        "the GPU has " + Bytes(memory) + " free, no more than the safety margin " +
+        Bytes(options.safety_margin_bytes) + "; the smallest budget that works is " +
+        Bytes(min_budget) + ": free device memory, lower the margin or name a budget");
+  }
+  return memory - options.safety_margin_bytes;
+}
+
+uint64_t BaseDeviceBytes(const ProbeRecord& record) {
+  uint64_t weights_and_grads = 0;
+  for (const ParamRecord& p : record.params) {
+    weights_and_grads += p.bytes * (p.trainable ? 2 : 1);
+  }
+  return std::max(record.peak_device_bytes, weights_and_grads);
+}
+
+// Marks the first k params of `order` as host-tier.
+void MarkHost(const std::vector<int64_t>& order, size_t k, std::vector<char>* on_host) {
+  std::fill(on_host->begin(), on_host->end(), 0);
+  for (size_t j = 0; j < k; ++j) (*on_host)[static_cast<size_t>(order[j])] = 1;
+}
+
+}  // namespace
+
+Result<Plan> MakePlan(const ProbeRecord& record, const DeviceProfile& profile,
+                      const PlanOptions& options, uint64_t* min_budget_out) {
+  EMSA_RETURN_IF_ERROR(ValidateOptions(options));
+  if (Status s = ValidateProbeRecord(record); !s.ok()) return s.Annotate("probe record");
+
+  Plan plan;
+  plan.options = options;
+  plan.params.resize(record.params.size());
+  for (size_t i = 0; i < record.params.size(); ++i) {
+    const ParamRecord& rec = record.params[i];
+    ParamPlan& p = plan.params[i];
+    p.index = static_cast<int64_t>(i);
+    p.name = rec.name;
+    p.module = rec.module;
+    p.numel = rec.numel;
+    p.param_dtype = rec.dtype;
+    p.trainable = rec.trainable;
+    p.state_dtype = options.state_dtype;
+  }
+  const plan_internal::Bandwidths bw = plan_internal::ResolveBandwidths(profile);
+  plan_internal::ComputeHeat(record, bw, options, &plan.params);
+  const std::vector<int64_t> offload = plan_internal::OffloadOrder(options, bw, &plan.params);
+
+  // Moving one more param to the host never grows the device arena (sizes only shrink, and a
+  // module that drops under the module alignment only loosens its start), so the arena size is
+  // non-increasing in k and the smallest k that fits can be found by bisection.
+  const LayoutOrder order = plan_internal::MakeLayoutOrder(record);
+  const DeviceSizer sizer(order, plan.params, options);
+  std::vector<char> on_host(record.params.size(), 0);
+  auto device_need = [&](size_t k) {
+    MarkHost(offload, k, &on_host);
+    return sizer.ArenaBytes(on_host);
+  };
+  const uint64_t base = BaseDeviceBytes(record);
+  const size_t n = offload.size();
+  const size_t k_max = options.allow_host_tier ? n : 0;
+  const uint64_t min_budget = base + device_need(k_max);
+  if (min_budget_out != nullptr) *min_budget_out = min_budget;
+  plan.min_budget_bytes = min_budget;
+
+  EMSA_ASSIGN_OR_RETURN(plan.budget_bytes, ResolveBudget(options, profile, min_budget));
+  const bool limited = plan.budget_bytes != 0;
+  if (limited && min_budget > plan.budget_bytes) {
+    const std::string advice = options.allow_host_tier
+                                   ? "or shrink the activations (smaller batch or sequence, "
+                                     "activation checkpointing)"
+                                   : "allow the host tier, or use bfloat16 state";
+    return Status::Infeasible("the device budget " + Bytes(plan.budget_bytes) +
+                              " is too small: weights, gradients and activations take " +
+                              Bytes(base) + " and the smallest optimizer state arena " +
+                              Bytes(min_budget - base) + "; the smallest budget that works is " +
+                              Bytes(min_budget) + ": raise the budget to at least that, " + advice);
+  }
+
+  size_t k = 0;
+  if (options.force_all_host) {
+    k = n;
+  } else if (limited) {
+    size_t lo = 0, hi = k_max;  // device_need(hi) fits; find the smallest such k
+    while (lo < hi) {
+      const size_t mid = lo + (hi - lo) / 2;
+      if (base + device_need(mid) <= plan.budget_bytes) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    k = lo;
+  }
+  MarkHost(offload, k, &on_host);
+  for (ParamPlan& p : plan.params) {
+    if (!p.trainable) continue;
+    p.tier = on_host[static_cast<size_t>(p.index)] ? Tier::kL2 : Tier::kL1;
+    p.master_weights = p.tier == Tier::kL2 || p.param_dtype != DType::kFloat32;
+  }
+
+  plan_internal::LayoutArenas(order, &plan);
+  if (plan.prediction.device_state_bytes != sizer.ArenaBytes(on_host)) {
+    return Status::Internal("device arena layout disagrees with its size estimate");
+  }
+  plan_internal::MakeBuckets(record, order, &plan);
+  plan_internal::Predict(record, bw, base, &plan);
+  return plan;
+}
+
+}  // namespace emsa

@@ -1,0 +1,762 @@
+// Tests for the planner: hotness order on decoder shapes, budgets (sweeps, exact minimum,
+// defaults), layout invariants, buckets, the predicted timeline, JSON and table output.
+#include "emsa/plan.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/json.h"
+#include "emsa/analytic_probe.h"
+
+namespace emsa {
+namespace {
+
+constexpr uint64_t kMiB = 1ull << 20;
+constexpr uint64_t kGiB = 1ull << 30;
+
+ProbeRecord Decoder(bool tied, DType dtype = DType::kFloat32, int64_t layers = 4) {
+  DecoderConfig c;
+  c.vocab_size = 4000;
+  c.hidden_size = 256;
+  c.intermediate_size = 704;
+  c.num_layers = layers;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.seq_len = 128;
+  c.tie_embeddings = tied;
+  c.dtype = dtype;
+  Result<ProbeRecord> r = AnalyticDecoderProbe(c);
+  if (!r.ok()) ADD_FAILURE() << r.status().ToString();
+  return r.ok() ? std::move(r).value() : ProbeRecord{};
+}
+
+DeviceProfile Gpu(uint64_t free_memory = 80 * kGiB) {
+  DeviceProfile p;
+  p.gpu.present = true;
+  p.gpu.total_memory = 80 * kGiB;
+  p.gpu.free_memory = free_memory;
+  p.gpu.hbm_bandwidth = 1e12;
+  p.gpu.d2h_bandwidth = 10e9;
+  p.gpu.h2d_bandwidth = 10e9;
+  p.cpu.host_update_bandwidth = 20e9;
+  return p;
+}
+
+ParamRecord Param(const std::string& name, const std::string& module, int64_t numel, int64_t order,
+                  double forward_time, int64_t grad_order, double grad_time,
+                  DType dtype = DType::kFloat32) {
+  ParamRecord p;
+  p.name = name;
+  p.module = module;
+  p.shape = {numel};
+  p.numel = numel;
+  p.dtype = dtype;
+  p.bytes = static_cast<uint64_t>(numel) * DTypeSize(dtype);
+  p.forward_order = order;
+  p.forward_time = forward_time;
+  p.grad_ready_order = grad_order;
+  p.grad_ready_time = grad_time;
+  return p;
+}
+
+Plan MustPlan(const ProbeRecord& r, const DeviceProfile& profile, const PlanOptions& o) {
+  Result<Plan> plan = MakePlan(r, profile, o);
+  EXPECT_TRUE(plan.ok()) << plan.status().ToString();
+  return plan.ok() ? std::move(plan).value() : Plan{};
+}
+
+const ParamPlan& Find(const Plan& plan, const std::string& name) {
+  for (const ParamPlan& p : plan.params) {
+    if (p.name == name) return p;
+  }
+  ADD_FAILURE() << "no param " << name;
+  return plan.params.front();
+}
+
+std::set<int64_t> HostSet(const Plan& plan) {
+  std::set<int64_t> host;
+  for (const ParamPlan& p : plan.params) {
+    if (p.trainable && p.tier == Tier::kL2) host.insert(p.index);
+  }
+  return host;
+}
+
+uint64_t BaseBytes(const ProbeRecord& r) {
+  uint64_t sum = 0;
+  for (const ParamRecord& p : r.params) sum += p.bytes * (p.trainable ? 2 : 1);
+  return std::max(sum, r.peak_device_bytes);
+}
+
+// Every view at its alignment, inside its arena, inside its module's range, no two overlapping;
+// view sizes recomputed here from the rules in plan.h, not taken from the planner.
+void CheckLayout(const Plan& plan) {
+  const PlanOptions& o = plan.options;
+  struct Span {
+    uint64_t begin, end;
+    std::string what;
+  };
+  std::vector<Span> spans[2];
+  std::map<std::pair<std::string, int>, const ModuleRange*> ranges;
+  for (const ModuleRange& m : plan.modules) {
+    EXPECT_TRUE(ranges.emplace(std::make_pair(m.module, static_cast<int>(m.tier)), &m).second)
+        << m.module << " has two ranges in one tier";
+    if (m.tier == Tier::kL1 && m.bytes >= o.device_module_alignment) {
+      EXPECT_EQ(m.offset % o.device_module_alignment, 0u) << m.module;
+    }
+    spans[m.tier == Tier::kL2].push_back({m.offset, m.offset + m.bytes, "module " + m.module});
+  }
+  for (auto& s : spans) {  // module ranges do not overlap
+    std::sort(s.begin(), s.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+    for (size_t i = 1; i < s.size(); ++i) {
+      EXPECT_LE(s[i - 1].end, s[i].begin) << s[i - 1].what << " overlaps " << s[i].what;
+    }
+    s.clear();
+  }
+  std::map<std::pair<std::string, int>, uint64_t> module_sums;
+  const uint64_t arena[2] = {plan.prediction.device_state_bytes, plan.prediction.host_state_bytes};
+  for (const ParamPlan& p : plan.params) {
+    if (!p.trainable) {
+      EXPECT_EQ(p.state_bytes, 0u);
+      EXPECT_EQ(p.bucket, -1);
+      EXPECT_EQ(p.offload_rank, -1);
+      for (int64_t off : {p.exp_avg_offset, p.exp_avg_sq_offset, p.master_offset, p.grad_offset,
+                          p.param_out_offset}) {
+        EXPECT_EQ(off, -1) << p.name;
+      }
+      continue;
+    }
+    const bool host = p.tier == Tier::kL2;
+    EXPECT_TRUE(p.tier == Tier::kL1 || host) << p.name;
+    const uint64_t align = host ? o.host_tensor_alignment : o.device_tensor_alignment;
+    const uint64_t n = static_cast<uint64_t>(p.numel);
+    const uint64_t state = n * DTypeSize(o.state_dtype);
+    const uint64_t param = n * DTypeSize(p.param_dtype);
+    const bool fp32 = p.param_dtype == DType::kFloat32;
+    const bool lion = o.optimizer == OptimizerKind::kLion;
+    const std::pair<int64_t, int64_t> views[] = {
+        {p.exp_avg_offset, static_cast<int64_t>(state)},
+        {p.exp_avg_sq_offset, lion ? -1 : static_cast<int64_t>(state)},
+        {p.master_offset, host || !fp32 ? static_cast<int64_t>(n * 4) : -1},
+        {p.grad_offset, host ? static_cast<int64_t>(param) : -1},
+        {p.param_out_offset, host && !fp32 ? static_cast<int64_t>(param) : -1}};
+    EXPECT_EQ(p.master_weights, host || !fp32) << p.name;
+    uint64_t used = 0;
+    auto it = ranges.find({p.module, static_cast<int>(p.tier)});
+    EXPECT_NE(it, ranges.end()) << p.name << " has no module range";
+    for (const auto& [offset, size] : views) {
+      if (size < 0) {
+        EXPECT_EQ(offset, -1) << p.name << " has a view it should not";
+        continue;
+      }
+      EXPECT_GE(offset, 0) << p.name << " lacks a view";
+      if (offset < 0) continue;
+      const uint64_t begin = static_cast<uint64_t>(offset);
+      const uint64_t end = begin + static_cast<uint64_t>(size);
+      EXPECT_EQ(begin % align, 0u) << p.name;
+      EXPECT_LE(end, arena[host]) << p.name;
+      if (it != ranges.end()) {
+        EXPECT_GE(begin, it->second->offset) << p.name;
+        EXPECT_LE(end, it->second->offset + it->second->bytes) << p.name;
+      }
+      spans[host].push_back({begin, end, p.name});
+      used += static_cast<uint64_t>(size);
+    }
+    EXPECT_GE(p.state_bytes, used) << p.name;
+    EXPECT_LT(p.state_bytes, used + 5 * align) << p.name;
+    module_sums[{p.module, static_cast<int>(p.tier)}] += p.state_bytes;
+  }
+  for (const auto& [key, range] : ranges) EXPECT_EQ(module_sums[key], range->bytes) << key.first;
+  for (auto& s : spans) {
+    std::sort(s.begin(), s.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+    for (size_t i = 1; i < s.size(); ++i) {
+      EXPECT_LE(s[i - 1].end, s[i].begin) << s[i - 1].what << " overlaps " << s[i].what;
+    }
+  }
+  EXPECT_EQ(plan.prediction.device_state_bytes % o.device_module_alignment, 0u);
+}
+
+// Buckets: one tier each, gradient-ready order, within bucket_bytes unless alone, every
+// trainable param in exactly one.
+void CheckBuckets(const ProbeRecord& r, const Plan& plan) {
+  std::vector<int> seen(plan.params.size(), 0);
+  int64_t last_order = -1;
+  for (size_t b = 0; b < plan.buckets.size(); ++b) {
+    const Bucket& bucket = plan.buckets[b];
+    ASSERT_FALSE(bucket.params.empty());
+    uint64_t bytes = 0;
+    double ready = 0.0;
+    for (int64_t i : bucket.params) {
+      const ParamPlan& p = plan.params[static_cast<size_t>(i)];
+      EXPECT_EQ(p.tier, bucket.tier);
+      EXPECT_EQ(p.bucket, static_cast<int64_t>(b));
+      const int64_t order = r.params[static_cast<size_t>(i)].grad_ready_order;
+      if (order >= 0) {  // params without a gradient come last, in index order
+        EXPECT_GT(order, last_order) << p.name;
+        last_order = order;
+      }
+      bytes += r.params[static_cast<size_t>(i)].bytes;
+      ready = r.params[static_cast<size_t>(i)].grad_ready_time;
+      ++seen[static_cast<size_t>(i)];
+    }
+    EXPECT_EQ(bucket.param_bytes, bytes);
+    EXPECT_EQ(bucket.ready_time, ready);
+    if (bucket.params.size() > 1) EXPECT_LE(bytes, plan.options.bucket_bytes);
+    if (b > 0 && plan.buckets[b - 1].tier == bucket.tier) {  // cut only because it was full
+      const uint64_t first = r.params[static_cast<size_t>(bucket.params[0])].bytes;
+      EXPECT_GT(plan.buckets[b - 1].param_bytes + first, plan.options.bucket_bytes);
+    }
+  }
+  for (const ParamPlan& p : plan.params) {
+    EXPECT_EQ(seen[static_cast<size_t>(p.index)], p.trainable ? 1 : 0) << p.name;
+  }
+}
+
+// ---- hotness --------------------------------------------------------------------------------
+
+TEST(PlanHotness, UntiedDecoderEmbeddingHottestHeadColdest) {
+  const ProbeRecord r = Decoder(false);
+  const Plan plan = MustPlan(r, DeviceProfile{}, PlanOptions{});
+  const ParamPlan& embed = Find(plan, "model.embed_tokens.weight");
+  const ParamPlan& head = Find(plan, "lm_head.weight");
+  const int64_t n = static_cast<int64_t>(plan.params.size());
+  EXPECT_EQ(embed.offload_rank, n - 1);
+  EXPECT_EQ(head.offload_rank, 0);
+  for (const ParamPlan& p : plan.params) {
+    EXPECT_LE(p.hotness, embed.hotness) << p.name;
+    EXPECT_LE(p.slack, head.slack) << p.name;
+    EXPECT_GE(p.slack, embed.slack) << p.name;
+    EXPECT_GT(p.cost, 0.0) << p.name;
+  }
+  // Later layers leave the device before earlier ones: the last layer's MLP before the first's.
+  EXPECT_LT(Find(plan, "model.layers.3.mlp.down_proj.weight").offload_rank,
+            Find(plan, "model.layers.0.mlp.down_proj.weight").offload_rank);
+}
+
+TEST(PlanHotness, TiedEmbeddingIsHottestAndHeadIsNotSeparate) {
+  const ProbeRecord r = Decoder(true);
+  const Plan plan = MustPlan(r, DeviceProfile{}, PlanOptions{});
+  for (const ParamPlan& p : plan.params) EXPECT_NE(p.name, "lm_head.weight");
+  const ParamPlan& embed = Find(plan, "model.embed_tokens.weight");
+  EXPECT_EQ(embed.offload_rank, static_cast<int64_t>(plan.params.size()) - 1);
+  for (const ParamPlan& p : plan.params) EXPECT_LE(p.hotness, embed.hotness) << p.name;
+}
+
+TEST(PlanHotness, SlackCostAndHotnessFollowTheModel) {
+  ProbeRecord r;
+  r.forward_time = 0.01;
+  r.backward_time = 0.02;
+  r.params = {Param("a", "m", 1000, 0, 0.002, 1, 0.025), Param("b", "m", 500, 1, 0.004, 0, 0.02)};
+  const DeviceProfile profile = Gpu();
+  const Plan plan = MustPlan(r, profile, PlanOptions{});
+  // AdamW fp32: 4 B down, 28 B through the CPU, 4 B up per element.
+  const double per_element = 4 / 10e9 + 28 / 20e9 + 4 / 10e9;
+  EXPECT_NEAR(plan.params[0].slack, 0.03 + 0.002 - 0.025, 1e-15);
+  EXPECT_NEAR(plan.params[1].slack, 0.03 + 0.004 - 0.02, 1e-15);
+  EXPECT_DOUBLE_EQ(plan.params[0].cost, 1000 * per_element);
+  EXPECT_DOUBLE_EQ(plan.params[1].cost, 500 * per_element);
+  EXPECT_DOUBLE_EQ(plan.params[0].hotness, plan.params[0].cost / plan.params[0].slack);
+  EXPECT_EQ(plan.params[0].centrality, 0.0);
+}
+
+TEST(PlanHotness, GraphCentralityReordersEqualParams) {
+  ProbeRecord r;
+  r.forward_time = 0.01;
+  r.backward_time = 0.02;
+  r.params = {Param("a", "ma", 1000, 0, 0.001, 0, 0.02), Param("b", "mb", 1000, 1, 0.001, 1, 0.02)};
+  // Without a graph the two tie, and the lower index leaves the device first.
+  const Plan flat = MustPlan(r, Gpu(), PlanOptions{});
+  EXPECT_EQ(flat.params[0].hotness, flat.params[1].hotness);
+  EXPECT_EQ(flat.params[0].offload_rank, 0);
+  // "a" feeds every op; "b" only the last: a is central, so hotter, so b leaves first.
+  r.graph = {{"op0", {"a"}, {}}, {"op1", {}, {0}}, {"op2", {}, {1}}, {"op3", {"b"}, {2}}};
+  const Plan graph = MustPlan(r, Gpu(), PlanOptions{});
+  EXPECT_DOUBLE_EQ(graph.params[0].centrality, 1.0);
+  EXPECT_DOUBLE_EQ(graph.params[1].centrality, 0.25);
+  EXPECT_DOUBLE_EQ(graph.params[0].hotness, 2.0 * flat.params[0].hotness);
+  EXPECT_DOUBLE_EQ(graph.params[1].hotness, 1.25 * flat.params[1].hotness);
+  EXPECT_EQ(graph.params[1].offload_rank, 0);
+  EXPECT_EQ(graph.params[0].offload_rank, 1);
+}
+
+TEST(PlanHotness, CentralityCountsAliasesAndBranches) {
+  ProbeRecord r;
+  r.forward_time = 0.01;
+  r.backward_time = 0.02;
+  r.params = {Param("e", "e", 10, 0, 0.0, 1, 0.03), Param("w", "w", 10, 1, 0.001, 0, 0.02)};
+  r.params[0].tied_names = {"head"};
+  // 70 ops (more than one 64-op block): e feeds op0, which starts a chain of 60; w feeds op61,
+  // a side branch of 9 ops; "head" (e's alias) reads the last op.
+  for (int i = 0; i < 70; ++i) {
+    GraphOp op;
+    op.name = "op" + std::to_string(i);
+    if (i == 0) op.params = {"e"};
+    if (i > 0 && i <= 60) op.inputs = {i - 1};
+    if (i == 61) op.params = {"w"};
+    if (i > 61) op.inputs = {i - 1};
+    if (i == 69) op.params = {"head"};
+    r.graph.push_back(op);
+  }
+  const Plan plan = MustPlan(r, Gpu(), PlanOptions{});
+  EXPECT_DOUBLE_EQ(plan.params[0].centrality, 62.0 / 70.0);  // op0..op60 and op69
+  EXPECT_DOUBLE_EQ(plan.params[1].centrality, 9.0 / 70.0);   // op61..op69
+}
+
+// ---- budgets --------------------------------------------------------------------------------
+
+TEST(PlanBudget, SweepNeverExceedsBudgetAndMoreBudgetNeverMovesMoreToHost) {
+  for (uint64_t module_alignment : {uint64_t{4096}, 2 * kMiB}) {
+    const ProbeRecord r = Decoder(false);
+    PlanOptions o;
+    o.device_module_alignment = module_alignment;
+    const Plan unlimited = MustPlan(r, DeviceProfile{}, o);
+    EXPECT_TRUE(HostSet(unlimited).empty());
+    const uint64_t min = unlimited.min_budget_bytes;
+    const uint64_t all_fit = unlimited.prediction.peak_device_bytes;
+    ASSERT_LT(min, all_fit);
+    EXPECT_EQ(min, BaseBytes(r));  // everything can go to the host
+    std::set<int64_t> previous;
+    std::map<size_t, uint64_t> peak_by_host_count;
+    std::vector<std::pair<uint64_t, Plan>> plans;
+    const uint64_t steps = 200;
+    for (uint64_t s = 0; s <= steps; ++s) {
+      o.budget_bytes = min + (all_fit - min) * s / steps;
+      Plan plan = MustPlan(r, Gpu(), o);
+      EXPECT_LE(plan.prediction.peak_device_bytes, o.budget_bytes);
+      EXPECT_EQ(plan.budget_bytes, o.budget_bytes);
+      const std::set<int64_t> host = HostSet(plan);
+      if (s > 0)
+        EXPECT_TRUE(std::includes(previous.begin(), previous.end(), host.begin(), host.end()))
+            << "budget " << o.budget_bytes << " moved a param to the host that less budget kept";
+      // The host set is always the coldest ranks: {rank < k}.
+      for (const ParamPlan& p : plan.params)
+        EXPECT_EQ(p.offload_rank < (int64_t)host.size(), host.count(p.index) == 1);
+      peak_by_host_count[host.size()] = plan.prediction.peak_device_bytes;
+      previous = host;
+      plans.emplace_back(o.budget_bytes, std::move(plan));
+    }
+    EXPECT_TRUE(previous.empty());  // at all_fit nothing is on the host
+    EXPECT_GT(peak_by_host_count.size(), 10u);
+    // Minimal: no plan with fewer params on the host would have fit the same budget.
+    for (const auto& [budget, plan] : plans) {
+      const size_t k = HostSet(plan).size();
+      for (const auto& [other_k, peak] : peak_by_host_count) {
+        if (other_k < k) EXPECT_GT(peak, budget) << "k=" << k << " but " << other_k << " fits";
+      }
+      CheckLayout(plan);
+    }
+  }
+}
+
+TEST(PlanBudget, InfeasibleReportsExactMinimum) {
+  const ProbeRecord r = Decoder(false);
+  for (bool allow_host : {true, false}) {
+    PlanOptions o;
+    o.allow_host_tier = allow_host;
+    const Plan unlimited = MustPlan(r, DeviceProfile{}, o);
+    const uint64_t min = unlimited.min_budget_bytes;
+    EXPECT_EQ(min, allow_host ? BaseBytes(r) : unlimited.prediction.peak_device_bytes);
+
+    o.budget_bytes = min;
+    uint64_t reported = 0;
+    Result<Plan> at = MakePlan(r, Gpu(), o, &reported);
+    ASSERT_TRUE(at.ok()) << at.status().ToString();
+    EXPECT_EQ(reported, min);
+    EXPECT_LE(at->prediction.peak_device_bytes, min);
+
+    o.budget_bytes = min - 1;
+    reported = 0;
+    Result<Plan> below = MakePlan(r, Gpu(), o, &reported);
+    ASSERT_FALSE(below.ok());
+    EXPECT_EQ(below.status().code(), StatusCode::kInfeasible);
+    EXPECT_EQ(reported, min);
+    const std::string& msg = below.status().message();
+    EXPECT_NE(msg.find(FormatBytes(min)), std::string::npos) << msg;
+    EXPECT_NE(msg.find(std::to_string(min) + " bytes"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(allow_host ? "activation" : "allow the host tier"), std::string::npos)
+        << msg;
+  }
+}
+
+TEST(PlanBudget, DefaultBudgetComesFromTheProfile) {
+  const ProbeRecord r = Decoder(false);
+  PlanOptions o;
+  o.safety_margin_bytes = 1 * kGiB;
+  EXPECT_EQ(MustPlan(r, Gpu(10 * kGiB), o).budget_bytes, 9 * kGiB);
+  DeviceProfile total_only = Gpu(0);
+  EXPECT_EQ(MustPlan(r, total_only, o).budget_bytes, 79 * kGiB);
+  EXPECT_EQ(MustPlan(r, DeviceProfile{}, o).budget_bytes, 0u);  // no GPU: no limit
+
+  Result<Plan> starved = MakePlan(r, Gpu(kGiB / 2), o);
+  ASSERT_FALSE(starved.ok());
+  EXPECT_EQ(starved.status().code(), StatusCode::kInfeasible);
+  EXPECT_NE(starved.status().message().find("safety margin"), std::string::npos);
+}
+
+TEST(PlanBudget, ForceAllHostAndNoHostTier) {
+  const ProbeRecord r = Decoder(false, DType::kBFloat16);
+  PlanOptions o;
+  o.force_all_host = true;
+  const Plan all_host = MustPlan(r, Gpu(), o);
+  EXPECT_EQ(HostSet(all_host).size(), r.params.size());
+  EXPECT_EQ(all_host.prediction.device_state_bytes, 0u);
+  EXPECT_GT(all_host.prediction.host_state_bytes, 0u);
+  CheckLayout(all_host);
+
+  o.force_all_host = false;
+  o.allow_host_tier = false;
+  o.budget_bytes = 1;
+  uint64_t min = 0;
+  Result<Plan> plan = MakePlan(r, Gpu(), o, &min);
+  ASSERT_FALSE(plan.ok());
+  o.budget_bytes = min;
+  const Plan device_only = MustPlan(r, Gpu(), o);
+  EXPECT_TRUE(HostSet(device_only).empty());
+  CheckLayout(device_only);
+}
+
+// ---- state and layout -----------------------------------------------------------------------
+
+TEST(PlanState, OptimizersAndDtypesGetTheirViews) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kAdam, OptimizerKind::kLion}) {
+      for (DType state : {DType::kFloat32, DType::kBFloat16}) {
+        const ProbeRecord r = Decoder(false, dtype);
+        PlanOptions o;
+        o.optimizer = kind;
+        o.state_dtype = state;
+        o.device_module_alignment = 64 * 1024;
+        const Plan unlimited = MustPlan(r, DeviceProfile{}, o);
+        o.budget_bytes = (unlimited.min_budget_bytes + unlimited.prediction.peak_device_bytes) / 2;
+        const Plan plan = MustPlan(r, Gpu(), o);
+        SCOPED_TRACE(std::string(DTypeName(dtype)) + " " + OptimizerName(kind) + " " +
+                     DTypeName(state));
+        EXPECT_FALSE(HostSet(plan).empty());
+        EXPECT_LT(HostSet(plan).size(), r.params.size());
+        for (const ParamPlan& p : plan.params) {
+          EXPECT_EQ(p.state_dtype, state);
+          EXPECT_EQ(p.exp_avg_sq_offset >= 0, kind != OptimizerKind::kLion) << p.name;
+        }
+        CheckLayout(plan);
+        CheckBuckets(r, plan);
+      }
+    }
+  }
+}
+
+TEST(PlanState, FrozenParamsHoldMemoryButGetNoState) {
+  ProbeRecord r;
+  r.forward_time = 0.01;
+  r.backward_time = 0.02;
+  r.params = {Param("frozen", "a", 1000, 0, 0.0, -1, 0.0),
+              Param("w", "b", 1000, 1, 0.005, 0, 0.02)};
+  r.params[0].trainable = false;
+  const Plan plan = MustPlan(r, Gpu(), PlanOptions{});
+  EXPECT_EQ(plan.min_budget_bytes, 4000u + 8000u);  // frozen weights + trainable weights + grad
+  EXPECT_EQ(plan.params[0].state_bytes, 0u);
+  EXPECT_GT(plan.params[1].state_bytes, 0u);
+  EXPECT_EQ(plan.buckets.size(), 1u);
+  for (const ModuleRange& m : plan.modules) EXPECT_NE(m.module, "a");
+  CheckLayout(plan);
+}
+
+TEST(PlanState, ZeroSizeAndGradlessParamsArePlanned) {
+  ProbeRecord r;
+  r.forward_time = 0.01;
+  r.backward_time = 0.02;
+  r.params = {Param("empty", "a", 0, 0, 0.0, 0, 0.02), Param("w", "a", 300, 1, 0.005, 1, 0.025),
+              Param("unused", "b", 7, -1, 0.0, -1, 0.0)};
+  for (bool all_host : {false, true}) {
+    PlanOptions o;
+    o.force_all_host = all_host;
+    const Plan plan = MustPlan(r, Gpu(), o);
+    EXPECT_EQ(plan.params[0].state_bytes, 0u);
+    EXPECT_EQ(plan.params[0].offload_rank, 2);  // frees nothing: last to move
+    // Unused: needed by the end of the next forward, ready at the end of backward.
+    EXPECT_DOUBLE_EQ(plan.params[2].slack, 0.01);
+    EXPECT_EQ(plan.buckets.back().params.back(), 2);  // no gradient: last
+    CheckLayout(plan);
+  }
+}
+
+TEST(PlanLayout, ModulesFollowGradientReadyOrder) {
+  const ProbeRecord r = Decoder(false);
+  PlanOptions o;
+  o.device_module_alignment = 4096;
+  const Plan plan = MustPlan(r, DeviceProfile{}, o);
+  CheckLayout(plan);
+  // Device arena order = order of each module's first gradient.
+  int64_t last = -1;
+  uint64_t last_offset = 0;
+  for (const ModuleRange& m : plan.modules) {
+    int64_t first = INT64_MAX;
+    for (const ParamRecord& p : r.params) {
+      if (p.module == m.module) first = std::min(first, p.grad_ready_order);
+    }
+    EXPECT_GT(first, last) << m.module;
+    EXPECT_GE(m.offset, last_offset);
+    last = first;
+    last_offset = m.offset;
+  }
+  EXPECT_EQ(plan.modules.front().module, "lm_head");
+  EXPECT_EQ(plan.modules.back().module, "model.embed_tokens");
+  // Big modules (>= 4 KiB here) start at the next 4 KiB boundary; small ones are packed at 256 B.
+  uint64_t end = 0;
+  size_t small = 0;
+  for (const ModuleRange& m : plan.modules) {
+    const uint64_t align = m.bytes >= 4096 ? 4096 : 256;
+    small += m.bytes < 4096;
+    EXPECT_EQ(m.offset, (end + align - 1) / align * align) << m.module;
+    end = m.offset + m.bytes;
+  }
+  EXPECT_GT(small, 0u);
+  EXPECT_EQ(plan.prediction.device_state_bytes, (end + 4095) / 4096 * 4096);
+}
+
+TEST(PlanLayout, TenThousandParams) {
+  ProbeRecord r;
+  r.forward_time = 1.0;
+  r.backward_time = 2.0;
+  const int n = 10000;
+  for (int i = 0; i < n; ++i) {
+    const int64_t numel = 1000 + (i * 7919) % 300000;
+    r.params.push_back(Param("p" + std::to_string(i), "m" + std::to_string(i / 7), numel, i,
+                             1.0 * i / n, n - 1 - i, 1.0 + 2.0 * (n - i) / n));
+  }
+  for (int i = 0; i < n; ++i) {
+    GraphOp op;
+    op.name = "op" + std::to_string(i);
+    op.params = {"p" + std::to_string(i)};
+    if (i > 0) op.inputs = {i - 1};
+    if (i > 10) op.inputs.push_back(i - 11);
+    r.graph.push_back(op);
+  }
+  PlanOptions o;
+  const Plan unlimited = MustPlan(r, DeviceProfile{}, o);
+  o.budget_bytes = (unlimited.min_budget_bytes + unlimited.prediction.peak_device_bytes) / 2;
+  const Plan plan = MustPlan(r, Gpu(), o);
+  EXPECT_LE(plan.prediction.peak_device_bytes, o.budget_bytes);
+  EXPECT_GT(HostSet(plan).size(), 100u);
+  EXPECT_DOUBLE_EQ(plan.params[0].centrality, 1.0);
+  EXPECT_DOUBLE_EQ(plan.params[n - 1].centrality, 1.0 / n);
+  CheckLayout(plan);
+  CheckBuckets(r, plan);
+}
+
+// ---- buckets and prediction -----------------------------------------------------------------
+
+TEST(PlanSchedule, BucketsRespectTierAndSize) {
+  const ProbeRecord r = Decoder(false);
+  PlanOptions o;
+  o.bucket_bytes = 1 * kMiB;
+  const Plan unlimited = MustPlan(r, DeviceProfile{}, o);
+  o.budget_bytes = (unlimited.min_budget_bytes + unlimited.prediction.peak_device_bytes) / 2;
+  const Plan plan = MustPlan(r, Gpu(), o);
+  CheckBuckets(r, plan);
+  std::set<Tier> tiers;
+  for (const Bucket& b : plan.buckets) tiers.insert(b.tier);
+  EXPECT_EQ(tiers.size(), 2u);
+}
+
+TEST(PlanSchedule, TimelineMatchesHandComputation) {
+  ProbeRecord r;
+  r.forward_time = 0.01;
+  r.backward_time = 0.02;
+  r.params = {Param("a", "a", 1000000, 0, 0.0, 1, 0.03),
+              Param("b", "b", 1000000, 1, 0.005, 0, 0.015)};
+  const DeviceProfile profile = Gpu();
+  PlanOptions o;
+  const Plan device = MustPlan(r, profile, o);
+  ASSERT_EQ(device.buckets.size(), 1u);
+  const double hbm = 2e6 * 28 / 1e12;  // fp32 AdamW: 28 B per element
+  EXPECT_DOUBLE_EQ(device.prediction.hbm_time, hbm);
+  EXPECT_DOUBLE_EQ(device.prediction.period, 0.03);
+  EXPECT_NEAR(device.prediction.stall_time, hbm, 1e-15);  // "a" is needed at P + 0
+  EXPECT_NEAR(device.prediction.step_time, 0.03 + hbm, 1e-15);
+  EXPECT_EQ(device.prediction.d2h_time, 0.0);
+
+  o.force_all_host = true;
+  o.bucket_bytes = 4000000;  // one param per bucket
+  const Plan host = MustPlan(r, profile, o);
+  ASSERT_EQ(host.buckets.size(), 2u);
+  const double down = 4e6 / 10e9, cpu = 28e6 / 20e9, up = 4e6 / 10e9;
+  EXPECT_DOUBLE_EQ(host.prediction.d2h_time, 2 * down);
+  EXPECT_DOUBLE_EQ(host.prediction.cpu_time, 2 * cpu);
+  EXPECT_DOUBLE_EQ(host.prediction.h2d_time, 2 * up);
+  EXPECT_EQ(host.prediction.hbm_time, 0.0);
+  // b: ready 0.015, done 0.015 + down + cpu + up (needed at 0.035); a: ready 0.03, the engines
+  // are free again by then, needed at 0.03.
+  EXPECT_NEAR(host.prediction.stall_time, down + cpu + up, 1e-12);
+
+  // A slow host makes b's pipeline still busy when a arrives: a waits for the CPU.
+  DeviceProfile slow = profile;
+  slow.cpu.host_update_bandwidth = 1e9;
+  const Plan queued = MustPlan(r, slow, o);
+  const double slow_cpu = 28e6 / 1e9;
+  const double b_cpu_done = 0.015 + down + slow_cpu;
+  ASSERT_GT(b_cpu_done, 0.03 + down);
+  const double a_done = b_cpu_done + slow_cpu + up;
+  EXPECT_NEAR(queued.prediction.stall_time, a_done - 0.03, 1e-12);
+  EXPECT_NEAR(queued.prediction.step_time, 0.03 + a_done - 0.03, 1e-12);
+}
+
+TEST(PlanSchedule, PeakIsBasePlusDeviceArena) {
+  const ProbeRecord r = Decoder(true);
+  const Plan plan = MustPlan(r, DeviceProfile{}, PlanOptions{});
+  EXPECT_EQ(plan.prediction.peak_device_bytes, BaseBytes(r) + plan.prediction.device_state_bytes);
+  uint64_t state = 0;
+  for (const ParamPlan& p : plan.params) state += p.state_bytes;
+  EXPECT_GE(plan.prediction.device_state_bytes, state);
+}
+
+// ---- options and input ----------------------------------------------------------------------
+
+TEST(PlanOptionsCheck, BadOptionsAreRejectedAndChangeNothing) {
+  const ProbeRecord r = Decoder(false);
+  std::vector<std::pair<std::string, PlanOptions>> cases;
+  PlanOptions o;
+  o.bucket_bytes = 0;
+  cases.push_back({"bucket_bytes", o});
+  o = PlanOptions{};
+  o.device_tensor_alignment = 384;
+  cases.push_back({"device_tensor_alignment", o});
+  o = PlanOptions{};
+  o.host_tensor_alignment = 0;
+  cases.push_back({"host_tensor_alignment", o});
+  o = PlanOptions{};
+  o.device_module_alignment = 128;
+  cases.push_back({"device_module_alignment", o});
+  o = PlanOptions{};
+  o.state_dtype = DType::kFloat16;
+  cases.push_back({"state_dtype", o});
+  o = PlanOptions{};
+  o.optimizer = static_cast<OptimizerKind>(7);
+  cases.push_back({"optimizer", o});
+  o = PlanOptions{};
+  o.force_all_host = true;
+  o.allow_host_tier = false;
+  cases.push_back({"force_all_host", o});
+  for (const auto& [field, options] : cases) {
+    uint64_t min = 12345;
+    Result<Plan> plan = MakePlan(r, Gpu(), options, &min);
+    ASSERT_FALSE(plan.ok()) << field;
+    EXPECT_EQ(plan.status().code(), StatusCode::kInvalidArgument) << field;
+    EXPECT_NE(plan.status().message().find(field), std::string::npos) << plan.status().message();
+    EXPECT_EQ(min, 12345u) << field;
+  }
+}
+
+TEST(PlanOptionsCheck, InvalidRecordIsRejected) {
+  ProbeRecord r = Decoder(false);
+  r.params[3].bytes += 1;
+  Result<Plan> plan = MakePlan(r, Gpu(), PlanOptions{});
+  ASSERT_FALSE(plan.ok());
+  EXPECT_NE(plan.status().message().find("probe record"), std::string::npos);
+  EXPECT_NE(plan.status().message().find(r.params[3].name), std::string::npos)
+      << plan.status().message();
+}
+
+TEST(PlanOptionsCheck, EmptyRecordGivesEmptyPlan) {
+  ProbeRecord r;
+  const Plan plan = MustPlan(r, Gpu(), PlanOptions{});
+  EXPECT_TRUE(plan.params.empty());
+  EXPECT_TRUE(plan.buckets.empty());
+  EXPECT_EQ(plan.prediction.device_state_bytes, 0u);
+  EXPECT_EQ(plan.prediction.step_time, 0.0);
+}
+
+// ---- output ---------------------------------------------------------------------------------
+
+TEST(PlanOutput, JsonIsDeterministicAndComplete) {
+  ProbeRecord r = Decoder(false, DType::kBFloat16);
+  r.graph = {{"embed", {"model.embed_tokens.weight"}, {}}, {"head", {"lm_head.weight"}, {0}}};
+  PlanOptions o;
+  const Plan unlimited = MustPlan(r, DeviceProfile{}, o);
+  o.budget_bytes = (unlimited.min_budget_bytes + unlimited.prediction.peak_device_bytes) / 2;
+  const Plan a = MustPlan(r, Gpu(), o);
+  const Plan b = MustPlan(r, Gpu(), o);
+  const std::string text = PlanToJson(a);
+  EXPECT_EQ(text, PlanToJson(b));
+
+  Result<json::Value> doc = json::Parse(text);
+  ASSERT_TRUE(doc.ok()) << doc.status().ToString();
+  json::Reader root(*doc, "plan");
+  EXPECT_EQ(*root.String("format"), "emsa.plan");
+  EXPECT_EQ(*root.Int("version"), 1);
+  EXPECT_EQ(*root.UInt("budget_bytes"), a.budget_bytes);
+  EXPECT_EQ(*root.UInt("min_budget_bytes"), a.min_budget_bytes);
+  auto params = root.Array("params");
+  ASSERT_TRUE(params.ok());
+  ASSERT_EQ(params->size(), a.params.size());
+  for (size_t i = 0; i < a.params.size(); ++i) {
+    const json::Reader& p = (*params)[i];
+    const ParamPlan& q = a.params[i];
+    EXPECT_EQ(*p.String("name"), q.name);
+    EXPECT_EQ(*p.String("tier"), TierName(q.tier));
+    EXPECT_EQ(*p.Int("exp_avg_offset"), q.exp_avg_offset);
+    EXPECT_EQ(*p.Int("param_out_offset"), q.param_out_offset);
+    EXPECT_EQ(*p.Int("bucket"), q.bucket);
+    EXPECT_EQ(*p.UInt("state_bytes"), q.state_bytes);
+    EXPECT_EQ(*p.Number("hotness"), q.hotness);
+    EXPECT_EQ(*p.Number("centrality"), q.centrality);
+  }
+  auto buckets = root.Array("buckets");
+  ASSERT_TRUE(buckets.ok());
+  EXPECT_EQ(buckets->size(), a.buckets.size());
+  auto modules = root.Array("modules");
+  ASSERT_TRUE(modules.ok());
+  EXPECT_EQ(modules->size(), a.modules.size());
+  auto prediction = root.Object("prediction");
+  ASSERT_TRUE(prediction.ok());
+  EXPECT_EQ(*prediction->Number("step_time"), a.prediction.step_time);
+  EXPECT_EQ(*prediction->UInt("peak_device_bytes"), a.prediction.peak_device_bytes);
+  auto options = root.Object("options");
+  ASSERT_TRUE(options.ok());
+  EXPECT_EQ(*options->String("optimizer"), "adamw");
+  EXPECT_EQ(*options->UInt("bucket_bytes"), o.bucket_bytes);
+}
+
+TEST(PlanOutput, TableListsEveryParamAndSummaryDoesNot) {
+  ProbeRecord r = Decoder(false);
+  const std::string long_name(80, 'x');
+  r.params.push_back(Param(long_name + ".tail", "long", 10, 1000, 0.0, 1000, 0.0));
+  r.params.back().forward_time = r.forward_time;
+  r.params.back().grad_ready_time = r.forward_time + r.backward_time;
+  PlanOptions o;
+  const Plan unlimited = MustPlan(r, DeviceProfile{}, o);
+  o.budget_bytes = (unlimited.min_budget_bytes + unlimited.prediction.peak_device_bytes) / 2;
+  const Plan plan = MustPlan(r, Gpu(), o);
+  const std::string table = PlanToTable(plan);
+  for (const ParamPlan& p : plan.params) {
+    if (p.name.size() <= 44) EXPECT_NE(table.find(p.name), std::string::npos) << p.name;
+  }
+  EXPECT_EQ(table.find(long_name), std::string::npos);
+  EXPECT_NE(table.find("..." + std::string(36, 'x') + ".tail "), std::string::npos);
+  const std::string budget = "budget " + FormatBytes(o.budget_bytes);
+  for (const std::string& part : {std::string("module ranges"), std::string("L1 (device)"),
+                                  std::string("L2 (host)"), std::string("stall"), budget}) {
+    EXPECT_NE(table.find(part), std::string::npos) << part;
+  }
+  // Every line of the per-parameter section has the same width.
+  size_t rows = 0, width = 0;
+  size_t pos = table.find("\n", table.find("   idx")) + 1;
+  while (rows < plan.params.size()) {
+    const size_t end = table.find('\n', pos);
+    if (rows == 0) width = end - pos;
+    EXPECT_EQ(end - pos, width) << table.substr(pos, end - pos);
+    pos = end + 1;
+    ++rows;
+  }
+  const std::string summary = PlanSummaryToTable(plan);
+  EXPECT_EQ(summary.find("model.layers.0"), std::string::npos);
+  EXPECT_NE(summary.find("prediction"), std::string::npos);
+  EXPECT_NE(summary.find("smallest budget that works"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace emsa
