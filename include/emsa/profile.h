@@ -26,29 +26,29 @@ Result<SimdLevel> ParseSimdLevel(const std::string& name);
 SimdLevel DetectSimdLevel();
 
 struct CpuProfile {
-  std::string model;                  // brand string, or "unknown"
-  int logical_cores = 0;              // threads the OS lets this process use (affinity mask)
+  std::string model;      // brand string, or "unknown"
+  int logical_cores = 0;  // threads the OS lets this process use (affinity mask)
   SimdLevel simd = SimdLevel::kScalar;
-  double host_mem_bandwidth = 0.0;    // B/s, multi-threaded streaming copy, read+write, measured
-  double host_update_bandwidth = 0.0; // B/s, an Adam-shaped pass (4 fp32 streams in, 3 out:
-                                      // 28 bytes per element), measured
+  double host_mem_bandwidth = 0.0;     // B/s, multi-threaded streaming copy, read+write, measured
+  double host_update_bandwidth = 0.0;  // B/s, an Adam-shaped pass (4 fp32 streams in, 3 out:
+                                       // 28 bytes per element), measured
 };
 
 struct GpuProfile {
-  bool present = false;               // false: every other field is zero/empty
-  int device = 0;                     // CUDA ordinal
+  bool present = false;  // false: every other field is zero/empty
+  int device = 0;        // CUDA ordinal
   std::string name;
   int compute_capability_major = 0;
   int compute_capability_minor = 0;
   int sm_count = 0;
-  uint64_t total_memory = 0;          // bytes
-  uint64_t free_memory = 0;           // bytes, when measured
+  uint64_t total_memory = 0;  // bytes
+  uint64_t free_memory = 0;   // bytes, when measured
   uint64_t l2_bytes = 0;
   uint64_t max_persisting_l2_bytes = 0;  // 0: the device has no persisting L2 (or MIG)
-  double hbm_bandwidth = 0.0;         // B/s, device-to-device copy, read+write, measured
+  double hbm_bandwidth = 0.0;            // B/s, device-to-device copy, read+write, measured
   // PCIe figures count each byte once (it crosses the link once), one direction at a time.
-  double h2d_bandwidth = 0.0;         // B/s, pinned host to device, measured
-  double d2h_bandwidth = 0.0;         // B/s, device to pinned host, measured
+  double h2d_bandwidth = 0.0;  // B/s, pinned host to device, measured
+  double d2h_bandwidth = 0.0;  // B/s, device to pinned host, measured
 };
 
 struct DeviceProfile {
@@ -58,9 +58,9 @@ struct DeviceProfile {
 };
 
 struct ProfileOptions {
-  bool measure_bandwidth = true;   // false: skip the timed parts (bandwidths stay 0)
-  int gpu_device = 0;              // which CUDA device to describe, if any
-  int threads = 0;                 // CPU threads for the host measurement; 0 = all allowed
+  bool measure_bandwidth = true;  // false: skip the timed parts (bandwidths stay 0)
+  int gpu_device = 0;             // which CUDA device to describe, if any
+  int threads = 0;                // CPU threads for the host measurement; 0 = all allowed
 };
 
 // CPU part only; never touches CUDA.

@@ -1,0 +1,223 @@
+// gpu_profile.cc — the GPU half of the device profile: what the device is (CUDA runtime
+// attributes) and three timed copies: device-to-device (HBM), pinned host to device and back.
+//
+// A build without CUDA, a machine without a driver, or one without a device all give
+// {present = false} and OK: the planner then works from a preset profile instead.
+#include <string>
+
+#include "common/cuda_util.h"
+#include "emsa/profile.h"
+
+#if EMSA_HAVE_CUDA
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace emsa {
+namespace {
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+constexpr uint64_t kHbmCopyBytes = 1024 * kMiB;  // per buffer; the copy moves twice this
+constexpr uint64_t kPcieCopyBytes = 256 * kMiB;
+constexpr int kTimedCopies = 5;
+
+// Owners for the measurement's resources, so that every early return frees what was taken.
+// Errors from the frees themselves are ignored: nothing useful can be done with them here.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  ~DeviceBuffer() {
+    if (ptr != nullptr) (void)cudaFree(ptr);
+  }
+};
+struct PinnedBuffer {
+  void* ptr = nullptr;
+  ~PinnedBuffer() {
+    if (ptr != nullptr) (void)cudaFreeHost(ptr);
+  }
+};
+struct Stream {
+  cudaStream_t stream = nullptr;
+  ~Stream() {
+    if (stream != nullptr) (void)cudaStreamDestroy(stream);
+  }
+};
+struct Event {
+  cudaEvent_t event = nullptr;
+  ~Event() {
+    if (event != nullptr) (void)cudaEventDestroy(event);
+  }
+};
+// Measuring must not change which device the caller's thread works on.
+struct RestoreDevice {
+  int device = -1;
+  ~RestoreDevice() {
+    if (device >= 0) (void)cudaSetDevice(device);
+  }
+};
+
+Status AllocDevice(DeviceBuffer* buf, uint64_t bytes) {
+  cudaError_t err = cudaMalloc(&buf->ptr, bytes);
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    return Status::OutOfMemory("GPU profile: cudaMalloc of " + std::to_string(bytes) +
+                               " bytes failed; free device memory or set measure_bandwidth=false");
+  }
+  return CudaStatus(err, "GPU profile: cudaMalloc");
+}
+
+// Runs copy() once untimed (first-use costs: page tables, copy-engine setup), then
+// kTimedCopies times between events; returns bytes_counted / median seconds.
+template <typename CopyFn>
+Result<double> MedianBandwidth(cudaStream_t stream, double bytes_counted, const char* what,
+                               CopyFn&& copy) {
+  Event start, stop;
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start.event));
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop.event));
+  EMSA_RETURN_IF_ERROR(CudaStatus(copy(), what));
+  std::vector<float> ms(kTimedCopies);
+  for (float& m : ms) {
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.event, stream));
+    EMSA_RETURN_IF_ERROR(CudaStatus(copy(), what));
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop.event, stream));
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop.event));
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&m, start.event, stop.event));
+  }
+  std::sort(ms.begin(), ms.end());
+  const double seconds = ms[ms.size() / 2] * 1e-3;
+  return seconds > 0.0 ? bytes_counted / seconds : 0.0;
+}
+
+Status MeasureCopies(GpuProfile* gpu) {
+  Stream stream;
+  EMSA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream.stream, cudaStreamNonBlocking));
+
+  // Two buffers of up to 1 GiB, but never more than half of what is free (others may share
+  // the device), rounded to 2 MiB.
+  uint64_t hbm_bytes = std::min(kHbmCopyBytes, gpu->free_memory / 4) / (2 * kMiB) * (2 * kMiB);
+  if (hbm_bytes == 0) {
+    return Status::OutOfMemory("GPU profile: only " + std::to_string(gpu->free_memory) +
+                               " bytes free on device " + std::to_string(gpu->device) +
+                               ", too little to measure bandwidth; set measure_bandwidth=false");
+  }
+  DeviceBuffer src, dst;
+  EMSA_RETURN_IF_ERROR(AllocDevice(&src, hbm_bytes));
+  EMSA_RETURN_IF_ERROR(AllocDevice(&dst, hbm_bytes));
+  // cudaMalloc does not initialise; copying garbage is fine, but defined contents keep tools
+  // such as compute-sanitizer quiet.
+  EMSA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(src.ptr, 0, hbm_bytes, stream.stream));
+  EMSA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dst.ptr, 0, hbm_bytes, stream.stream));
+  {
+    auto d2d = [&] {
+      return cudaMemcpyAsync(dst.ptr, src.ptr, hbm_bytes, cudaMemcpyDeviceToDevice, stream.stream);
+    };
+    EMSA_ASSIGN_OR_RETURN(gpu->hbm_bandwidth,
+                          MedianBandwidth(stream.stream, 2.0 * hbm_bytes,
+                                          "GPU profile: device-to-device cudaMemcpyAsync", d2d));
+  }
+
+  // PCIe: pinned, portable, not write-combined (the same kind of memory as the host arena).
+  const uint64_t pcie_bytes = std::min(kPcieCopyBytes, hbm_bytes);
+  PinnedBuffer host;
+  cudaError_t err = cudaHostAlloc(&host.ptr, pcie_bytes, cudaHostAllocPortable);
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    return Status::OutOfMemory("GPU profile: cudaHostAlloc of " + std::to_string(pcie_bytes) +
+                               " pinned bytes failed; set measure_bandwidth=false");
+  }
+  EMSA_RETURN_IF_ERROR(CudaStatus(err, "GPU profile: cudaHostAlloc"));
+  auto h2d = [&] {
+    return cudaMemcpyAsync(dst.ptr, host.ptr, pcie_bytes, cudaMemcpyHostToDevice, stream.stream);
+  };
+  auto d2h = [&] {
+    return cudaMemcpyAsync(host.ptr, src.ptr, pcie_bytes, cudaMemcpyDeviceToHost, stream.stream);
+  };
+  // One direction at a time; each counts the bytes that crossed the link once.
+  EMSA_ASSIGN_OR_RETURN(gpu->h2d_bandwidth,
+                        MedianBandwidth(stream.stream, 1.0 * pcie_bytes,
+                                        "GPU profile: host-to-device cudaMemcpyAsync", h2d));
+  EMSA_ASSIGN_OR_RETURN(gpu->d2h_bandwidth,
+                        MedianBandwidth(stream.stream, 1.0 * pcie_bytes,
+                                        "GPU profile: device-to-host cudaMemcpyAsync", d2h));
+  return CudaStatus(cudaStreamSynchronize(stream.stream), "GPU profile: cudaStreamSynchronize");
+}
+
+Status DeviceAttribute(int* value, cudaDeviceAttr attr, const char* name, int device) {
+  return CudaStatus(cudaDeviceGetAttribute(value, attr, device), name);
+}
+
+}  // namespace
+
+Result<GpuProfile> MeasureGpuProfile(const ProfileOptions& options) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    // No driver (or an unusable one): a CPU-only machine, not an error. Clear the sticky
+    // error so that it does not surface in an unrelated later call.
+    (void)cudaGetLastError();
+    return GpuProfile{};
+  }
+  if (count == 0) return GpuProfile{};
+  if (options.gpu_device < 0 || options.gpu_device >= count) {
+    return Status::InvalidArgument("ProfileOptions.gpu_device is " +
+                                   std::to_string(options.gpu_device) + " but this machine has " +
+                                   std::to_string(count) + " CUDA device(s): use 0.." +
+                                   std::to_string(count - 1));
+  }
+  const int dev = options.gpu_device;
+  RestoreDevice restore;
+  int previous = 0;
+  EMSA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&previous));
+  EMSA_CUDA_RETURN_IF_ERROR(cudaSetDevice(dev));
+  restore.device = previous;
+
+  GpuProfile gpu;
+  gpu.present = true;
+  gpu.device = dev;
+  cudaDeviceProp prop{};
+  EMSA_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, dev));
+  gpu.name = prop.name;
+  int major = 0, minor = 0, sms = 0, l2 = 0, persisting = 0;
+  EMSA_RETURN_IF_ERROR(DeviceAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                                       "cudaDevAttrComputeCapabilityMajor", dev));
+  EMSA_RETURN_IF_ERROR(DeviceAttribute(&minor, cudaDevAttrComputeCapabilityMinor,
+                                       "cudaDevAttrComputeCapabilityMinor", dev));
+  EMSA_RETURN_IF_ERROR(
+      DeviceAttribute(&sms, cudaDevAttrMultiProcessorCount, "cudaDevAttrMultiProcessorCount", dev));
+  EMSA_RETURN_IF_ERROR(DeviceAttribute(&l2, cudaDevAttrL2CacheSize, "cudaDevAttrL2CacheSize", dev));
+  // 0 under MIG and on devices without persisting L2: the planner then never uses tier L0.
+  EMSA_RETURN_IF_ERROR(DeviceAttribute(&persisting, cudaDevAttrMaxPersistingL2CacheSize,
+                                       "cudaDevAttrMaxPersistingL2CacheSize", dev));
+  gpu.compute_capability_major = major;
+  gpu.compute_capability_minor = minor;
+  gpu.sm_count = sms;
+  gpu.l2_bytes = static_cast<uint64_t>(std::max(l2, 0));
+  gpu.max_persisting_l2_bytes = static_cast<uint64_t>(std::max(persisting, 0));
+
+  size_t free_bytes = 0, total_bytes = 0;
+  EMSA_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+  gpu.total_memory = total_bytes;
+  gpu.free_memory = free_bytes;
+
+  if (options.measure_bandwidth) {
+    EMSA_RETURN_IF_ERROR(MeasureCopies(&gpu));
+    // Re-read after the measurement's buffers are gone: what is free now is what a plan gets.
+    EMSA_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+    gpu.free_memory = free_bytes;
+  }
+  return gpu;
+}
+
+}  // namespace emsa
+
+#else  // !EMSA_HAVE_CUDA
+
+namespace emsa {
+
+Result<GpuProfile> MeasureGpuProfile(const ProfileOptions& options) {
+  (void)options;
+  return GpuProfile{};
+}
+
+}  // namespace emsa
+
+#endif  // EMSA_HAVE_CUDA
