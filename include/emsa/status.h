@@ -62,9 +62,10 @@ template <typename T>
 class [[nodiscard]] Result {
  public:
   Result(T value) : value_(std::move(value)) {}         // NOLINT: implicit by design
-  Result(Status status) : status_(std::move(status)) {  // NOLINT: implicit by design
-    if (status_.ok()) status_ = Status::Internal("Result constructed from an OK status");
-  }
+  // An OK status carries no value: that misuse becomes an Internal error, never a fake value.
+  Result(Status status)  // NOLINT: implicit by design
+      : status_(status.ok() ? Status::Internal("Result constructed from an OK status")
+                            : std::move(status)) {}
   bool ok() const { return value_.has_value(); }
   const Status& status() const { return status_; }
   T& value() & { return *value_; }

@@ -1,0 +1,207 @@
+// emsa/cuda_update.h — the device tier's optimizer step: fused multi-tensor CUDA updates.
+//
+// Two objects, made once at bind time and kept for the run; neither allocates after Create():
+//
+//  - DeviceScalars: the numbers a step reads, in device memory — per param group the
+//    hyperparameters and the step count, and per step the gradient multiplier (1 / loss_scale,
+//    times the clip coefficient), a found_inf flag, the seed of stochastic rounding and the
+//    gradient statistics. Kernels read them from memory, never from launch arguments, so a step
+//    can be captured in a CUDA graph once and replayed while lr, steps and loss scale change.
+//  - DeviceUpdateTable: one bucket's tensors (any number of them), cut into chunks of a fixed
+//    number of elements; uploaded once, so a step is one kernel launch per bucket (one per
+//    distinct dtype combination in the bucket: usually one).
+//
+// One step, every call asynchronous on the caller's stream, no host synchronization:
+//
+//   scalars.BeginStep(s);              // multiplier = grad_unscale, found_inf = 0, stats zeroed
+//   table.AccumulateGradStats(scalars, s);    // per table, only when clipping or checking:
+//   ...                                       // sum of squares and non-finite count of grads
+//   scalars.FinishGradStats(s);        // found_inf, global norm, clip coefficient -> multiplier
+//   scalars.AdvanceSteps(s);           // ++step of every group, unless found_inf (as torch)
+//   table.Update(scalars, s);          // per table; does nothing when found_inf is set
+//
+// The arithmetic is the CPU kernels' (src/kernels/cpu/update_math.h, torch.optim's order, no
+// FMA contraction, per-step constants computed in double and rounded once to float), so for the
+// same inputs the device and host tiers produce the same bits, stochastic rounding included
+// (the same counter-based hash of seed, step and element index).
+//
+// Pointers in TensorUpdate are device pointers on the device current at Create(); they are
+// recorded, not copied: the memory must stay allocated at those addresses for the table's life.
+// Element counts are int64 throughout: tensors and buckets may exceed 2^31 elements.
+//
+// Threads and streams: an object is not shared between host threads without locking. Launches
+// that write the same DeviceScalars (BeginStep, AccumulateGradStats, FinishGradStats,
+// AdvanceSteps, SetGroup, SetInputs) must be ordered (one stream, or events); Update() only reads
+// the scalars, so tables may update concurrently on different streams. Destroy an object only
+// when no work using it is in flight.
+//
+// Without a CUDA build, or without a usable device, Create() returns kUnsupported.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "emsa/status.h"
+#include "emsa/types.h"
+#include "emsa/update.h"
+
+// The runtime's stream handle, declared as cuda_runtime.h declares it, so that this header
+// does not need the CUDA toolkit.
+typedef struct CUstream_st* cudaStream_t;
+
+namespace emsa {
+
+// ---- what lives in device memory ---------------------------------------------------------------
+
+// One param group. The layout is part of the API: graph users may write these fields directly
+// (cudaMemcpyAsync from pinned memory, or from a framework's device tensor) instead of SetGroup.
+struct DeviceGroupScalars {
+  int64_t step = 0;  // the step number Update() uses; AdvanceSteps() adds 1 before each update,
+                     // as torch does. Update() treats a step below 1 as 1.
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 1e-2f;
+  int32_t maximize = 0;  // nonzero: ascend
+};
+static_assert(sizeof(DeviceGroupScalars) == 32, "DeviceGroupScalars is a device-memory layout");
+
+// The per-step header. Inputs are set by the caller (SetInputs, or a direct copy); outputs are
+// written by BeginStep / AccumulateGradStats / FinishGradStats and may be read back with Read().
+struct DeviceStepHeader {
+  // What Update() multiplies every gradient element by. BeginStep sets it to grad_unscale;
+  // FinishGradStats multiplies in the clip coefficient.
+  float grad_multiplier = 1.0f;
+  // Nonzero (any bits: a float 1.0 copied in from torch's found_inf works): Update() writes
+  // nothing and AdvanceSteps() leaves the steps. BeginStep clears it; FinishGradStats sets it
+  // when a gradient element is inf or nan.
+  int32_t found_inf = 0;
+  float grad_unscale = 1.0f;    // input: 1 / loss_scale (1 without AMP)
+  float max_norm = 0.0f;        // input: clip the global norm to this; <= 0 or inf: no clipping
+  uint64_t seed = 0;            // input: the stochastic-rounding stream
+  double sum_sq = 0.0;          // output: sum of squares of the raw (still scaled) gradients
+  int64_t nonfinite_count = 0;  // output: gradient elements that are inf or nan
+  double grad_norm = 0.0;       // output: global L2 norm of the unscaled gradients
+  float clip_coef = 1.0f;       // output: min(1, max_norm / (grad_norm + 1e-6)), as clip_grad_norm_
+  int32_t reserved = 0;
+};
+static_assert(sizeof(DeviceStepHeader) == 56, "DeviceStepHeader is a device-memory layout");
+
+// ---- DeviceScalars -----------------------------------------------------------------------------
+
+class DeviceScalars {
+ public:
+  // One group per hyperparameter set, initialized from hypers[i] with step 0, and the header at
+  // its defaults. Validates every group first (finite lr >= 0, betas in [0, 1), finite
+  // weight_decay >= 0, eps > 0). Synchronous (bind time).
+  static Result<std::unique_ptr<DeviceScalars>> Create(const HyperParams* hypers,
+                                                       size_t group_count);
+  ~DeviceScalars();
+  DeviceScalars(const DeviceScalars&) = delete;
+  DeviceScalars& operator=(const DeviceScalars&) = delete;
+
+  int device() const { return device_; }
+  size_t group_count() const { return group_count_; }
+  // Device pointers, for callers that write fields with their own copies or kernels.
+  DeviceStepHeader* device_header() const { return header_; }
+  DeviceGroupScalars* device_groups() const { return groups_; }
+
+  // Asynchronous on `stream`; each is one tiny kernel whose values travel as launch arguments
+  // (captured into a graph as constants). Values are validated first; a bad one changes nothing.
+  Status SetGroup(size_t group, const HyperParams& hyper, int64_t step, cudaStream_t stream);
+  Status SetInputs(float grad_unscale, float max_norm, uint64_t seed, cudaStream_t stream);
+
+  // Asynchronous copies of the whole header / all groups from caller-owned pinned host memory
+  // (cudaHostAlloc or cudaHostRegister), which must not change until the stream has passed the
+  // copy. In a graph the copy reads the host memory at each replay: the way to feed per-step
+  // values (lr from a scheduler, loss scale) to a captured step.
+  Status UploadHeader(const DeviceStepHeader* pinned, cudaStream_t stream);
+  Status UploadGroups(const DeviceGroupScalars* pinned, cudaStream_t stream);
+
+  // The per-step sequence (see the top of this file). Each is one tiny kernel.
+  Status BeginStep(cudaStream_t stream);
+  Status FinishGradStats(cudaStream_t stream);
+  Status AdvanceSteps(cudaStream_t stream);
+
+  // Copies the header (and the groups, when `groups` is not null: group_count() of them) to the
+  // host after the stream's earlier work. Synchronizes the stream: for reports and tests.
+  Status Read(DeviceStepHeader* header, DeviceGroupScalars* groups, cudaStream_t stream) const;
+
+ private:
+  DeviceScalars() = default;
+  int device_ = -1;
+  size_t group_count_ = 0;
+  void* memory_ = nullptr;  // one allocation: header, then groups
+  DeviceStepHeader* header_ = nullptr;
+  DeviceGroupScalars* groups_ = nullptr;
+};
+
+// ---- DeviceUpdateTable -------------------------------------------------------------------------
+
+struct DeviceTableOptions {
+  OptimizerKind optimizer = OptimizerKind::kAdamW;
+  // Rounding of bf16 state stores. Parameters stored in bf16/fp16 without a master copy always
+  // round stochastically (round-to-nearest would drop small updates), as on the CPU.
+  Rounding rounding = Rounding::kStochastic;
+};
+
+// Per-table gradient statistics of the last AccumulateGradStats, for reports.
+struct DeviceTableStats {
+  double sum_sq = 0.0;
+  int64_t nonfinite_count = 0;
+  int64_t first_nonfinite_tensor = -1;  // index in the table, or -1
+};
+
+class DeviceUpdateTable {
+ public:
+  // tensors[i]: device pointers, numel and dtypes (TensorUpdate's meaning). Supported: param
+  // float32, bfloat16 or float16; grad float32 or the param's dtype; state float32 or bfloat16;
+  // master (fp32) only with a 16-bit param. tensors[i].hyper and .step are not read: the values
+  // come from DeviceScalars group groups[i] (groups == null: every tensor in group 0).
+  // Validates everything before allocating (the error names the tensor); pointers must be device
+  // (or managed) memory of the current device. Synchronous (bind time).
+  static Result<std::unique_ptr<DeviceUpdateTable>> Create(const TensorUpdate* tensors,
+                                                           const int32_t* groups, size_t count,
+                                                           const DeviceTableOptions& options);
+  ~DeviceUpdateTable();
+  DeviceUpdateTable(const DeviceUpdateTable&) = delete;
+  DeviceUpdateTable& operator=(const DeviceUpdateTable&) = delete;
+
+  // One fused launch per dtype combination present; reads grad_multiplier, found_inf, seed and
+  // the groups from `scalars`. Returns kCudaError if a launch fails; asynchronous otherwise.
+  Status Update(const DeviceScalars& scalars, cudaStream_t stream);
+
+  // Adds this table's sum of squares and non-finite count into the scalars' header (one launch;
+  // deterministic: the same inputs and device give the same bits).
+  Status AccumulateGradStats(DeviceScalars& scalars, cudaStream_t stream);
+  // The last AccumulateGradStats's figures for this table. Synchronizes the stream.
+  Status ReadStats(DeviceTableStats* stats, cudaStream_t stream) const;
+
+  int device() const { return device_; }
+  OptimizerKind optimizer() const { return options_.optimizer; }
+  size_t tensor_count() const { return tensor_count_; }
+  int64_t total_numel() const { return total_numel_; }
+  int64_t chunk_count() const { return chunk_count_; }
+  int launches_per_update() const { return static_cast<int>(launch_count_); }
+  // Bytes the update reads plus writes per step (each stream once): the floor of its time.
+  uint64_t bytes_per_update() const { return bytes_per_update_; }
+  // The smallest DeviceScalars::group_count() this table can be used with.
+  size_t groups_needed() const { return groups_needed_; }
+
+ private:
+  struct Impl;  // launch records and device arrays (src/kernels/cuda/device_update.cc)
+  DeviceUpdateTable() = default;
+  int device_ = -1;
+  DeviceTableOptions options_;
+  size_t tensor_count_ = 0;
+  int64_t total_numel_ = 0;
+  int64_t chunk_count_ = 0;
+  size_t launch_count_ = 0;
+  uint64_t bytes_per_update_ = 0;
+  size_t groups_needed_ = 0;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace emsa

@@ -1,0 +1,120 @@
+// device_table.h — the device-memory layout of a DeviceUpdateTable and the launchers' interface.
+//
+// Shared by the host side (device_update.cc, plain C++) and the kernels (*.cu). A table is two
+// arrays in device memory: one DeviceTensor per tensor and one DeviceChunk per kChunkElems
+// elements of a tensor. Chunks are sorted by kernel variant, so each variant's launch walks one
+// contiguous range of them.
+#pragma once
+
+#include <cstdint>
+
+#include "emsa/cuda_update.h"
+#include "emsa/status.h"
+#include "emsa/types.h"
+
+namespace emsa {
+namespace cuda {
+
+// Elements per chunk: the unit of work a block takes. A power of two, so that a chunk never
+// straddles a multiple of 2^32 (the rounding keys change there; one key pair per chunk) and
+// every chunk of a 16-byte aligned tensor starts 16-byte aligned for every dtype.
+constexpr int64_t kChunkElems = int64_t{1} << 15;
+static_assert((int64_t{1} << 32) % kChunkElems == 0, "chunks must not straddle 2^32 boundaries");
+
+// How the parameter is stored (same meaning as the CPU kernels' cpu::ParamKind).
+enum class ParamKind : int32_t { kF32 = 0, kBf16 = 1, kF16 = 2, kBf16Master = 3, kF16Master = 4 };
+constexpr int kParamKinds = 5;
+
+// Everything an update kernel is compiled for besides the optimizer.
+struct Variant {
+  ParamKind param = ParamKind::kF32;
+  bool grad_f32 = true;     // else the grad has the param's 16-bit dtype
+  bool state_bf16 = false;  // else float32 state
+};
+constexpr int kVariants = kParamKinds * 4;
+constexpr int VariantIndex(Variant v) {
+  return static_cast<int>(v.param) * 4 + (v.grad_f32 ? 2 : 0) + (v.state_bf16 ? 1 : 0);
+}
+
+// DeviceTensor::flags
+constexpr uint32_t kTensorVector = 1u;      // every stream 16-byte aligned: vector path
+constexpr uint32_t kTensorGradVector = 2u;  // the grad 16-byte aligned (grad statistics)
+
+struct alignas(16) DeviceTensor {
+  void* param;
+  const void* grad;
+  void* exp_avg;
+  void* exp_avg_sq;  // null for Lion
+  float* master;     // null without a master copy
+  int64_t numel;
+  int32_t group;        // index into DeviceScalars' groups
+  uint16_t flags;       // kTensor*
+  uint16_t grad_dtype;  // DType, for the grad statistics kernel
+  int64_t reserved;     // pads to 64 bytes: four 16-byte loads
+};
+static_assert(sizeof(DeviceTensor) == 64, "DeviceTensor is a device-memory layout");
+
+struct DeviceChunk {
+  int64_t
+      begin;  // first element, within the tensor; the chunk ends at min(begin + kChunkElems, numel)
+  int32_t tensor;  // index into the table's DeviceTensor array
+  int32_t reserved;
+};
+static_assert(sizeof(DeviceChunk) == 16, "DeviceChunk is a device-memory layout");
+
+// Per-block partial of the gradient statistics, and the table's reduced result.
+struct GradPartial {
+  double sum_sq;
+  long long nonfinite;
+  long long first_bad;  // smallest tensor index with a non-finite element, or INT64_MAX
+  long long reserved;
+};
+struct GradTableStats {
+  double sum_sq;
+  long long nonfinite;
+  long long first_bad;  // -1 when none
+  unsigned int ticket;  // blocks done; the last block resets it to 0
+  unsigned int reserved;
+};
+
+// ---- launchers (defined in the .cu files; each checks its launch) ------------------------------
+
+struct UpdateLaunch {
+  const DeviceChunk* chunks;  // this variant's first chunk
+  int64_t chunk_count;
+  const DeviceTensor* tensors;
+  const DeviceStepHeader* header;
+  const DeviceGroupScalars* groups;
+  int32_t stochastic_state;  // bf16 state stores round stochastically
+  int grid;
+};
+
+// Blocks of the update kernel for (optimizer, variant) that fit on one SM at once.
+Result<int> UpdateBlocksPerSm(OptimizerKind optimizer, Variant variant);
+Status LaunchUpdate(OptimizerKind optimizer, Variant variant, const UpdateLaunch& launch,
+                    cudaStream_t stream);
+
+struct GradStatsLaunch {
+  const DeviceChunk* chunks;  // every chunk of the table
+  int64_t chunk_count;
+  const DeviceTensor* tensors;
+  GradPartial* partials;  // grid of them
+  GradTableStats* table_stats;
+  DeviceStepHeader* header;
+  int grid;
+};
+Result<int> GradStatsBlocksPerSm();
+Status LaunchGradStats(const GradStatsLaunch& launch, cudaStream_t stream);
+
+// The small kernels behind DeviceScalars.
+Status LaunchSetGroup(DeviceGroupScalars* groups, int64_t index, const DeviceGroupScalars& value,
+                      cudaStream_t stream);
+Status LaunchSetInputs(DeviceStepHeader* header, float grad_unscale, float max_norm, uint64_t seed,
+                       cudaStream_t stream);
+Status LaunchBeginStep(DeviceStepHeader* header, cudaStream_t stream);
+Status LaunchFinishGradStats(DeviceStepHeader* header, cudaStream_t stream);
+Status LaunchAdvanceSteps(const DeviceStepHeader* header, DeviceGroupScalars* groups,
+                          int64_t group_count, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace emsa

@@ -1,0 +1,690 @@
+// device_update.cc — DeviceScalars and DeviceUpdateTable: validation, the bind-time uploads, and
+// the per-step launches (host side; the kernels are in the .cu files beside this one).
+//
+// Validation is the same with or without CUDA in the build, so bad input always gets the error
+// that names it; only then does a build without CUDA (or a machine without a device) say so.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "common/cuda_util.h"
+#include "emsa/cuda_update.h"
+#include "kernels/cuda/device_table.h"
+
+namespace emsa {
+namespace {
+
+using cuda::ParamKind;
+using cuda::Variant;
+
+std::string Num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+std::string Name(size_t i) { return "tensors[" + std::to_string(i) + "]"; }
+
+bool IsDType(DType d) {
+  return d == DType::kFloat32 || d == DType::kBFloat16 || d == DType::kFloat16;
+}
+
+// The CPU updater's rules, so a group valid on one tier is valid on the other. Lion ignores eps,
+// but a group does not know its optimizer: the default (1e-8) passes.
+Status ValidateHyper(const std::string& where, const HyperParams& h) {
+  if (!(std::isfinite(h.lr) && h.lr >= 0.0f)) {
+    return Status::InvalidArgument(where + ".lr is " + Num(h.lr) + "; it must be finite and >= 0");
+  }
+  if (!(h.beta1 >= 0.0f && h.beta1 < 1.0f)) {
+    return Status::InvalidArgument(where + ".beta1 is " + Num(h.beta1) + "; it must be in [0, 1)");
+  }
+  if (!(h.beta2 >= 0.0f && h.beta2 < 1.0f)) {
+    return Status::InvalidArgument(where + ".beta2 is " + Num(h.beta2) + "; it must be in [0, 1)");
+  }
+  if (!(std::isfinite(h.weight_decay) && h.weight_decay >= 0.0f)) {
+    return Status::InvalidArgument(where + ".weight_decay is " + Num(h.weight_decay) +
+                                   "; it must be finite and >= 0");
+  }
+  if (!(std::isfinite(h.eps) && h.eps > 0.0f)) {
+    return Status::InvalidArgument(where + ".eps is " + Num(h.eps) +
+                                   "; it must be finite and > 0 (Lion ignores it: keep the "
+                                   "default)");
+  }
+  return Status::Ok();
+}
+
+Status ValidateGroups(const HyperParams* hypers, size_t group_count) {
+  if (group_count == 0) {
+    return Status::InvalidArgument("group_count is 0; a DeviceScalars needs at least one group");
+  }
+  if (hypers == nullptr) return Status::InvalidArgument("hypers is null");
+  if (group_count > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+    return Status::InvalidArgument("group_count " + std::to_string(group_count) +
+                                   " exceeds 2^31 - 1 groups");
+  }
+  for (size_t i = 0; i < group_count; ++i) {
+    EMSA_RETURN_IF_ERROR(ValidateHyper("hypers[" + std::to_string(i) + "]", hypers[i]));
+  }
+  return Status::Ok();
+}
+
+Status ValidateTensor(size_t i, const TensorUpdate& t, int32_t group, const DeviceTableOptions& o) {
+  const auto invalid = [&](const std::string& what) {
+    return Status::InvalidArgument(Name(i) + "." + what);
+  };
+  if (t.numel < 0) return invalid("numel is " + std::to_string(t.numel) + "; it must be >= 0");
+  if (group < 0) {
+    return Status::InvalidArgument("groups[" + std::to_string(i) + "] is " + std::to_string(group) +
+                                   "; group indices are >= 0");
+  }
+  if (!IsDType(t.param_dtype) || !IsDType(t.grad_dtype) || !IsDType(t.state_dtype)) {
+    return invalid("param_dtype, grad_dtype or state_dtype is not a DType value");
+  }
+  if (t.state_dtype == DType::kFloat16) {
+    return Status::Unsupported(Name(i) +
+                               ".state_dtype float16 is not supported; use float32 or bfloat16");
+  }
+  if (t.grad_dtype != DType::kFloat32 && t.grad_dtype != t.param_dtype) {
+    return Status::Unsupported(Name(i) + ".grad_dtype is " + DTypeName(t.grad_dtype) + " with a " +
+                               DTypeName(t.param_dtype) +
+                               " param; on the device the grad is float32 or the param's dtype");
+  }
+  const bool low_param = t.param_dtype != DType::kFloat32;
+  if (!low_param && t.master != nullptr) {
+    return invalid("master is set but param is float32, which is its own master; pass null");
+  }
+  if (low_param && t.master == nullptr && o.rounding != Rounding::kStochastic) {
+    return invalid(std::string("param is ") + DTypeName(t.param_dtype) +
+                   " without an fp32 master, which needs Rounding::kStochastic (round-to-nearest "
+                   "would drop small updates); pass a master copy or stochastic rounding");
+  }
+  if (t.numel == 0) return Status::Ok();
+  if (t.param == nullptr) return invalid("param is null");
+  if (t.grad == nullptr) return invalid("grad is null");
+  if (t.exp_avg == nullptr) return invalid("exp_avg is null");
+  if (t.exp_avg_sq == nullptr && o.optimizer != OptimizerKind::kLion) {
+    return invalid(std::string("exp_avg_sq is null; ") + OptimizerName(o.optimizer) +
+                   " keeps two moments");
+  }
+  return Status::Ok();
+}
+
+// What validation learns about a table on the way.
+struct TableShape {
+  int64_t total = 0;   // elements
+  int64_t chunks = 0;  // kChunkElems pieces
+  int32_t max_group = 0;
+};
+
+Status ValidateTable(const TensorUpdate* tensors, const int32_t* groups, size_t count,
+                     const DeviceTableOptions& options, TableShape* shape) {
+  if (options.optimizer != OptimizerKind::kAdamW && options.optimizer != OptimizerKind::kAdam &&
+      options.optimizer != OptimizerKind::kLion) {
+    return Status::InvalidArgument("options.optimizer is " +
+                                   std::to_string(static_cast<int>(options.optimizer)) +
+                                   "; use OptimizerKind::kAdamW, kAdam or kLion");
+  }
+  if (options.rounding != Rounding::kNearest && options.rounding != Rounding::kStochastic) {
+    return Status::InvalidArgument("options.rounding is " +
+                                   std::to_string(static_cast<int>(options.rounding)) +
+                                   "; use Rounding::kNearest or kStochastic");
+  }
+  if (tensors == nullptr && count > 0) {
+    return Status::InvalidArgument("tensors is null but count is " + std::to_string(count));
+  }
+  if (count > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+    return Status::InvalidArgument("count " + std::to_string(count) +
+                                   " exceeds 2^31 - 1 tensors in one table; split the bucket");
+  }
+  *shape = TableShape{};
+  for (size_t i = 0; i < count; ++i) {
+    const int32_t group = groups != nullptr ? groups[i] : 0;
+    EMSA_RETURN_IF_ERROR(ValidateTensor(i, tensors[i], group, options));
+    if (tensors[i].numel > std::numeric_limits<int64_t>::max() - shape->total) {
+      return Status::InvalidArgument(Name(i) + ".numel makes the table's element count overflow");
+    }
+    shape->total += tensors[i].numel;
+    shape->chunks += (tensors[i].numel + cuda::kChunkElems - 1) / cuda::kChunkElems;
+    shape->max_group = std::max(shape->max_group, group);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+}  // namespace emsa
+
+#if EMSA_HAVE_CUDA
+
+namespace emsa {
+namespace {
+
+DeviceGroupScalars ToDevice(const HyperParams& h, int64_t step) {
+  DeviceGroupScalars g;
+  g.step = step;
+  g.lr = h.lr;
+  g.beta1 = h.beta1;
+  g.beta2 = h.beta2;
+  g.eps = h.eps;
+  g.weight_decay = h.weight_decay;
+  g.maximize = h.maximize ? 1 : 0;
+  return g;
+}
+
+Status NoDevice(const char* what) {
+  return Status::Unsupported(std::string(what) +
+                             ": no usable CUDA device (no driver, or no GPU visible to this "
+                             "process); the device tier needs one, the host tier does not");
+}
+
+// Device memory that frees itself. Errors of the free are ignored: nothing can act on them.
+struct DeviceMemory {
+  void* ptr = nullptr;
+  DeviceMemory() = default;
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  ~DeviceMemory() {
+    if (ptr != nullptr) (void)cudaFree(ptr);
+  }
+  void* release() {
+    void* p = ptr;
+    ptr = nullptr;
+    return p;
+  }
+};
+
+Status Allocate(DeviceMemory* mem, size_t bytes, const char* what) {
+  const cudaError_t err = cudaMalloc(&mem->ptr, bytes);
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    return Status::OutOfMemory(std::string(what) + ": cudaMalloc of " + std::to_string(bytes) +
+                               " bytes failed; free device memory first");
+  }
+  return CudaStatus(err, what);
+}
+
+// A bind-time upload. A synchronous cudaMemcpy from pageable memory may return before its DMA
+// lands, and the caller's non-blocking streams are not ordered after the legacy stream: so copy
+// on the legacy stream and wait for it (Finish below) before the object is handed out.
+Status Upload(void* dst, const void* src, size_t bytes, const char* what) {
+  if (bytes == 0) return Status::Ok();
+  return CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cudaStreamLegacy),
+                    what);
+}
+Status FinishUploads(const char* what) {
+  return CudaStatus(cudaStreamSynchronize(cudaStreamLegacy), what);
+}
+
+Status CurrentDevice(int expected, const char* what) {
+  int current = -1;
+  EMSA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&current));
+  if (current != expected) {
+    return Status::InvalidArgument(std::string(what) + ": the current device is " +
+                                   std::to_string(current) + " but the object lives on device " +
+                                   std::to_string(expected) + "; call cudaSetDevice(" +
+                                   std::to_string(expected) + ") first");
+  }
+  return Status::Ok();
+}
+
+// Lets this thread make a pure query while a stream capture may be active: in global or
+// thread-local capture mode the runtime may refuse calls it counts as unsafe (and invalidate
+// the capture). The pointer query below changes nothing, so relaxing the thread's mode for it
+// is sound; the previous mode is restored.
+class RelaxedCaptureScope {
+ public:
+  RelaxedCaptureScope() { ok_ = cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess; }
+  ~RelaxedCaptureScope() {
+    if (ok_) (void)cudaThreadExchangeStreamCaptureMode(&mode_);
+  }
+  RelaxedCaptureScope(const RelaxedCaptureScope&) = delete;
+  RelaxedCaptureScope& operator=(const RelaxedCaptureScope&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+  bool ok_ = false;
+};
+
+// Pinned (page-locked or registered) host memory: what an asynchronous, capturable copy needs.
+Status CheckPinned(const void* p, const char* what) {
+  if (p == nullptr) return Status::InvalidArgument(std::string(what) + ": source is null");
+  cudaPointerAttributes attr{};
+  cudaError_t err;
+  {
+    RelaxedCaptureScope relaxed;
+    err = cudaPointerGetAttributes(&attr, p);
+  }
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return CudaStatus(err, what);
+  }
+  if (attr.type != cudaMemoryTypeHost) {
+    return Status::InvalidArgument(std::string(what) +
+                                   ": the source is not pinned host memory; allocate it with "
+                                   "cudaHostAlloc or register it with cudaHostRegister");
+  }
+  return Status::Ok();
+}
+
+// Each pointer the update touches must be memory of `device` that kernels can read.
+Status CheckDevicePointer(size_t i, const char* field, const void* p, int device) {
+  if (p == nullptr) return Status::Ok();
+  cudaPointerAttributes attr{};
+  const cudaError_t err = cudaPointerGetAttributes(&attr, p);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return Status::InvalidArgument(Name(i) + "." + field + " is not a CUDA pointer (" +
+                                   cudaGetErrorString(err) + "); pass device memory");
+  }
+  if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
+    return Status::InvalidArgument(Name(i) + "." + field +
+                                   " is not device memory (a host or unknown address); the "
+                                   "device tier updates device memory (the host tier is "
+                                   "CpuUpdater)");
+  }
+  if (attr.device != device) {
+    return Status::InvalidArgument(Name(i) + "." + field + " is on device " +
+                                   std::to_string(attr.device) + ", the table on device " +
+                                   std::to_string(device) +
+                                   "; create the table with that device current");
+  }
+  return Status::Ok();
+}
+
+ParamKind KindOf(const TensorUpdate& t) {
+  const bool master = t.master != nullptr;
+  switch (t.param_dtype) {
+    case DType::kBFloat16:
+      return master ? ParamKind::kBf16Master : ParamKind::kBf16;
+    case DType::kFloat16:
+      return master ? ParamKind::kF16Master : ParamKind::kF16;
+    default:
+      return ParamKind::kF32;
+  }
+}
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+uint64_t BytesPerElement(const TensorUpdate& t, OptimizerKind optimizer) {
+  const uint64_t state = DTypeSize(t.state_dtype) * (optimizer == OptimizerKind::kLion ? 2 : 4);
+  const uint64_t grad = DTypeSize(t.grad_dtype);
+  const uint64_t param = t.master != nullptr ? 8 + DTypeSize(t.param_dtype)  // master r+w, param w
+                                             : 2 * DTypeSize(t.param_dtype);
+  return state + grad + param;
+}
+
+size_t RoundUp(size_t x, size_t to) { return (x + to - 1) / to * to; }
+
+}  // namespace
+
+// ---- DeviceScalars -----------------------------------------------------------------------------
+
+Result<std::unique_ptr<DeviceScalars>> DeviceScalars::Create(const HyperParams* hypers,
+                                                             size_t group_count) {
+  EMSA_RETURN_IF_ERROR(ValidateGroups(hypers, group_count));
+  std::vector<DeviceGroupScalars> groups(group_count);
+  for (size_t i = 0; i < group_count; ++i) groups[i] = ToDevice(hypers[i], 0);
+  if (!CudaDeviceUsable()) return NoDevice("DeviceScalars::Create");
+
+  std::unique_ptr<DeviceScalars> s(new DeviceScalars());
+  EMSA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&s->device_));
+  // The groups start 64 bytes in: each record in one 32-byte sector.
+  const size_t groups_at = RoundUp(sizeof(DeviceStepHeader), 64);
+  const size_t bytes = groups_at + group_count * sizeof(DeviceGroupScalars);
+  DeviceMemory mem;
+  EMSA_RETURN_IF_ERROR(Allocate(&mem, bytes, "DeviceScalars::Create"));
+  std::vector<unsigned char> host(bytes);
+  const DeviceStepHeader header;
+  std::memcpy(host.data(), &header, sizeof header);
+  std::memcpy(host.data() + groups_at, groups.data(), group_count * sizeof(DeviceGroupScalars));
+  EMSA_RETURN_IF_ERROR(Upload(mem.ptr, host.data(), bytes, "DeviceScalars::Create: upload"));
+  EMSA_RETURN_IF_ERROR(FinishUploads("DeviceScalars::Create: upload"));
+
+  s->group_count_ = group_count;
+  s->memory_ = mem.release();
+  s->header_ = static_cast<DeviceStepHeader*>(s->memory_);
+  s->groups_ = reinterpret_cast<DeviceGroupScalars*>(static_cast<char*>(s->memory_) + groups_at);
+  return s;
+}
+
+DeviceScalars::~DeviceScalars() {
+  if (memory_ != nullptr) (void)cudaFree(memory_);
+}
+
+Status DeviceScalars::SetGroup(size_t group, const HyperParams& hyper, int64_t step,
+                               cudaStream_t stream) {
+  if (group >= group_count_) {
+    return Status::InvalidArgument("group " + std::to_string(group) + " is out of range; there " +
+                                   "are " + std::to_string(group_count_) + " groups");
+  }
+  EMSA_RETURN_IF_ERROR(ValidateHyper("hyper", hyper));
+  if (step < 0) {
+    return Status::InvalidArgument("step is " + std::to_string(step) +
+                                   "; it must be >= 0 (AdvanceSteps adds 1 before each update)");
+  }
+  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::SetGroup"));
+  return cuda::LaunchSetGroup(groups_, static_cast<int64_t>(group), ToDevice(hyper, step), stream);
+}
+
+Status DeviceScalars::SetInputs(float grad_unscale, float max_norm, uint64_t seed,
+                                cudaStream_t stream) {
+  if (!std::isfinite(grad_unscale)) {
+    return Status::InvalidArgument("grad_unscale is " + Num(grad_unscale) +
+                                   "; it must be finite (1 / loss_scale)");
+  }
+  if (std::isnan(max_norm)) {
+    return Status::InvalidArgument("max_norm is nan; use a positive number, or 0 for no clipping");
+  }
+  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::SetInputs"));
+  return cuda::LaunchSetInputs(header_, grad_unscale, max_norm, seed, stream);
+}
+
+Status DeviceScalars::UploadHeader(const DeviceStepHeader* pinned, cudaStream_t stream) {
+  EMSA_RETURN_IF_ERROR(CheckPinned(pinned, "DeviceScalars::UploadHeader"));
+  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::UploadHeader"));
+  EMSA_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(header_, pinned, sizeof(DeviceStepHeader), cudaMemcpyHostToDevice, stream));
+  return Status::Ok();
+}
+
+Status DeviceScalars::UploadGroups(const DeviceGroupScalars* pinned, cudaStream_t stream) {
+  EMSA_RETURN_IF_ERROR(CheckPinned(pinned, "DeviceScalars::UploadGroups"));
+  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::UploadGroups"));
+  EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+      groups_, pinned, group_count_ * sizeof(DeviceGroupScalars), cudaMemcpyHostToDevice, stream));
+  return Status::Ok();
+}
+
+Status DeviceScalars::BeginStep(cudaStream_t stream) {
+  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::BeginStep"));
+  return cuda::LaunchBeginStep(header_, stream);
+}
+
+Status DeviceScalars::FinishGradStats(cudaStream_t stream) {
+  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::FinishGradStats"));
+  return cuda::LaunchFinishGradStats(header_, stream);
+}
+
+Status DeviceScalars::AdvanceSteps(cudaStream_t stream) {
+  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::AdvanceSteps"));
+  return cuda::LaunchAdvanceSteps(header_, groups_, static_cast<int64_t>(group_count_), stream);
+}
+
+Status DeviceScalars::Read(DeviceStepHeader* header, DeviceGroupScalars* groups,
+                           cudaStream_t stream) const {
+  if (header == nullptr) return Status::InvalidArgument("DeviceScalars::Read: header is null");
+  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::Read"));
+  EMSA_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(header, header_, sizeof(DeviceStepHeader), cudaMemcpyDeviceToHost, stream));
+  if (groups != nullptr) {
+    EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(groups, groups_,
+                                              group_count_ * sizeof(DeviceGroupScalars),
+                                              cudaMemcpyDeviceToHost, stream));
+  }
+  EMSA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  return Status::Ok();
+}
+
+// ---- DeviceUpdateTable -------------------------------------------------------------------------
+
+struct DeviceUpdateTable::Impl {
+  struct Launch {
+    Variant variant;
+    int64_t first_chunk = 0;
+    int64_t chunk_count = 0;
+    int grid = 0;
+  };
+  Impl() = default;
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+  ~Impl() {
+    if (memory != nullptr) (void)cudaFree(memory);
+  }
+  void* memory = nullptr;  // one allocation: tensors | chunks | partials | stats
+  cuda::DeviceTensor* tensors = nullptr;
+  cuda::DeviceChunk* chunks = nullptr;
+  cuda::GradPartial* partials = nullptr;
+  cuda::GradTableStats* stats = nullptr;
+  std::vector<Launch> launches;
+  int stats_grid = 0;
+};
+
+Result<std::unique_ptr<DeviceUpdateTable>> DeviceUpdateTable::Create(
+    const TensorUpdate* tensors, const int32_t* groups, size_t count,
+    const DeviceTableOptions& options) {
+  TableShape shape;
+  EMSA_RETURN_IF_ERROR(ValidateTable(tensors, groups, count, options, &shape));
+  const int64_t chunk_total = shape.chunks;
+  if (!CudaDeviceUsable()) return NoDevice("DeviceUpdateTable::Create");
+  int device = -1;
+  EMSA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  for (size_t i = 0; i < count; ++i) {
+    const TensorUpdate& t = tensors[i];
+    if (t.numel == 0) continue;
+    EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "param", t.param, device));
+    EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "grad", t.grad, device));
+    EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "exp_avg", t.exp_avg, device));
+    if (options.optimizer != OptimizerKind::kLion) {
+      EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "exp_avg_sq", t.exp_avg_sq, device));
+    }
+    EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "master", t.master, device));
+  }
+
+  // Host images of the device arrays; chunks sorted by variant, so one launch per variant.
+  std::unique_ptr<DeviceUpdateTable> table(new DeviceUpdateTable());
+  table->impl_ = std::make_unique<Impl>();
+  Impl& impl = *table->impl_;
+  std::vector<cuda::DeviceTensor> dev_tensors(count);
+  std::vector<int> variant_of(count);
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const TensorUpdate& t = tensors[i];
+    const bool lion = options.optimizer == OptimizerKind::kLion;
+    cuda::DeviceTensor& d = dev_tensors[i];
+    d.param = t.param;
+    d.grad = t.grad;
+    d.exp_avg = t.exp_avg;
+    d.exp_avg_sq = lion ? nullptr : t.exp_avg_sq;
+    d.master = t.master;
+    d.numel = t.numel;
+    d.group = groups != nullptr ? groups[i] : 0;
+    const bool vector = Aligned16(t.param) && Aligned16(t.grad) && Aligned16(t.exp_avg) &&
+                        (lion || Aligned16(t.exp_avg_sq)) && Aligned16(t.master);
+    d.flags = static_cast<uint16_t>((vector ? cuda::kTensorVector : 0u) |
+                                    (Aligned16(t.grad) ? cuda::kTensorGradVector : 0u));
+    d.grad_dtype = static_cast<uint16_t>(t.grad_dtype);
+    variant_of[i] = cuda::VariantIndex(
+        {KindOf(t), t.grad_dtype == DType::kFloat32, t.state_dtype == DType::kBFloat16});
+    bytes += static_cast<uint64_t>(t.numel) * BytesPerElement(t, options.optimizer);
+  }
+  std::vector<cuda::DeviceChunk> dev_chunks;
+  dev_chunks.reserve(static_cast<size_t>(chunk_total));
+  for (int v = 0; v < cuda::kVariants; ++v) {
+    Impl::Launch launch;
+    launch.variant = {static_cast<ParamKind>(v / 4), (v & 2) != 0, (v & 1) != 0};
+    launch.first_chunk = static_cast<int64_t>(dev_chunks.size());
+    for (size_t i = 0; i < count; ++i) {
+      if (variant_of[i] != v) continue;
+      for (int64_t begin = 0; begin < tensors[i].numel; begin += cuda::kChunkElems) {
+        dev_chunks.push_back({begin, static_cast<int32_t>(i), 0});
+      }
+    }
+    launch.chunk_count = static_cast<int64_t>(dev_chunks.size()) - launch.first_chunk;
+    if (launch.chunk_count > 0) impl.launches.push_back(launch);
+  }
+
+  // A persistent grid per launch: as many blocks as fit on the device at once, fewer when
+  // there are fewer chunks.
+  int sms = 0;
+  EMSA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  for (Impl::Launch& launch : impl.launches) {
+    EMSA_ASSIGN_OR_RETURN(int per_sm, cuda::UpdateBlocksPerSm(options.optimizer, launch.variant));
+    launch.grid =
+        static_cast<int>(std::min<int64_t>(launch.chunk_count, static_cast<int64_t>(per_sm) * sms));
+  }
+  EMSA_ASSIGN_OR_RETURN(int stats_per_sm, cuda::GradStatsBlocksPerSm());
+  impl.stats_grid = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(chunk_total, static_cast<int64_t>(stats_per_sm) * sms)));
+
+  // One allocation: tensors | chunks | partials | stats, each 256-byte aligned.
+  const size_t tensors_bytes = RoundUp(count * sizeof(cuda::DeviceTensor), 256);
+  const size_t chunks_bytes = RoundUp(dev_chunks.size() * sizeof(cuda::DeviceChunk), 256);
+  const size_t partials_bytes =
+      RoundUp(static_cast<size_t>(impl.stats_grid) * sizeof(cuda::GradPartial), 256);
+  const size_t stats_bytes = RoundUp(sizeof(cuda::GradTableStats), 256);
+  const size_t alloc = tensors_bytes + chunks_bytes + partials_bytes + stats_bytes;
+  DeviceMemory mem;
+  EMSA_RETURN_IF_ERROR(Allocate(&mem, alloc, "DeviceUpdateTable::Create"));
+  impl.memory = mem.release();
+  char* base = static_cast<char*>(impl.memory);
+  impl.tensors = reinterpret_cast<cuda::DeviceTensor*>(base);
+  impl.chunks = reinterpret_cast<cuda::DeviceChunk*>(base + tensors_bytes);
+  impl.partials = reinterpret_cast<cuda::GradPartial*>(base + tensors_bytes + chunks_bytes);
+  impl.stats =
+      reinterpret_cast<cuda::GradTableStats*>(base + tensors_bytes + chunks_bytes + partials_bytes);
+  const char* what = "DeviceUpdateTable::Create: upload";
+  EMSA_RETURN_IF_ERROR(
+      Upload(impl.tensors, dev_tensors.data(), count * sizeof(cuda::DeviceTensor), what));
+  EMSA_RETURN_IF_ERROR(
+      Upload(impl.chunks, dev_chunks.data(), dev_chunks.size() * sizeof(cuda::DeviceChunk), what));
+  const cuda::GradTableStats stats0{0.0, 0, -1, 0u, 0u};
+  EMSA_RETURN_IF_ERROR(Upload(impl.stats, &stats0, sizeof stats0, what));
+  EMSA_RETURN_IF_ERROR(FinishUploads(what));
+
+  table->device_ = device;
+  table->options_ = options;
+  table->tensor_count_ = count;
+  table->total_numel_ = shape.total;
+  table->chunk_count_ = chunk_total;
+  table->launch_count_ = impl.launches.size();
+  table->bytes_per_update_ = bytes;
+  table->groups_needed_ = count > 0 ? static_cast<size_t>(shape.max_group) + 1 : 0;
+  return table;
+}
+
+DeviceUpdateTable::~DeviceUpdateTable() = default;
+
+Status DeviceUpdateTable::Update(const DeviceScalars& scalars, cudaStream_t stream) {
+  if (scalars.device() != device_) {
+    return Status::InvalidArgument("Update: the scalars live on device " +
+                                   std::to_string(scalars.device()) + ", the table on device " +
+                                   std::to_string(device_));
+  }
+  if (scalars.group_count() < groups_needed_) {
+    return Status::InvalidArgument("Update: the table uses group " +
+                                   std::to_string(groups_needed_ - 1) + " but the scalars have " +
+                                   std::to_string(scalars.group_count()) + " groups");
+  }
+  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceUpdateTable::Update"));
+  for (const Impl::Launch& l : impl_->launches) {
+    cuda::UpdateLaunch launch;
+    launch.chunks = impl_->chunks + l.first_chunk;
+    launch.chunk_count = l.chunk_count;
+    launch.tensors = impl_->tensors;
+    launch.header = scalars.device_header();
+    launch.groups = scalars.device_groups();
+    launch.stochastic_state = options_.rounding == Rounding::kStochastic ? 1 : 0;
+    launch.grid = l.grid;
+    EMSA_RETURN_IF_ERROR(cuda::LaunchUpdate(options_.optimizer, l.variant, launch, stream));
+  }
+  return Status::Ok();
+}
+
+Status DeviceUpdateTable::AccumulateGradStats(DeviceScalars& scalars, cudaStream_t stream) {
+  if (scalars.device() != device_) {
+    return Status::InvalidArgument("AccumulateGradStats: the scalars live on device " +
+                                   std::to_string(scalars.device()) + ", the table on device " +
+                                   std::to_string(device_));
+  }
+  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceUpdateTable::AccumulateGradStats"));
+  if (chunk_count_ == 0) return Status::Ok();
+  cuda::GradStatsLaunch launch;
+  launch.chunks = impl_->chunks;
+  launch.chunk_count = chunk_count_;
+  launch.tensors = impl_->tensors;
+  launch.partials = impl_->partials;
+  launch.table_stats = impl_->stats;
+  launch.header = scalars.device_header();
+  launch.grid = impl_->stats_grid;
+  return cuda::LaunchGradStats(launch, stream);
+}
+
+Status DeviceUpdateTable::ReadStats(DeviceTableStats* stats, cudaStream_t stream) const {
+  if (stats == nullptr) return Status::InvalidArgument("ReadStats: stats is null");
+  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceUpdateTable::ReadStats"));
+  cuda::GradTableStats s{};
+  EMSA_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(&s, impl_->stats, sizeof s, cudaMemcpyDeviceToHost, stream));
+  EMSA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  stats->sum_sq = s.sum_sq;
+  stats->nonfinite_count = s.nonfinite;
+  stats->first_nonfinite_tensor = s.first_bad;
+  return Status::Ok();
+}
+
+}  // namespace emsa
+
+#else  // !EMSA_HAVE_CUDA: the API exists, validates, and says why it cannot work.
+
+namespace emsa {
+namespace {
+Status NoCuda(const char* what) {
+  return Status::Unsupported(std::string(what) +
+                             ": this build of emsa has no CUDA (nvcc was not found at configure "
+                             "time); rebuild with the CUDA toolkit for the device tier");
+}
+}  // namespace
+
+struct DeviceUpdateTable::Impl {};
+
+Result<std::unique_ptr<DeviceScalars>> DeviceScalars::Create(const HyperParams* hypers,
+                                                             size_t group_count) {
+  EMSA_RETURN_IF_ERROR(ValidateGroups(hypers, group_count));
+  return NoCuda("DeviceScalars::Create");
+}
+DeviceScalars::~DeviceScalars() = default;
+Status DeviceScalars::SetGroup(size_t, const HyperParams&, int64_t, cudaStream_t) {
+  return NoCuda("DeviceScalars::SetGroup");
+}
+Status DeviceScalars::SetInputs(float, float, uint64_t, cudaStream_t) {
+  return NoCuda("DeviceScalars::SetInputs");
+}
+Status DeviceScalars::UploadHeader(const DeviceStepHeader*, cudaStream_t) {
+  return NoCuda("DeviceScalars::UploadHeader");
+}
+Status DeviceScalars::UploadGroups(const DeviceGroupScalars*, cudaStream_t) {
+  return NoCuda("DeviceScalars::UploadGroups");
+}
+Status DeviceScalars::BeginStep(cudaStream_t) { return NoCuda("DeviceScalars::BeginStep"); }
+Status DeviceScalars::FinishGradStats(cudaStream_t) {
+  return NoCuda("DeviceScalars::FinishGradStats");
+}
+Status DeviceScalars::AdvanceSteps(cudaStream_t) { return NoCuda("DeviceScalars::AdvanceSteps"); }
+Status DeviceScalars::Read(DeviceStepHeader*, DeviceGroupScalars*, cudaStream_t) const {
+  return NoCuda("DeviceScalars::Read");
+}
+
+Result<std::unique_ptr<DeviceUpdateTable>> DeviceUpdateTable::Create(
+    const TensorUpdate* tensors, const int32_t* groups, size_t count,
+    const DeviceTableOptions& options) {
+  TableShape shape;
+  EMSA_RETURN_IF_ERROR(ValidateTable(tensors, groups, count, options, &shape));
+  return NoCuda("DeviceUpdateTable::Create");
+}
+DeviceUpdateTable::~DeviceUpdateTable() = default;
+Status DeviceUpdateTable::Update(const DeviceScalars&, cudaStream_t) {
+  return NoCuda("DeviceUpdateTable::Update");
+}
+Status DeviceUpdateTable::AccumulateGradStats(DeviceScalars&, cudaStream_t) {
+  return NoCuda("DeviceUpdateTable::AccumulateGradStats");
+}
+Status DeviceUpdateTable::ReadStats(DeviceTableStats*, cudaStream_t) const {
+  return NoCuda("DeviceUpdateTable::ReadStats");
+}
+
+}  // namespace emsa
+
+#endif  // EMSA_HAVE_CUDA

@@ -1,0 +1,105 @@
+// step_scalars.cu — the one-thread kernels that keep DeviceScalars' per-step numbers on the
+// device, so that no step waits on the host (and a captured graph replays them).
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "common/cuda_util.h"
+#include "kernels/cuda/device_table.h"
+
+namespace emsa {
+namespace cuda {
+namespace {
+
+constexpr int kAdvanceThreads = 128;
+
+__global__ void SetGroupKernel(DeviceGroupScalars* groups, int64_t index,
+                               DeviceGroupScalars value) {
+  groups[index] = value;
+}
+
+__global__ void SetInputsKernel(DeviceStepHeader* h, float grad_unscale, float max_norm,
+                                uint64_t seed) {
+  h->grad_unscale = grad_unscale;
+  h->max_norm = max_norm;
+  h->seed = seed;
+}
+
+__global__ void BeginStepKernel(DeviceStepHeader* h) {
+  h->grad_multiplier = h->grad_unscale;
+  h->found_inf = 0;
+  h->sum_sq = 0.0;
+  h->nonfinite_count = 0;
+  h->grad_norm = 0.0;
+  h->clip_coef = 1.0f;
+}
+
+// torch.nn.utils.clip_grad_norm_: clip_coef = max_norm / (norm + 1e-6), clamped to 1; here in
+// double, rounded once. A non-finite gradient sets found_inf (and no clipping is computed): the
+// update then skips, rather than multiplying an inf by a coefficient of 0 into NaN.
+__global__ void FinishGradStatsKernel(DeviceStepHeader* h) {
+  const double unscale = h->grad_unscale;
+  const double norm = sqrt(h->sum_sq) * fabs(unscale);
+  const bool bad = h->nonfinite_count > 0 || !isfinite(h->sum_sq);
+  if (bad) h->found_inf = 1;
+  float coef = 1.0f;
+  const float max_norm = h->max_norm;
+  if (!bad && max_norm > 0.0f && isfinite(max_norm)) {
+    const double c = static_cast<double>(max_norm) / (norm + 1e-6);
+    if (c < 1.0) coef = static_cast<float>(c);
+  }
+  h->grad_norm = norm;
+  h->clip_coef = coef;
+  h->grad_multiplier = static_cast<float>(unscale * static_cast<double>(coef));
+}
+
+// torch adds 1 to every step before the update and, under a GradScaler that found an inf,
+// subtracts it again: the step only counts updates that happened.
+__global__ void AdvanceStepsKernel(const DeviceStepHeader* h, DeviceGroupScalars* groups,
+                                   int64_t count) {
+  if (h->found_inf != 0) return;
+  for (int64_t i = blockIdx.x * int64_t{kAdvanceThreads} + threadIdx.x; i < count;
+       i += int64_t{kAdvanceThreads} * gridDim.x) {
+    groups[i].step += 1;
+  }
+}
+
+// A <<<>>> launch reports its errors through cudaGetLastError, which also clears them.
+Status Checked(const char* what) { return CudaStatus(cudaGetLastError(), what); }
+
+}  // namespace
+
+Status LaunchSetGroup(DeviceGroupScalars* groups, int64_t index, const DeviceGroupScalars& value,
+                      cudaStream_t stream) {
+  SetGroupKernel<<<1, 1, 0, stream>>>(groups, index, value);
+  return Checked("SetGroup kernel launch");
+}
+
+Status LaunchSetInputs(DeviceStepHeader* header, float grad_unscale, float max_norm, uint64_t seed,
+                       cudaStream_t stream) {
+  SetInputsKernel<<<1, 1, 0, stream>>>(header, grad_unscale, max_norm, seed);
+  return Checked("SetInputs kernel launch");
+}
+
+Status LaunchBeginStep(DeviceStepHeader* header, cudaStream_t stream) {
+  BeginStepKernel<<<1, 1, 0, stream>>>(header);
+  return Checked("BeginStep kernel launch");
+}
+
+Status LaunchFinishGradStats(DeviceStepHeader* header, cudaStream_t stream) {
+  FinishGradStatsKernel<<<1, 1, 0, stream>>>(header);
+  return Checked("FinishGradStats kernel launch");
+}
+
+Status LaunchAdvanceSteps(const DeviceStepHeader* header, DeviceGroupScalars* groups,
+                          int64_t group_count, cudaStream_t stream) {
+  if (group_count <= 0) return Status::Ok();
+  const int64_t blocks64 = (group_count + kAdvanceThreads - 1) / kAdvanceThreads;
+  const unsigned blocks = static_cast<unsigned>(blocks64 < 1024 ? blocks64 : 1024);
+  AdvanceStepsKernel<<<blocks, kAdvanceThreads, 0, stream>>>(header, groups, group_count);
+  return Checked("AdvanceSteps kernel launch");
+}
+
+}  // namespace cuda
+}  // namespace emsa

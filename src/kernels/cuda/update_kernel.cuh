@@ -1,0 +1,343 @@
+// update_kernel.cuh — the fused multi-tensor update kernel, one instantiation per variant.
+//
+// A persistent grid (a few blocks per SM, sized from occupancy) walks the variant's chunks
+// round-robin: block b takes chunks b, b + grid, ... Within a chunk each thread takes
+// kElemsPerThread elements per pass as kUnroll vectors of kVec consecutive elements, vectors of
+// one pass kThreads apart, so every warp access is one contiguous, fully used span. All loads of
+// a pass are issued before the first is used: kUnroll independent 16-byte (or 8-byte) loads per
+// stream in flight per thread. Tensors whose streams are not all 16-byte aligned, and the last
+// n % kVec elements of a tensor, take the scalar path (same arithmetic, element by element).
+//
+// The kernel reads found_inf, grad_multiplier and the seed once, and a group's constants
+// (two double pow) only when the chunk's group differs from the block's previous chunk.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/device_table.h"
+#include "kernels/cuda/update_kernels.h"
+#include "kernels/cuda/update_math.cuh"
+
+namespace emsa {
+namespace cuda {
+
+// ---- launch geometry ---------------------------------------------------------------------------
+
+constexpr int kUpdateThreads = 256;
+constexpr int kElemsPerThread = 8;  // per pass: 32 bytes per fp32 stream, 16 per 16-bit stream
+constexpr int kWidestVec = 8;       // 16 bytes of bf16/fp16
+static_assert(kElemsPerThread % kWidestVec == 0, "a pass holds whole vectors of every width");
+static_assert(kChunkElems % (kUpdateThreads * kElemsPerThread) == 0,
+              "full chunks are whole passes");
+static_assert(kChunkElems <= (int64_t{1} << 30), "offsets within a chunk are int");
+
+// ---- the variant's memory layout ---------------------------------------------------------------
+
+template <ParamKind kP, bool kGradF32, bool kStateBf16>
+struct Layout {
+  static constexpr bool kMaster = kP == ParamKind::kBf16Master || kP == ParamKind::kF16Master;
+  static constexpr bool kParamF32 = kP == ParamKind::kF32;
+  static constexpr bool kHalf = kP == ParamKind::kF16 || kP == ParamKind::kF16Master;
+  static constexpr bool kParamRounded = kP == ParamKind::kBf16 || kP == ParamKind::kF16;
+  static constexpr bool kGradWide = kGradF32 || kParamF32;
+  // A vector is 16 bytes of the widest stream: 4 elements when any stream is fp32, else 8.
+  static constexpr bool kAnyF32 = kParamF32 || kMaster || kGradWide || !kStateBf16;
+  static constexpr int kVec = kAnyF32 ? 4 : 8;
+  static constexpr int kUnroll = kElemsPerThread / kVec;
+  static_assert(kElemsPerThread % kVec == 0, "whole vectors per pass");
+};
+
+// kVec elements of one stream, as loaded: float4 for fp32 (kVec 4); uint4 (8 x 16 bit) or uint2
+// (4 x 16 bit) for 16-bit streams.
+template <bool kF32, int kVec>
+struct Raw;
+template <>
+struct Raw<true, 4> {
+  uint4 w;
+};
+template <>
+struct Raw<false, 4> {
+  uint2 w;
+};
+template <>
+struct Raw<false, 8> {
+  uint4 w;
+};
+
+template <bool kF32, int kVec>
+__device__ __forceinline__ Raw<kF32, kVec> LoadRaw(const void* base, int offset) {
+  Raw<kF32, kVec> r;
+  if constexpr (kF32 || kVec == 8) {
+    r.w = __ldcs(
+        reinterpret_cast<const uint4*>(static_cast<const char*>(base) + offset * (kF32 ? 4 : 2)));
+  } else {
+    r.w = __ldcs(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(base) + offset));
+  }
+  return r;
+}
+
+template <bool kF32, int kVec>
+__device__ __forceinline__ void StoreRaw(void* base, int offset, const Raw<kF32, kVec>& r) {
+  if constexpr (kF32 || kVec == 8) {
+    __stcs(reinterpret_cast<uint4*>(static_cast<char*>(base) + offset * (kF32 ? 4 : 2)), r.w);
+  } else {
+    __stcs(reinterpret_cast<uint2*>(static_cast<uint16_t*>(base) + offset), r.w);
+  }
+}
+
+__device__ __forceinline__ uint32_t Word(const uint4& w, int k) {
+  return k == 0 ? w.x : k == 1 ? w.y : k == 2 ? w.z : w.w;
+}
+__device__ __forceinline__ uint32_t Word(const uint2& w, int k) { return k == 0 ? w.x : w.y; }
+__device__ __forceinline__ void SetWord(uint4& w, int k, uint32_t x) {
+  if (k == 0) w.x = x;
+  if (k == 1) w.y = x;
+  if (k == 2) w.z = x;
+  if (k == 3) w.w = x;
+}
+__device__ __forceinline__ void SetWord(uint2& w, int k, uint32_t x) {
+  if (k == 0) w.x = x;
+  if (k == 1) w.y = x;
+}
+
+// Element k of a vector as float. kHalf: the 16-bit format is fp16, else bf16.
+template <bool kF32, bool kHalf, int kVec>
+__device__ __forceinline__ float Unpack(const Raw<kF32, kVec>& r, int k) {
+  if constexpr (kF32) {
+    return BitsFloat(Word(r.w, k));
+  } else {
+    const uint32_t bits = (Word(r.w, k >> 1) >> ((k & 1) * 16)) & 0xFFFFu;
+    return kHalf ? HalfToFloat(bits) : Bf16ToFloat(bits);
+  }
+}
+
+// Sets element k from float bits (kF32) or from 16-bit bits in the low half.
+template <bool kF32, int kVec>
+__device__ __forceinline__ void Pack(Raw<kF32, kVec>& r, int k, uint32_t bits) {
+  if constexpr (kF32) {
+    SetWord(r.w, k, bits);
+  } else if ((k & 1) == 0) {
+    SetWord(r.w, k >> 1, bits);
+  } else {
+    SetWord(r.w, k >> 1, Word(r.w, k >> 1) | (bits << 16));
+  }
+}
+
+// ---- one chunk ---------------------------------------------------------------------------------
+
+// A chunk's streams, already offset to its first element.
+struct ChunkPtrs {
+  void* param;
+  const void* grad;
+  void* exp_avg;
+  void* exp_avg_sq;
+  float* master;
+};
+
+// Elements [first, n) of the chunk, one at a time per thread (misaligned tensors; tails).
+template <OptimizerKind kOpt, ParamKind kP, bool kGradF32, bool kStateBf16>
+__device__ __forceinline__ void UpdateScalar(const ChunkPtrs& t, const StepConsts& c,
+                                             const Keys& keys, bool stochastic, uint32_t index_low,
+                                             int first, int n) {
+  using L = Layout<kP, kGradF32, kStateBf16>;
+  constexpr bool kLion = kOpt == OptimizerKind::kLion;
+  for (int i = first + static_cast<int>(threadIdx.x); i < n; i += kUpdateThreads) {
+    float p;
+    if constexpr (L::kMaster) {
+      p = t.master[i];
+    } else if constexpr (L::kParamF32) {
+      p = static_cast<const float*>(t.param)[i];
+    } else {
+      const uint32_t bits = static_cast<const uint16_t*>(t.param)[i];
+      p = L::kHalf ? HalfToFloat(bits) : Bf16ToFloat(bits);
+    }
+    float g;
+    if constexpr (L::kGradWide) {
+      g = static_cast<const float*>(t.grad)[i];
+    } else {
+      const uint32_t bits = static_cast<const uint16_t*>(t.grad)[i];
+      g = L::kHalf ? HalfToFloat(bits) : Bf16ToFloat(bits);
+    }
+    float m, v = 0.0f;
+    if constexpr (kStateBf16) {
+      m = Bf16ToFloat(static_cast<const uint16_t*>(t.exp_avg)[i]);
+      if constexpr (!kLion) v = Bf16ToFloat(static_cast<const uint16_t*>(t.exp_avg_sq)[i]);
+    } else {
+      m = static_cast<const float*>(t.exp_avg)[i];
+      if constexpr (!kLion) v = static_cast<const float*>(t.exp_avg_sq)[i];
+    }
+
+    const Stored out = StepElement<kOpt, kP, kStateBf16>(
+        c, keys, stochastic, index_low + static_cast<uint32_t>(i), p, g, m, v);
+    if constexpr (kStateBf16) {
+      static_cast<uint16_t*>(t.exp_avg)[i] = static_cast<uint16_t>(out.exp_avg);
+      if constexpr (!kLion)
+        static_cast<uint16_t*>(t.exp_avg_sq)[i] = static_cast<uint16_t>(out.exp_avg_sq);
+    } else {
+      static_cast<float*>(t.exp_avg)[i] = BitsFloat(out.exp_avg);
+      if constexpr (!kLion) static_cast<float*>(t.exp_avg_sq)[i] = BitsFloat(out.exp_avg_sq);
+    }
+    if constexpr (L::kMaster) t.master[i] = out.master;
+    if constexpr (L::kParamF32) {
+      static_cast<float*>(t.param)[i] = out.master;
+    } else {
+      static_cast<uint16_t*>(t.param)[i] = static_cast<uint16_t>(out.param);
+    }
+  }
+}
+
+// The chunk's first n / kVec vectors; every stream is 16-byte aligned at the chunk's start.
+template <OptimizerKind kOpt, ParamKind kP, bool kGradF32, bool kStateBf16>
+__device__ __forceinline__ void UpdateVectors(const ChunkPtrs& t, const StepConsts& c,
+                                              const Keys& keys, bool stochastic, uint32_t index_low,
+                                              int n) {
+  using L = Layout<kP, kGradF32, kStateBf16>;
+  constexpr int kVec = L::kVec;
+  constexpr int kUnroll = L::kUnroll;
+  constexpr bool kLion = kOpt == OptimizerKind::kLion;
+  constexpr bool kPF32 = L::kParamF32 || L::kMaster;  // the stream the parameter is read from
+  using PRaw = Raw<kPF32, kVec>;
+  using GRaw = Raw<L::kGradWide, kVec>;
+  using SRaw = Raw<!kStateBf16, kVec>;
+  const void* p_src = L::kMaster ? static_cast<const void*>(t.master) : t.param;
+
+  const int vectors = n / kVec;
+  for (int v0 = 0; v0 < vectors; v0 += kUpdateThreads * kUnroll) {
+    PRaw pr[kUnroll];
+    GRaw gr[kUnroll];
+    SRaw mr[kUnroll], vr[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int vi = v0 + u * kUpdateThreads + static_cast<int>(threadIdx.x);
+      if (vi < vectors) {
+        const int off = vi * kVec;
+        pr[u] = LoadRaw<kPF32, kVec>(p_src, off);
+        gr[u] = LoadRaw<L::kGradWide, kVec>(t.grad, off);
+        mr[u] = LoadRaw<!kStateBf16, kVec>(t.exp_avg, off);
+        if constexpr (!kLion) vr[u] = LoadRaw<!kStateBf16, kVec>(t.exp_avg_sq, off);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int vi = v0 + u * kUpdateThreads + static_cast<int>(threadIdx.x);
+      if (vi < vectors) {
+        const int off = vi * kVec;
+        PRaw po;               // master / fp32 param out
+        Raw<false, kVec> p16;  // 16-bit param out
+        SRaw mo, vo;
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          const float p = Unpack<kPF32, L::kHalf, kVec>(pr[u], k);
+          const float g = Unpack<L::kGradWide, L::kHalf, kVec>(gr[u], k);
+          const float m = Unpack<!kStateBf16, false, kVec>(mr[u], k);
+          float v = 0.0f;
+          if constexpr (!kLion) v = Unpack<!kStateBf16, false, kVec>(vr[u], k);
+
+          const Stored out = StepElement<kOpt, kP, kStateBf16>(
+              c, keys, stochastic, index_low + static_cast<uint32_t>(off + k), p, g, m, v);
+          Pack<!kStateBf16, kVec>(mo, k, out.exp_avg);
+          if constexpr (!kLion) Pack<!kStateBf16, kVec>(vo, k, out.exp_avg_sq);
+          if constexpr (kPF32) Pack<true, kVec>(po, k, FloatBits(out.master));
+          if constexpr (!L::kParamF32) Pack<false, kVec>(p16, k, out.param);
+        }
+        StoreRaw<!kStateBf16, kVec>(t.exp_avg, off, mo);
+        if constexpr (!kLion) StoreRaw<!kStateBf16, kVec>(t.exp_avg_sq, off, vo);
+        if constexpr (L::kParamF32) StoreRaw<true, kVec>(t.param, off, po);
+        if constexpr (L::kMaster) StoreRaw<true, kVec>(t.master, off, po);
+        if constexpr (!L::kParamF32) StoreRaw<false, kVec>(t.param, off, p16);
+      }
+    }
+  }
+  // The tensor's last n % kVec elements.
+  UpdateScalar<kOpt, kP, kGradF32, kStateBf16>(t, c, keys, stochastic, index_low, vectors * kVec,
+                                               n);
+}
+
+// ---- the kernel --------------------------------------------------------------------------------
+
+template <OptimizerKind kOpt, ParamKind kP, bool kGradF32, bool kStateBf16>
+__global__ void __launch_bounds__(kUpdateThreads) FusedUpdateKernel(const UpdateLaunch a) {
+  using L = Layout<kP, kGradF32, kStateBf16>;
+  if (a.header->found_inf != 0) return;
+  const float grad_multiplier = a.header->grad_multiplier;
+  const uint64_t seed = a.header->seed;
+  const bool stochastic = a.stochastic_state != 0;
+  constexpr bool kNeedKeys = kStateBf16 || L::kParamRounded;
+
+  int32_t group = -1;
+  StepConsts c{};
+  for (int64_t ci = blockIdx.x; ci < a.chunk_count; ci += gridDim.x) {
+    const DeviceChunk chunk = a.chunks[ci];
+    const DeviceTensor& t = a.tensors[chunk.tensor];
+    if (t.group != group) {
+      group = t.group;
+      c = MakeStepConsts<kOpt>(a.groups[group], grad_multiplier);
+    }
+    const int64_t begin = chunk.begin;
+    const int64_t left = t.numel - begin;
+    const int n = static_cast<int>(left < kChunkElems ? left : kChunkElems);
+
+    Keys keys{0u, 0u};
+    if constexpr (kNeedKeys) {
+      const uint32_t high = static_cast<uint32_t>(static_cast<uint64_t>(begin) >> 32);
+      keys = MakeKeys(seed, c.step, high);
+    }
+    const uint32_t index_low = static_cast<uint32_t>(static_cast<uint64_t>(begin));
+
+    const int psize = L::kParamF32 ? 4 : 2;
+    const int gsize = L::kGradWide ? 4 : 2;
+    const int ssize = kStateBf16 ? 2 : 4;
+    ChunkPtrs p;
+    p.param = static_cast<char*>(t.param) + begin * psize;
+    p.grad = static_cast<const char*>(t.grad) + begin * gsize;
+    p.exp_avg = static_cast<char*>(t.exp_avg) + begin * ssize;
+    p.exp_avg_sq = kOpt == OptimizerKind::kLion
+                       ? nullptr
+                       : static_cast<void*>(static_cast<char*>(t.exp_avg_sq) + begin * ssize);
+    p.master = L::kMaster ? t.master + begin : nullptr;
+
+    if (t.flags & kTensorVector) {
+      UpdateVectors<kOpt, kP, kGradF32, kStateBf16>(p, c, keys, stochastic, index_low, n);
+    } else {
+      UpdateScalar<kOpt, kP, kGradF32, kStateBf16>(p, c, keys, stochastic, index_low, 0, n);
+    }
+  }
+}
+
+// ---- dispatch over variants --------------------------------------------------------------------
+
+template <OptimizerKind kOpt, ParamKind kP, bool kGradF32, bool kStateBf16>
+UpdateKernelFn KernelOf() {
+  if constexpr (kP == ParamKind::kF32 && !kGradF32) {
+    return nullptr;  // an fp32 param's own dtype is fp32: that is the kGradF32 variant
+  } else {
+    return &FusedUpdateKernel<kOpt, kP, kGradF32, kStateBf16>;
+  }
+}
+
+template <OptimizerKind kOpt, ParamKind kP>
+void FillParam(UpdateKernelFn* table) {
+  table[VariantIndex({kP, false, false})] = KernelOf<kOpt, kP, false, false>();
+  table[VariantIndex({kP, false, true})] = KernelOf<kOpt, kP, false, true>();
+  table[VariantIndex({kP, true, false})] = KernelOf<kOpt, kP, true, false>();
+  table[VariantIndex({kP, true, true})] = KernelOf<kOpt, kP, true, true>();
+}
+
+// Every variant's kernel for one optimizer (null where the variant does not exist).
+template <OptimizerKind kOpt>
+struct UpdateKernels {
+  UpdateKernelFn fn[kVariants] = {};
+  UpdateKernels() {
+    FillParam<kOpt, ParamKind::kF32>(fn);
+    FillParam<kOpt, ParamKind::kBf16>(fn);
+    FillParam<kOpt, ParamKind::kF16>(fn);
+    FillParam<kOpt, ParamKind::kBf16Master>(fn);
+    FillParam<kOpt, ParamKind::kF16Master>(fn);
+    static_assert(kParamKinds == 5, "fill every ParamKind");
+  }
+};
+
+}  // namespace cuda
+}  // namespace emsa

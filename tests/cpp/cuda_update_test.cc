@@ -1,0 +1,1089 @@
+// Tests for include/emsa/cuda_update.h and src/kernels/cuda: every optimizer x dtype combination
+// against the CPU kernels (bitwise) and a float64 reference; odd tensor counts and sizes,
+// misaligned tensors, several param groups; a bucket over 2^31 elements; bitwise repeatability;
+// the found_inf skip; global norm and clipping; a captured CUDA graph; validation.
+//
+// Validation and the host run of the device arithmetic (CudaUpdateMath) run everywhere; the
+// rest skip cleanly without a CUDA device. CudaUpdate.Small* are quick enough for
+// compute-sanitizer (scripts/gpu-check runs them under memcheck and racecheck).
+#include "emsa/cuda_update.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/cuda_util.h"
+#include "emsa/cpu_update.h"
+#include "kernels/cpu/numerics.h"
+#if EMSA_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/update_math.cuh"
+#endif
+
+namespace emsa {
+namespace {
+
+// ---- validation: no device needed --------------------------------------------------------------
+
+void* Fake(uintptr_t a) { return reinterpret_cast<void*>(a); }
+
+TensorUpdate FakeTensor(int64_t numel) {
+  TensorUpdate t;
+  t.param = Fake(0x10000);
+  t.grad = Fake(0x20000);
+  t.exp_avg = Fake(0x30000);
+  t.exp_avg_sq = Fake(0x40000);
+  t.numel = numel;
+  return t;
+}
+
+void ExpectError(const Status& s, StatusCode code, const std::string& needle) {
+  EXPECT_EQ(s.code(), code) << s.ToString();
+  EXPECT_NE(s.message().find(needle), std::string::npos)
+      << "message \"" << s.message() << "\" lacks \"" << needle << "\"";
+}
+
+TEST(CudaUpdateValidation, ScalarsRejectBadGroups) {
+  HyperParams h[2];
+  ExpectError(DeviceScalars::Create(h, 0).status(), StatusCode::kInvalidArgument, "group_count");
+  ExpectError(DeviceScalars::Create(nullptr, 1).status(), StatusCode::kInvalidArgument, "hypers");
+  h[1].lr = -1.0f;
+  ExpectError(DeviceScalars::Create(h, 2).status(), StatusCode::kInvalidArgument, "hypers[1].lr");
+  h[1] = HyperParams{};
+  h[1].beta2 = 1.0f;
+  ExpectError(DeviceScalars::Create(h, 2).status(), StatusCode::kInvalidArgument,
+              "hypers[1].beta2");
+  h[1] = HyperParams{};
+  h[1].eps = 0.0f;
+  ExpectError(DeviceScalars::Create(h, 2).status(), StatusCode::kInvalidArgument, "hypers[1].eps");
+  h[1] = HyperParams{};
+  h[1].weight_decay = NAN;
+  ExpectError(DeviceScalars::Create(h, 2).status(), StatusCode::kInvalidArgument,
+              "hypers[1].weight_decay");
+}
+
+TEST(CudaUpdateValidation, TableNamesTheBadTensor) {
+  DeviceTableOptions o;
+  std::vector<TensorUpdate> t = {FakeTensor(10), FakeTensor(10), FakeTensor(10)};
+  const auto create = [&](const int32_t* groups = nullptr) {
+    return DeviceUpdateTable::Create(t.data(), groups, t.size(), o).status();
+  };
+  t[1].numel = -1;
+  ExpectError(create(), StatusCode::kInvalidArgument, "tensors[1].numel");
+  t[1] = FakeTensor(10);
+  t[2].grad = nullptr;
+  ExpectError(create(), StatusCode::kInvalidArgument, "tensors[2].grad is null");
+  t[2] = FakeTensor(10);
+  t[0].exp_avg_sq = nullptr;
+  ExpectError(create(), StatusCode::kInvalidArgument, "tensors[0].exp_avg_sq");
+  t[0] = FakeTensor(10);
+  t[1].state_dtype = DType::kFloat16;
+  ExpectError(create(), StatusCode::kUnsupported, "tensors[1].state_dtype");
+  t[1] = FakeTensor(10);
+  t[1].param_dtype = DType::kFloat16;
+  t[1].grad_dtype = DType::kBFloat16;
+  ExpectError(create(), StatusCode::kUnsupported, "tensors[1].grad_dtype");
+  t[1] = FakeTensor(10);
+  t[1].master = static_cast<float*>(Fake(0x50000));
+  ExpectError(create(), StatusCode::kInvalidArgument, "tensors[1].master");
+  t[1] = FakeTensor(10);
+  t[1].param_dtype = DType::kBFloat16;
+  t[1].grad_dtype = DType::kBFloat16;
+  o.rounding = Rounding::kNearest;
+  ExpectError(create(), StatusCode::kInvalidArgument, "Rounding::kStochastic");
+  o = DeviceTableOptions{};
+  t[1] = FakeTensor(10);
+  const int32_t groups[3] = {0, -2, 1};
+  ExpectError(create(groups), StatusCode::kInvalidArgument, "groups[1]");
+  o.optimizer = static_cast<OptimizerKind>(7);
+  ExpectError(create(), StatusCode::kInvalidArgument, "options.optimizer");
+  o = DeviceTableOptions{};
+  ExpectError(DeviceUpdateTable::Create(nullptr, nullptr, 2, o).status(),
+              StatusCode::kInvalidArgument, "tensors is null");
+  // Lion keeps one moment: a null exp_avg_sq is fine (and then the device check decides).
+  o.optimizer = OptimizerKind::kLion;
+  t[0].exp_avg_sq = nullptr;
+  const Status lion = create();
+  EXPECT_FALSE(lion.ok());  // fake pointers: refused by the device check, or no device
+  EXPECT_EQ(lion.message().find("exp_avg_sq"), std::string::npos) << lion.ToString();
+}
+
+// Valid input: a device checks the pointers (host addresses here: refused); no device or no
+// CUDA build: kUnsupported, saying why.
+TEST(CudaUpdateValidation, ValidInputNeedsADeviceAndDevicePointers) {
+  std::vector<float> host(16);
+  TensorUpdate t = FakeTensor(16);
+  t.param = host.data();
+  const Status s = DeviceUpdateTable::Create(&t, nullptr, 1, DeviceTableOptions{}).status();
+  HyperParams h;
+  const Status scalars = DeviceScalars::Create(&h, 1).status();
+#if EMSA_HAVE_CUDA
+  if (CudaDeviceUsable()) {
+    ExpectError(s, StatusCode::kInvalidArgument, "tensors[0].param is not device memory");
+    EXPECT_TRUE(scalars.ok()) << scalars.ToString();
+    return;
+  }
+#endif
+  ExpectError(s, StatusCode::kUnsupported, "DeviceUpdateTable::Create");
+  ExpectError(scalars, StatusCode::kUnsupported, "DeviceScalars::Create");
+}
+
+#if EMSA_HAVE_CUDA
+
+// ---- helpers  ------------------------------------------------------------------------------
+
+#define SKIP_WITHOUT_DEVICE() \
+  if (!CudaDeviceUsable()) GTEST_SKIP() << "no usable CUDA device"
+
+#define ASSERT_OK(expr)                                     \
+  do {                                                      \
+    const ::emsa::Status s_ = (expr);                       \
+    ASSERT_TRUE(s_.ok()) << #expr << ": " << s_.ToString(); \
+  } while (0)
+
+#define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+// splitmix64, a fresh seed per check.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : s_(seed) {}
+  uint64_t Next() {
+    uint64_t z = (s_ += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  double Uniform() { return static_cast<double>(Next() >> 11) * 0x1.0p-53; }  // [0, 1)
+  double Signed(double lo, double hi) {                                       // +-[lo, hi)
+    const double m = lo + (hi - lo) * Uniform();
+    return (Next() & 1) ? m : -m;
+  }
+
+ private:
+  uint64_t s_;
+};
+
+float ToFloat(DType d, const std::vector<uint8_t>& raw, int64_t i) {
+  switch (d) {
+    case DType::kBFloat16: {
+      uint16_t h;
+      std::memcpy(&h, raw.data() + 2 * i, 2);
+      return cpu::Bf16ToFloat(h);
+    }
+    case DType::kFloat16: {
+      uint16_t h;
+      std::memcpy(&h, raw.data() + 2 * i, 2);
+      return cpu::HalfToFloat(h);
+    }
+    default: {
+      float f;
+      std::memcpy(&f, raw.data() + 4 * i, 4);
+      return f;
+    }
+  }
+}
+
+void FromFloat(DType d, std::vector<uint8_t>* raw, int64_t i, float x) {
+  if (d == DType::kFloat32) {
+    std::memcpy(raw->data() + 4 * i, &x, 4);
+    return;
+  }
+  const uint16_t h = d == DType::kBFloat16 ? cpu::Bf16Nearest(x)
+                                           : cpu::FloatToHalf(x, cpu::HalfRounding::kNearestEven);
+  std::memcpy(raw->data() + 2 * i, &h, 2);
+}
+
+// One dtype combination.
+struct Case {
+  OptimizerKind optimizer;
+  DType param;
+  DType grad;
+  DType state;
+  bool master;
+  Rounding rounding;
+};
+
+std::string CaseName(const Case& c) {
+  return std::string(OptimizerName(c.optimizer)) + " p=" + DTypeName(c.param) +
+         " g=" + DTypeName(c.grad) + " s=" + DTypeName(c.state) + (c.master ? " +master" : "") +
+         (c.rounding == Rounding::kStochastic ? " sr" : " nearest");
+}
+
+// Every supported combination: 28 per optimizer.
+std::vector<Case> AllCases() {
+  std::vector<Case> cases;
+  for (OptimizerKind o : {OptimizerKind::kAdamW, OptimizerKind::kAdam, OptimizerKind::kLion}) {
+    for (DType p : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      const bool low = p != DType::kFloat32;
+      const std::vector<DType> grads =
+          low ? std::vector<DType>{DType::kFloat32, p} : std::vector<DType>{DType::kFloat32};
+      const std::vector<bool> masters =
+          low ? std::vector<bool>{false, true} : std::vector<bool>{false};
+      for (DType g : grads) {
+        for (DType s : {DType::kFloat32, DType::kBFloat16}) {
+          for (bool master : masters) {
+            for (Rounding r : {Rounding::kNearest, Rounding::kStochastic}) {
+              if (low && !master && r == Rounding::kNearest) continue;  // rejected by design
+              cases.push_back({o, p, g, s, master, r});
+            }
+          }
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+// One tensor's host data (raw bytes in its dtypes) and its device copy.
+struct Tensor {
+  int64_t numel = 0;
+  bool misaligned = false;  // device pointers one element past a 16-byte boundary
+  int32_t group = 0;
+  std::vector<uint8_t> param, grad, exp_avg, exp_avg_sq, master;
+};
+
+Tensor MakeTensor(const Case& c, int64_t numel, bool misaligned, int32_t group, Rng& rng) {
+  Tensor t;
+  t.numel = numel;
+  t.misaligned = misaligned;
+  t.group = group;
+  const auto n = static_cast<size_t>(numel);
+  t.param.resize(n * DTypeSize(c.param));
+  t.grad.resize(n * DTypeSize(c.grad));
+  t.exp_avg.resize(n * DTypeSize(c.state));
+  if (c.optimizer != OptimizerKind::kLion) t.exp_avg_sq.resize(n * DTypeSize(c.state));
+  if (c.master) t.master.resize(n * 4);
+  for (int64_t i = 0; i < numel; ++i) {
+    // Parameters away from zero (relative checks stay meaningful), small gradients, moments of
+    // a run in progress.
+    const float p = static_cast<float>(rng.Signed(0.5, 1.5));
+    if (c.master) {
+      FromFloat(DType::kFloat32, &t.master, i, p);
+      // A pure output: poisoned, and every element must be written.
+      const uint16_t nan = c.param == DType::kBFloat16 ? 0x7FC1 : 0x7E01;
+      std::memcpy(t.param.data() + 2 * i, &nan, 2);
+    } else {
+      FromFloat(c.param, &t.param, i, p);
+    }
+    FromFloat(c.grad, &t.grad, i, static_cast<float>(rng.Signed(1e-4, 2e-2)));
+    FromFloat(c.state, &t.exp_avg, i, static_cast<float>(rng.Signed(1e-5, 1e-2)));
+    if (!t.exp_avg_sq.empty()) {
+      FromFloat(c.state, &t.exp_avg_sq, i, static_cast<float>(1e-8 + 2e-4 * rng.Uniform()));
+    }
+  }
+  return t;
+}
+
+// Device memory for a list of tensors, freed at the end of the test.
+class DeviceTensors {
+ public:
+  ~DeviceTensors() {
+    for (void* p : allocations_) (void)cudaFree(p);
+  }
+  // Uploads every stream; returns the TensorUpdate with device pointers.
+  TensorUpdate Upload(const Case& c, const Tensor& t) {
+    TensorUpdate u;
+    u.numel = t.numel;
+    u.param_dtype = c.param;
+    u.grad_dtype = c.grad;
+    u.state_dtype = c.state;
+    u.param = Put(t.param, DTypeSize(c.param), t.misaligned);
+    u.grad = Put(t.grad, DTypeSize(c.grad), t.misaligned);
+    u.exp_avg = Put(t.exp_avg, DTypeSize(c.state), t.misaligned);
+    u.exp_avg_sq =
+        t.exp_avg_sq.empty() ? nullptr : Put(t.exp_avg_sq, DTypeSize(c.state), t.misaligned);
+    u.master = t.master.empty() ? nullptr : static_cast<float*>(Put(t.master, 4, t.misaligned));
+    return u;
+  }
+  bool ok() const { return ok_; }
+
+ private:
+  void* Put(const std::vector<uint8_t>& bytes, size_t elem, bool misaligned) {
+    void* base = nullptr;
+    if (cudaMalloc(&base, bytes.size() + 16) != cudaSuccess) {
+      ok_ = false;
+      return nullptr;
+    }
+    allocations_.push_back(base);
+    char* p = static_cast<char*>(base) + (misaligned ? elem : 0);
+    if (!bytes.empty() &&
+        cudaMemcpy(p, bytes.data(), bytes.size(), cudaMemcpyHostToDevice) != cudaSuccess) {
+      ok_ = false;
+    }
+    return p;
+  }
+  std::vector<void*> allocations_;
+  bool ok_ = true;
+};
+
+std::vector<uint8_t> Download(const void* device, size_t bytes) {
+  std::vector<uint8_t> out(bytes);
+  if (bytes > 0) {
+    EXPECT_EQ(cudaMemcpy(out.data(), device, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+  return out;
+}
+
+// Every stream of every tensor, as the device holds it now.
+std::vector<Tensor> DownloadAll(const std::vector<Tensor>& like,
+                                const std::vector<TensorUpdate>& dev) {
+  std::vector<Tensor> out(like.size());
+  for (size_t i = 0; i < like.size(); ++i) {
+    out[i].numel = like[i].numel;
+    out[i].param = Download(dev[i].param, like[i].param.size());
+    out[i].grad = Download(dev[i].grad, like[i].grad.size());
+    out[i].exp_avg = Download(dev[i].exp_avg, like[i].exp_avg.size());
+    out[i].exp_avg_sq = Download(dev[i].exp_avg_sq, like[i].exp_avg_sq.size());
+    out[i].master = Download(dev[i].master, like[i].master.size());
+  }
+  return out;
+}
+
+// The first differing element of two byte streams of `elem`-byte elements, or -1.
+int64_t FirstDiff(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, size_t elem) {
+  if (a.size() != b.size()) return 0;
+  for (size_t i = 0; i < a.size(); i += elem) {
+    if (std::memcmp(a.data() + i, b.data() + i, elem) != 0) return static_cast<int64_t>(i / elem);
+  }
+  return -1;
+}
+
+void ExpectBitwise(const std::string& what, const Case& c, const std::vector<Tensor>& got,
+                   const std::vector<Tensor>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    const std::string at =
+        what + " tensor " + std::to_string(i) + " (numel " + std::to_string(got[i].numel) + ") ";
+    EXPECT_EQ(FirstDiff(got[i].param, want[i].param, DTypeSize(c.param)), -1) << at << "param";
+    EXPECT_EQ(FirstDiff(got[i].exp_avg, want[i].exp_avg, DTypeSize(c.state)), -1)
+        << at << "exp_avg";
+    EXPECT_EQ(FirstDiff(got[i].exp_avg_sq, want[i].exp_avg_sq, DTypeSize(c.state)), -1)
+        << at << "exp_avg_sq";
+    EXPECT_EQ(FirstDiff(got[i].master, want[i].master, 4), -1) << at << "master";
+    EXPECT_EQ(FirstDiff(got[i].grad, want[i].grad, DTypeSize(c.grad)), -1) << at << "grad";
+  }
+}
+
+// The CPU tier on host copies: the bitwise reference.
+std::vector<Tensor> CpuStep(const Case& c, std::vector<Tensor> tensors,
+                            const std::vector<HyperParams>& hypers,
+                            const std::vector<int64_t>& steps, float grad_multiplier,
+                            uint64_t seed) {
+  std::vector<TensorUpdate> u(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    Tensor& t = tensors[i];
+    u[i].numel = t.numel;
+    u[i].param_dtype = c.param;
+    u[i].grad_dtype = c.grad;
+    u[i].state_dtype = c.state;
+    u[i].param = t.param.data();
+    u[i].grad = t.grad.data();
+    u[i].exp_avg = t.exp_avg.data();
+    u[i].exp_avg_sq = t.exp_avg_sq.empty() ? nullptr : t.exp_avg_sq.data();
+    u[i].master = t.master.empty() ? nullptr : reinterpret_cast<float*>(t.master.data());
+    u[i].hyper = &hypers[static_cast<size_t>(t.group)];
+    u[i].step = steps[static_cast<size_t>(t.group)];
+  }
+  auto updater = CpuUpdater::Create(CpuUpdaterOptions{});
+  EXPECT_TRUE(updater.ok()) << updater.status().ToString();
+  if (!updater.ok()) return tensors;
+  StepOptions o;
+  o.optimizer = c.optimizer;
+  o.grad_multiplier = grad_multiplier;
+  o.rounding = c.rounding;
+  o.seed = seed;
+  const Status s = (*updater)->Step(u.data(), u.size(), o);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  return tensors;
+}
+
+// float64 torch.optim arithmetic for one tensor, from the stored (dequantized) inputs; checks
+// each output element within rtol of its own scale (the magnitude of the terms that make it).
+void ExpectNearReference(const Case& c, const Tensor& in, const Tensor& out, const HyperParams& h,
+                         int64_t step, double mult) {
+  const double lr = h.lr, wd = h.weight_decay, b1 = h.beta1, b2 = h.beta2, eps = h.eps;
+  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(step));
+  const bool lion = c.optimizer == OptimizerKind::kLion;
+  // Storage precision of each output: fp32 1e-6 (arithmetic), else one unit in the last place.
+  const auto rtol = [](DType d) {
+    return d == DType::kFloat32 ? 1e-6 : d == DType::kBFloat16 ? 0x1p-7 : 0x1p-10;
+  };
+  const DType p_out = c.master ? DType::kFloat32 : c.param;
+  int reported = 0;
+  for (int64_t i = 0; i < in.numel; ++i) {
+    const double p0 =
+        c.master ? ToFloat(DType::kFloat32, in.master, i) : ToFloat(c.param, in.param, i);
+    double g = static_cast<double>(ToFloat(c.grad, in.grad, i)) * mult;
+    if (h.maximize) g = -g;
+    const double m0 = ToFloat(c.state, in.exp_avg, i);
+    double p = p0, m = m0, v = 0.0, m_scale = 0.0, v_scale = 0.0;
+    if (lion) {
+      const double u = b1 * m0 + (1 - b1) * g;
+      p = p0 * (1 - lr * wd) - lr * ((u > 0) - (u < 0));
+      m = b2 * m0 + (1 - b2) * g;
+      m_scale = b2 * std::fabs(m0) + (1 - b2) * std::fabs(g);
+    } else {
+      if (c.optimizer == OptimizerKind::kAdam) g += wd * p0;
+      if (c.optimizer == OptimizerKind::kAdamW) p = p0 * (1 - lr * wd);
+      const double v0 = ToFloat(c.state, in.exp_avg_sq, i);
+      m = b1 * m0 + (1 - b1) * g;
+      v = b2 * v0 + (1 - b2) * g * g;
+      p -= lr / bc1 * m / (std::sqrt(v) / std::sqrt(bc2) + eps);
+      m_scale = b1 * std::fabs(m0) + (1 - b1) * std::fabs(g);
+      v_scale = v;
+    }
+    const double got_p =
+        c.master ? ToFloat(DType::kFloat32, out.master, i) : ToFloat(c.param, out.param, i);
+    const double got_m = ToFloat(c.state, out.exp_avg, i);
+    const double p_err = std::fabs(got_p - p) / ((rtol(p_out) + 1e-6) * std::fabs(p));
+    const double m_err = std::fabs(got_m - m) / (rtol(c.state) * std::fabs(m) + 1e-6 * m_scale);
+    double v_err = 0.0;
+    if (!lion) {
+      const double got_v = ToFloat(c.state, out.exp_avg_sq, i);
+      v_err = std::fabs(got_v - v) / ((rtol(c.state) + 1e-6) * v_scale);
+    }
+    if (!(p_err <= 1.0 && m_err <= 1.0 && v_err <= 1.0) && reported++ < 5) {
+      ADD_FAILURE() << CaseName(c) << " element " << i << " of " << in.numel
+                    << ": error/tolerance p " << p_err << " (got " << got_p << ", want " << p
+                    << "), m " << m_err << ", v " << v_err;
+    }
+  }
+}
+
+// ---- the kernels' arithmetic, run on the host: needs no device
+// ------------------------------------
+
+// cuda::StepElement over a whole tensor, as the kernels' scalar path runs it.
+template <OptimizerKind kOpt, cuda::ParamKind kP, bool kStateBf16>
+void EmulateTensor(const Case& c, Tensor* t, const DeviceGroupScalars& group, float mult,
+                   uint64_t seed) {
+  const cuda::StepConsts consts = cuda::MakeStepConsts<kOpt>(group, mult);
+  const bool stochastic = c.rounding == Rounding::kStochastic;
+  for (int64_t i = 0; i < t->numel; ++i) {
+    const auto high = static_cast<uint32_t>(static_cast<uint64_t>(i) >> 32);
+    const cuda::Keys keys = cuda::MakeKeys(seed, consts.step, high);
+    const float p =
+        c.master ? ToFloat(DType::kFloat32, t->master, i) : ToFloat(c.param, t->param, i);
+    const float g = ToFloat(c.grad, t->grad, i);
+    const float m = ToFloat(c.state, t->exp_avg, i);
+    const float v = t->exp_avg_sq.empty() ? 0.0f : ToFloat(c.state, t->exp_avg_sq, i);
+    const cuda::Stored out = cuda::StepElement<kOpt, kP, kStateBf16>(
+        consts, keys, stochastic, static_cast<uint32_t>(i), p, g, m, v);
+    const size_t s_size = kStateBf16 ? 2 : 4;
+    std::memcpy(t->exp_avg.data() + i * s_size, &out.exp_avg, s_size);  // little-endian
+    if (!t->exp_avg_sq.empty()) {
+      std::memcpy(t->exp_avg_sq.data() + i * s_size, &out.exp_avg_sq, s_size);
+    }
+    if (c.master) std::memcpy(t->master.data() + i * 4, &out.master, 4);
+    const size_t p_size = DTypeSize(c.param);
+    std::memcpy(t->param.data() + i * p_size, &out.param, p_size);
+  }
+}
+
+template <OptimizerKind kOpt, cuda::ParamKind kP>
+void EmulateParam(const Case& c, Tensor* t, const DeviceGroupScalars& g, float mult,
+                  uint64_t seed) {
+  if (c.state == DType::kBFloat16) {
+    EmulateTensor<kOpt, kP, true>(c, t, g, mult, seed);
+  } else {
+    EmulateTensor<kOpt, kP, false>(c, t, g, mult, seed);
+  }
+}
+
+template <OptimizerKind kOpt>
+void EmulateOptimizer(const Case& c, Tensor* t, const DeviceGroupScalars& g, float mult,
+                      uint64_t seed) {
+  using cuda::ParamKind;
+  if (c.param == DType::kFloat32) return EmulateParam<kOpt, ParamKind::kF32>(c, t, g, mult, seed);
+  if (c.param == DType::kBFloat16) {
+    if (c.master) return EmulateParam<kOpt, ParamKind::kBf16Master>(c, t, g, mult, seed);
+    return EmulateParam<kOpt, ParamKind::kBf16>(c, t, g, mult, seed);
+  }
+  if (c.master) return EmulateParam<kOpt, ParamKind::kF16Master>(c, t, g, mult, seed);
+  return EmulateParam<kOpt, ParamKind::kF16>(c, t, g, mult, seed);
+}
+
+DeviceGroupScalars GroupScalars(const HyperParams& h, int64_t step) {
+  DeviceGroupScalars g;
+  g.step = step;
+  g.lr = h.lr;
+  g.beta1 = h.beta1;
+  g.beta2 = h.beta2;
+  g.eps = h.eps;
+  g.weight_decay = h.weight_decay;
+  g.maximize = h.maximize ? 1 : 0;
+  return g;
+}
+
+std::vector<Tensor> Emulate(const Case& c, std::vector<Tensor> tensors,
+                            const std::vector<HyperParams>& hypers,
+                            const std::vector<int64_t>& steps, float mult, uint64_t seed) {
+  for (Tensor& t : tensors) {
+    const auto g = static_cast<size_t>(t.group);
+    const DeviceGroupScalars group = GroupScalars(hypers[g], steps[g]);
+    switch (c.optimizer) {
+      case OptimizerKind::kAdamW:
+        EmulateOptimizer<OptimizerKind::kAdamW>(c, &t, group, mult, seed);
+        break;
+      case OptimizerKind::kAdam:
+        EmulateOptimizer<OptimizerKind::kAdam>(c, &t, group, mult, seed);
+        break;
+      case OptimizerKind::kLion:
+        EmulateOptimizer<OptimizerKind::kLion>(c, &t, group, mult, seed);
+        break;
+    }
+  }
+  return tensors;
+}
+
+// A group's hyperparameters with every term exercised (decay, maximize on the odd ones).
+HyperParams GroupHyper(int group, OptimizerKind o) {
+  HyperParams h;
+  h.lr = o == OptimizerKind::kLion ? 1e-4f * static_cast<float>(group + 1)
+                                   : 1e-3f * static_cast<float>(group + 1);
+  h.beta1 = 0.9f - 0.05f * static_cast<float>(group);
+  h.beta2 = o == OptimizerKind::kLion ? 0.99f : 0.999f - 0.004f * static_cast<float>(group);
+  h.eps = 1e-8f;
+  h.weight_decay = 0.01f * static_cast<float>(group);
+  h.maximize = group == 1;
+  return h;
+}
+
+struct Run {
+  std::unique_ptr<DeviceScalars> scalars;
+  std::unique_ptr<DeviceUpdateTable> table;
+};
+
+// A stream that destroys itself. Blocking, so the tests' synchronous cudaMemcpy uploads (legacy
+// stream) are ordered before the work on it.
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() { EXPECT_EQ(cudaStreamCreate(&s), cudaSuccess); }
+  ~Stream() {
+    if (s != nullptr) (void)cudaStreamDestroy(s);
+  }
+};
+
+// Sets up scalars (groups at step `steps[g] - 1`, then advanced) and runs one Update.
+void DeviceStep(const Case& c, const std::vector<TensorUpdate>& dev,
+                const std::vector<int32_t>& groups, const std::vector<HyperParams>& hypers,
+                const std::vector<int64_t>& steps, float grad_unscale, uint64_t seed,
+                cudaStream_t stream) {
+  auto scalars = DeviceScalars::Create(hypers.data(), hypers.size());
+  ASSERT_TRUE(scalars.ok()) << scalars.status().ToString();
+  DeviceTableOptions o;
+  o.optimizer = c.optimizer;
+  o.rounding = c.rounding;
+  auto table = DeviceUpdateTable::Create(dev.data(), groups.data(), dev.size(), o);
+  ASSERT_TRUE(table.ok()) << table.status().ToString();
+  DeviceScalars& s = **scalars;
+  for (size_t g = 0; g < hypers.size(); ++g)
+    ASSERT_OK(s.SetGroup(g, hypers[g], steps[g] - 1, stream));
+  ASSERT_OK(s.SetInputs(grad_unscale, 0.0f, seed, stream));
+  ASSERT_OK(s.BeginStep(stream));
+  ASSERT_OK(s.AdvanceSteps(stream));
+  ASSERT_OK((*table)->Update(s, stream));
+  ASSERT_CUDA(cudaStreamSynchronize(stream));
+  ASSERT_CUDA(cudaGetLastError());
+  std::vector<DeviceGroupScalars> after(hypers.size());
+  DeviceStepHeader header;
+  ASSERT_OK(s.Read(&header, after.data(), stream));
+  for (size_t g = 0; g < hypers.size(); ++g) EXPECT_EQ(after[g].step, steps[g]);
+  EXPECT_EQ(header.grad_multiplier, grad_unscale);
+}
+
+// Runs one case over `sizes` (tensor i in group i % groups, every 5th misaligned) and checks
+// the result against the CPU kernels (bitwise) and the float64 reference.
+void CheckCase(const Case& c, const std::vector<int64_t>& sizes, int group_count, uint64_t seed) {
+  SCOPED_TRACE(CaseName(c));
+  Rng rng(seed);
+  std::vector<Tensor> host;
+  std::vector<int32_t> groups;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const int32_t g = static_cast<int32_t>(i % static_cast<size_t>(group_count));
+    host.push_back(MakeTensor(c, sizes[i], i % 5 == 4, g, rng));
+    groups.push_back(g);
+  }
+  std::vector<HyperParams> hypers;
+  std::vector<int64_t> steps;
+  for (int g = 0; g < group_count; ++g) {
+    hypers.push_back(GroupHyper(g, c.optimizer));
+    steps.push_back(1 + 6 * g);  // step 1 (largest bias correction) and later ones
+  }
+  const float unscale = 0.5f;  // a loss scale of 2: exact, but the multiply is exercised
+  const uint64_t sr_seed = rng.Next();
+
+  DeviceTensors mem;
+  std::vector<TensorUpdate> dev;
+  for (const Tensor& t : host) dev.push_back(mem.Upload(c, t));
+  ASSERT_TRUE(mem.ok());
+  Stream stream;
+  DeviceStep(c, dev, groups, hypers, steps, unscale, sr_seed, stream.s);
+  if (testing::Test::HasFatalFailure()) return;
+
+  const std::vector<Tensor> got = DownloadAll(host, dev);
+  const std::vector<Tensor> want = CpuStep(c, host, hypers, steps, unscale, sr_seed);
+  ExpectBitwise("vs CPU", c, got, want);
+  for (size_t i = 0; i < host.size(); ++i) {
+    const size_t g = static_cast<size_t>(host[i].group);
+    ExpectNearReference(c, host[i], got[i], hypers[g], steps[g], unscale);
+  }
+}
+
+// The device arithmetic (update_math.cuh) against the CPU kernels, on this machine: every
+// combination, several groups (steps 1, 7, 13; maximize; weight decay), bitwise.
+TEST(CudaUpdateMath, TranscriptionMatchesCpuKernelsBitwise) {
+  uint64_t seed = 500;
+  for (const Case& c : AllCases()) {
+    SCOPED_TRACE(CaseName(c));
+    Rng rng(++seed);
+    std::vector<Tensor> host;
+    const int64_t sizes[] = {1, 3, 4097, 1000, 77};
+    for (size_t i = 0; i < 5; ++i) {
+      host.push_back(MakeTensor(c, sizes[i], false, static_cast<int32_t>(i % 3), rng));
+    }
+    std::vector<HyperParams> hypers;
+    std::vector<int64_t> steps;
+    for (int g = 0; g < 3; ++g) {
+      hypers.push_back(GroupHyper(g, c.optimizer));
+      steps.push_back(1 + 6 * g);
+    }
+    const uint64_t sr_seed = rng.Next();
+    const std::vector<Tensor> got = Emulate(c, host, hypers, steps, 0.5f, sr_seed);
+    const std::vector<Tensor> want = CpuStep(c, host, hypers, steps, 0.5f, sr_seed);
+    ExpectBitwise("emulated vs CPU", c, got, want);
+    for (size_t i = 0; i < host.size(); ++i) {
+      const auto g = static_cast<size_t>(host[i].group);
+      ExpectNearReference(c, host[i], got[i], hypers[g], steps[g], 0.5);
+    }
+    if (HasFailure()) return;
+  }
+}
+
+// The conversions and the hash, over every fp16 pattern and many random floats and bits,
+// against numerics.h (NaN inputs excepted where only the payload may differ).
+TEST(CudaUpdateMath, ConversionsAndHashMatchNumerics) {
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    const float a = cuda::HalfToFloat(h), b = cpu::HalfToFloat(static_cast<uint16_t>(h));
+    if (std::isnan(b)) {
+      EXPECT_TRUE(std::isnan(a)) << h;
+      continue;
+    }
+    ASSERT_EQ(cuda::FloatBits(a), cuda::FloatBits(b)) << "half " << h;
+  }
+  Rng rng(77);
+  for (int i = 0; i < 2000000; ++i) {
+    uint32_t bits = static_cast<uint32_t>(rng.Next());
+    if (i % 4 == 1) bits = (bits & 0x8FFFFFFFu) | 0x30000000u;  // near fp16's range
+    if (i % 4 == 2) bits = (bits & 0x83FFFFFFu) | 0x47000000u;  // near 65504 and past it
+    const float f = cuda::BitsFloat(bits);
+    const uint32_t r = static_cast<uint32_t>(rng.Next());
+    ASSERT_EQ(cuda::Bf16Nearest(f), cpu::Bf16Nearest(f)) << std::hex << bits;
+    ASSERT_EQ(cuda::Bf16Stochastic(f, r), cpu::Bf16Stochastic(f, r)) << std::hex << bits;
+    if (std::isnan(f)) continue;
+    ASSERT_EQ(cuda::HalfNearest(f), cpu::FloatToHalf(f, cpu::HalfRounding::kNearestEven))
+        << std::hex << bits;
+    ASSERT_EQ(cuda::HalfStochastic(f, r), cpu::HalfStochastic(f, r)) << std::hex << bits;
+    ASSERT_EQ(cuda::HashIndex(bits, r), cpu::HashIndex(bits, r));
+    const int64_t step = static_cast<int64_t>(r % 100000);
+    const uint64_t seed = rng.Next();
+    const uint32_t stream = 1 + (r & 1);
+    ASSERT_EQ(cuda::StreamKey(seed, step, stream, bits >> 20),
+              cpu::StreamKey(seed, step, stream, bits >> 20));
+  }
+}
+
+TEST(CudaUpdate, SmallEveryCombinationMatchesCpuAndFloat64) {
+  SKIP_WITHOUT_DEVICE();
+  // Chunk edges (32768), vector tails (odd sizes), misaligned tensors (every 5th), 3 groups.
+  const std::vector<int64_t> sizes = {1, 3, 4097, 32768, 32769, 70001, 8, 5, 2, 65536 + 12};
+  uint64_t seed = 1000;
+  for (const Case& c : AllCases()) {
+    CheckCase(c, sizes, 3, ++seed);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(CudaUpdate, SmallManyTensorsInOneTable) {
+  SKIP_WITHOUT_DEVICE();
+  for (int count : {37, 101}) {
+    Rng rng(static_cast<uint64_t>(count));
+    std::vector<int64_t> sizes;
+    for (int i = 0; i < count; ++i) sizes.push_back(1 + static_cast<int64_t>(rng.Next() % 9000));
+    sizes[static_cast<size_t>(count / 2)] = 100003;  // several chunks among small tensors
+    CheckCase({OptimizerKind::kAdamW, DType::kFloat32, DType::kFloat32, DType::kFloat32, false,
+               Rounding::kStochastic},
+              sizes, 4, 77 + static_cast<uint64_t>(count));
+    CheckCase({OptimizerKind::kAdamW, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16, false,
+               Rounding::kStochastic},
+              sizes, 2, 99 + static_cast<uint64_t>(count));
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(CudaUpdate, SmallEmptyTensorsAndEmptyTable) {
+  SKIP_WITHOUT_DEVICE();
+  const Case c{OptimizerKind::kAdamW, DType::kFloat32, DType::kFloat32,
+               DType::kFloat32,       false,           Rounding::kNearest};
+  CheckCase(c, {0, 5, 0}, 1, 5);
+  HyperParams h;
+  auto scalars = DeviceScalars::Create(&h, 1);
+  ASSERT_TRUE(scalars.ok()) << scalars.status().ToString();
+  auto table = DeviceUpdateTable::Create(nullptr, nullptr, 0, DeviceTableOptions{});
+  ASSERT_TRUE(table.ok()) << table.status().ToString();
+  EXPECT_EQ((*table)->launches_per_update(), 0);
+  Stream stream;
+  ASSERT_OK((*table)->Update(**scalars, stream.s));
+  ASSERT_OK((*table)->AccumulateGradStats(**scalars, stream.s));
+  ASSERT_CUDA(cudaStreamSynchronize(stream.s));
+}
+
+TEST(CudaUpdate, SmallBitwiseRepeatable) {
+  SKIP_WITHOUT_DEVICE();
+  const Case c{OptimizerKind::kAdamW, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16, false,
+               Rounding::kStochastic};
+  Rng rng(4242);
+  std::vector<Tensor> host = {MakeTensor(c, 100000, false, 0, rng),
+                              MakeTensor(c, 777, true, 0, rng)};
+  std::vector<Tensor> results[2];
+  double sums[2] = {0, 0};
+  for (int run = 0; run < 2; ++run) {
+    DeviceTensors mem;
+    std::vector<TensorUpdate> dev;
+    for (const Tensor& t : host) dev.push_back(mem.Upload(c, t));
+    ASSERT_TRUE(mem.ok());
+    HyperParams h = GroupHyper(0, c.optimizer);
+    auto scalars = DeviceScalars::Create(&h, 1);
+    ASSERT_TRUE(scalars.ok());
+    DeviceTableOptions o;
+    o.rounding = c.rounding;
+    auto table = DeviceUpdateTable::Create(dev.data(), nullptr, dev.size(), o);
+    ASSERT_TRUE(table.ok()) << table.status().ToString();
+    Stream stream;
+    DeviceScalars& s = **scalars;
+    ASSERT_OK(s.SetInputs(1.0f, 1e9f, 99, stream.s));
+    for (int step = 0; step < 3; ++step) {
+      ASSERT_OK(s.BeginStep(stream.s));
+      ASSERT_OK((*table)->AccumulateGradStats(s, stream.s));
+      ASSERT_OK(s.FinishGradStats(stream.s));
+      ASSERT_OK(s.AdvanceSteps(stream.s));
+      ASSERT_OK((*table)->Update(s, stream.s));
+    }
+    DeviceStepHeader header;
+    ASSERT_OK(s.Read(&header, nullptr, stream.s));
+    sums[run] = header.sum_sq;
+    results[run] = DownloadAll(host, dev);
+  }
+  EXPECT_EQ(std::memcmp(&sums[0], &sums[1], sizeof(double)), 0);
+  ExpectBitwise("run 2 vs run 1", c, results[1], results[0]);
+}
+
+TEST(CudaUpdate, SmallFoundInfSkipsEverything) {
+  SKIP_WITHOUT_DEVICE();
+  const Case c{OptimizerKind::kAdamW, DType::kFloat32, DType::kFloat32,
+               DType::kFloat32,       false,           Rounding::kNearest};
+  for (float bad : {INFINITY, -INFINITY, NAN}) {
+    Rng rng(31);
+    std::vector<Tensor> host;
+    for (int64_t n : {5000, 70000, 3}) host.push_back(MakeTensor(c, n, false, 0, rng));
+    FromFloat(DType::kFloat32, &host[1].grad, 65537, bad);  // tensor 1, in its third chunk
+    FromFloat(DType::kFloat32, &host[2].grad, 2, bad);
+    DeviceTensors mem;
+    std::vector<TensorUpdate> dev;
+    for (const Tensor& t : host) dev.push_back(mem.Upload(c, t));
+    ASSERT_TRUE(mem.ok());
+    HyperParams h;
+    auto scalars = DeviceScalars::Create(&h, 1);
+    ASSERT_TRUE(scalars.ok());
+    auto table = DeviceUpdateTable::Create(dev.data(), nullptr, dev.size(), DeviceTableOptions{});
+    ASSERT_TRUE(table.ok()) << table.status().ToString();
+    Stream stream;
+    DeviceScalars& s = **scalars;
+    ASSERT_OK(s.SetGroup(0, h, 4, stream.s));
+    ASSERT_OK(s.SetInputs(1.0f, 1.0f, 0, stream.s));
+    ASSERT_OK(s.BeginStep(stream.s));
+    ASSERT_OK((*table)->AccumulateGradStats(s, stream.s));
+    ASSERT_OK(s.FinishGradStats(stream.s));
+    ASSERT_OK(s.AdvanceSteps(stream.s));
+    ASSERT_OK((*table)->Update(s, stream.s));
+    DeviceStepHeader header;
+    DeviceGroupScalars group;
+    ASSERT_OK(s.Read(&header, &group, stream.s));
+    EXPECT_EQ(header.found_inf, 1);
+    EXPECT_EQ(header.nonfinite_count, 2);
+    EXPECT_EQ(group.step, 4) << "a skipped step must not count";
+    DeviceTableStats stats;
+    ASSERT_OK((*table)->ReadStats(&stats, stream.s));
+    EXPECT_EQ(stats.nonfinite_count, 2);
+    EXPECT_EQ(stats.first_nonfinite_tensor, 1);
+    ExpectBitwise("after a skipped step", c, DownloadAll(host, dev), host);
+  }
+}
+
+// Global norm over two tables (fp32 and bf16 grads), in double, against a long double sum; then
+// the clipped update against the CPU with the device's multiplier.
+TEST(CudaUpdate, SmallGlobalNormAndClipping) {
+  SKIP_WITHOUT_DEVICE();
+  const Case c32{OptimizerKind::kAdamW, DType::kFloat32, DType::kFloat32,
+                 DType::kFloat32,       false,           Rounding::kNearest};
+  const Case c16{OptimizerKind::kAdamW, DType::kBFloat16, DType::kBFloat16, DType::kFloat32, true,
+                 Rounding::kNearest};
+  Rng rng(8);
+  std::vector<Tensor> h32 = {MakeTensor(c32, 123457, false, 0, rng),
+                             MakeTensor(c32, 11, true, 0, rng)};
+  std::vector<Tensor> h16 = {MakeTensor(c16, 54321, false, 0, rng)};
+  long double sum = 0;
+  for (const Tensor& t : h32) {
+    for (int64_t i = 0; i < t.numel; ++i)
+      sum += std::pow((long double)ToFloat(c32.grad, t.grad, i), 2);
+  }
+  for (const Tensor& t : h16) {
+    for (int64_t i = 0; i < t.numel; ++i)
+      sum += std::pow((long double)ToFloat(c16.grad, t.grad, i), 2);
+  }
+  DeviceTensors mem;
+  std::vector<TensorUpdate> d32, d16;
+  for (const Tensor& t : h32) d32.push_back(mem.Upload(c32, t));
+  for (const Tensor& t : h16) d16.push_back(mem.Upload(c16, t));
+  ASSERT_TRUE(mem.ok());
+  HyperParams h;
+  auto scalars = DeviceScalars::Create(&h, 1);
+  ASSERT_TRUE(scalars.ok());
+  DeviceTableOptions o;
+  o.rounding = Rounding::kNearest;
+  auto t32 = DeviceUpdateTable::Create(d32.data(), nullptr, d32.size(), o);
+  auto t16 = DeviceUpdateTable::Create(d16.data(), nullptr, d16.size(), o);
+  ASSERT_TRUE(t32.ok() && t16.ok());
+  Stream stream;
+  DeviceScalars& s = **scalars;
+
+  // Poison the outputs, then set the inputs: a loss scale of 4, clip to a tenth of the norm.
+  const double norm = std::sqrt(static_cast<double>(sum)) * 0.25;
+  DeviceStepHeader* pinned = nullptr;
+  ASSERT_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&pinned), sizeof *pinned, 0));
+  std::unique_ptr<DeviceStepHeader, void (*)(DeviceStepHeader*)> free_pinned(
+      pinned, [](DeviceStepHeader* p) { (void)cudaFreeHost(p); });
+  *pinned = DeviceStepHeader{};
+  pinned->grad_norm = NAN;
+  pinned->clip_coef = NAN;
+  pinned->sum_sq = NAN;
+  pinned->grad_multiplier = NAN;
+  pinned->grad_unscale = 0.25f;
+  pinned->max_norm = static_cast<float>(norm / 10);
+  ASSERT_OK(s.UploadHeader(pinned, stream.s));
+  ASSERT_OK(s.BeginStep(stream.s));
+  ASSERT_OK((*t32)->AccumulateGradStats(s, stream.s));
+  ASSERT_OK((*t16)->AccumulateGradStats(s, stream.s));
+  ASSERT_OK(s.FinishGradStats(stream.s));
+  ASSERT_OK(s.AdvanceSteps(stream.s));
+  ASSERT_OK((*t32)->Update(s, stream.s));
+  ASSERT_OK((*t16)->Update(s, stream.s));
+  DeviceStepHeader header;
+  ASSERT_OK(s.Read(&header, nullptr, stream.s));
+  EXPECT_NEAR(header.sum_sq, static_cast<double>(sum), 1e-12 * static_cast<double>(sum));
+  EXPECT_NEAR(header.grad_norm, norm, 1e-12 * norm);
+  EXPECT_EQ(header.nonfinite_count, 0);
+  EXPECT_EQ(header.found_inf, 0);
+  const double coef = std::min(1.0, (norm / 10) / (norm + 1e-6));
+  EXPECT_NEAR(header.clip_coef, coef, 1e-6 * coef);
+  EXPECT_EQ(header.grad_multiplier, static_cast<float>(0.25 * header.clip_coef));
+
+  const std::vector<HyperParams> hypers = {h};
+  const std::vector<int64_t> steps = {1};
+  ExpectBitwise("clipped fp32", c32, DownloadAll(h32, d32),
+                CpuStep(c32, h32, hypers, steps, header.grad_multiplier, 0));
+  ExpectBitwise("clipped bf16+master", c16, DownloadAll(h16, d16),
+                CpuStep(c16, h16, hypers, steps, header.grad_multiplier, 0));
+
+  // Without clipping the multiplier is the unscale itself.
+  pinned->max_norm = 0.0f;
+  ASSERT_OK(s.UploadHeader(pinned, stream.s));
+  ASSERT_OK(s.BeginStep(stream.s));
+  ASSERT_OK((*t32)->AccumulateGradStats(s, stream.s));
+  ASSERT_OK(s.FinishGradStats(stream.s));
+  ASSERT_OK(s.Read(&header, nullptr, stream.s));
+  EXPECT_EQ(header.clip_coef, 1.0f);
+  EXPECT_EQ(header.grad_multiplier, 0.25f);
+}
+
+// A whole step captured once, replayed with a new lr each time through pinned memory.
+TEST(CudaUpdate, SmallCapturedGraphReplaysWithNewLr) {
+  SKIP_WITHOUT_DEVICE();
+  const Case c{OptimizerKind::kAdamW, DType::kFloat32, DType::kFloat32,
+               DType::kFloat32,       false,           Rounding::kNearest};
+  Rng rng(12);
+  std::vector<Tensor> host = {MakeTensor(c, 40000, false, 0, rng),
+                              MakeTensor(c, 999, true, 0, rng)};
+  DeviceTensors mem;
+  std::vector<TensorUpdate> dev;
+  for (const Tensor& t : host) dev.push_back(mem.Upload(c, t));
+  ASSERT_TRUE(mem.ok());
+  HyperParams h = GroupHyper(0, c.optimizer);
+  auto scalars = DeviceScalars::Create(&h, 1);
+  ASSERT_TRUE(scalars.ok());
+  auto table = DeviceUpdateTable::Create(dev.data(), nullptr, dev.size(), DeviceTableOptions{});
+  ASSERT_TRUE(table.ok());
+  DeviceScalars& s = **scalars;
+  DeviceGroupScalars* pinned = nullptr;
+  ASSERT_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&pinned), sizeof *pinned, 0));
+  std::unique_ptr<DeviceGroupScalars, void (*)(DeviceGroupScalars*)> free_pinned(
+      pinned, [](DeviceGroupScalars* p) { (void)cudaFreeHost(p); });
+  Stream stream;
+
+  // The graph copies the group (lr, step) in from pinned memory, then steps.
+  cudaGraph_t graph = nullptr;
+  // Global mode, as torch.cuda.graph captures by default: the strictest about what may run.
+  ASSERT_CUDA(cudaStreamBeginCapture(stream.s, cudaStreamCaptureModeGlobal));
+  Status captured = s.UploadGroups(pinned, stream.s);
+  if (captured.ok()) captured = s.BeginStep(stream.s);
+  if (captured.ok()) captured = s.AdvanceSteps(stream.s);
+  if (captured.ok()) captured = (*table)->Update(s, stream.s);
+  ASSERT_CUDA(cudaStreamEndCapture(stream.s, &graph));
+  ASSERT_OK(captured);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+
+  std::vector<Tensor> want = host;
+  const float lrs[3] = {1e-3f, 5e-4f, 2e-3f};
+  for (int step = 1; step <= 3; ++step) {
+    HyperParams hs = h;
+    hs.lr = lrs[step - 1];
+    DeviceGroupScalars g;
+    g.step = step - 1;  // the graph's AdvanceSteps makes it `step`
+    g.lr = hs.lr;
+    g.beta1 = hs.beta1;
+    g.beta2 = hs.beta2;
+    g.eps = hs.eps;
+    g.weight_decay = hs.weight_decay;
+    g.maximize = hs.maximize;
+    *pinned = g;
+    ASSERT_CUDA(cudaGraphLaunch(exec, stream.s));
+    ASSERT_CUDA(cudaStreamSynchronize(stream.s));  // the pinned value is read at replay
+    want = CpuStep(c, want, {hs}, {step}, 1.0f, 0);
+  }
+  ExpectBitwise("graph replays vs CPU", c, DownloadAll(host, dev), want);
+  (void)cudaGraphExecDestroy(exec);
+  (void)cudaGraphDestroy(graph);
+}
+
+// A bucket of more than 2^31 elements, one tensor itself longer than 2^31: chunk offsets and
+// pointer arithmetic must be 64-bit. bf16 params and grads with an fp32 master and bf16 states
+// (12 bytes an element, ~28 GB); slices at the start, across 2^31 and at the end are checked
+// against the CPU (round-to-nearest, so a slice computes as the whole would).
+TEST(CudaUpdate, BucketBeyond2Pow31Elements) {
+  SKIP_WITHOUT_DEVICE();
+  const Case c{OptimizerKind::kAdamW, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16, true,
+               Rounding::kNearest};
+  const int64_t sizes[2] = {100000007, (int64_t{1} << 31) + 70001};
+  const double bytes = 12.0 * static_cast<double>(sizes[0] + sizes[1]);
+  size_t free_bytes = 0, total_bytes = 0;
+  ASSERT_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
+  if (static_cast<double>(free_bytes) < bytes + 2e9) {
+    GTEST_SKIP() << "needs " << bytes / 1e9 << " GB of free device memory, " << free_bytes / 1e9
+                 << " GB free";
+  }
+  // Device buffers filled on the device from a few random host blocks, so the host stays small.
+  struct Buf {
+    void* p = nullptr;
+    ~Buf() {
+      if (p != nullptr) (void)cudaFree(p);
+    }
+  };
+  Buf bufs[2][5];
+  std::vector<TensorUpdate> dev(2);
+  Rng rng(2024);
+  constexpr int64_t kBlock = int64_t{1} << 20;
+  for (int t = 0; t < 2; ++t) {
+    const int64_t n = sizes[t];
+    Tensor block = MakeTensor(c, kBlock, false, 0, rng);
+    const std::vector<uint8_t>* streams[5] = {&block.param, &block.grad, &block.exp_avg,
+                                              &block.exp_avg_sq, &block.master};
+    const size_t elem[5] = {2, 2, 2, 2, 4};
+    for (int k = 0; k < 5; ++k) {
+      ASSERT_CUDA(cudaMalloc(&bufs[t][k].p, static_cast<size_t>(n) * elem[k]));
+      // Copies of the block, then a shifted copy, so neighbouring blocks differ.
+      for (int64_t at = 0; at < n; at += kBlock) {
+        const int64_t len = std::min(kBlock, n - at);
+        const int64_t shift = (at / kBlock) % 97;
+        const int64_t first = std::min(len, kBlock - shift);
+        char* dst = static_cast<char*>(bufs[t][k].p) + at * static_cast<int64_t>(elem[k]);
+        ASSERT_CUDA(cudaMemcpy(dst, streams[k]->data() + shift * elem[k],
+                               static_cast<size_t>(first) * elem[k], cudaMemcpyHostToDevice));
+        if (first < len) {
+          ASSERT_CUDA(cudaMemcpy(dst + first * static_cast<int64_t>(elem[k]), streams[k]->data(),
+                                 static_cast<size_t>(len - first) * elem[k],
+                                 cudaMemcpyHostToDevice));
+        }
+      }
+    }
+    dev[t].numel = n;
+    dev[t].param_dtype = dev[t].grad_dtype = dev[t].state_dtype = DType::kBFloat16;
+    dev[t].param = bufs[t][0].p;
+    dev[t].grad = bufs[t][1].p;
+    dev[t].exp_avg = bufs[t][2].p;
+    dev[t].exp_avg_sq = bufs[t][3].p;
+    dev[t].master = static_cast<float*>(bufs[t][4].p);
+  }
+  // Host copies of the slices before the step.
+  struct Slice {
+    int t;
+    int64_t begin, n;
+  };
+  std::vector<Slice> slices;
+  for (int t = 0; t < 2; ++t) {
+    slices.push_back({t, 0, 4097});
+    slices.push_back({t, sizes[t] - 70003, 70003});
+  }
+  slices.push_back({1, (int64_t{1} << 31) - 40000, 80000});
+  const auto read_slice = [&](const Slice& sl) {
+    Tensor out;
+    out.numel = sl.n;
+    const TensorUpdate& d = dev[static_cast<size_t>(sl.t)];
+    const auto at = [&](const void* p, size_t e) {
+      return static_cast<const char*>(p) + sl.begin * static_cast<int64_t>(e);
+    };
+    out.param = Download(at(d.param, 2), static_cast<size_t>(sl.n) * 2);
+    out.grad = Download(at(d.grad, 2), static_cast<size_t>(sl.n) * 2);
+    out.exp_avg = Download(at(d.exp_avg, 2), static_cast<size_t>(sl.n) * 2);
+    out.exp_avg_sq = Download(at(d.exp_avg_sq, 2), static_cast<size_t>(sl.n) * 2);
+    out.master = Download(at(d.master, 4), static_cast<size_t>(sl.n) * 4);
+    return out;
+  };
+  std::vector<Tensor> before;
+  for (const Slice& sl : slices) before.push_back(read_slice(sl));
+
+  HyperParams h = GroupHyper(0, c.optimizer);
+  auto scalars = DeviceScalars::Create(&h, 1);
+  ASSERT_TRUE(scalars.ok());
+  DeviceTableOptions o;
+  o.rounding = c.rounding;
+  auto table = DeviceUpdateTable::Create(dev.data(), nullptr, dev.size(), o);
+  ASSERT_TRUE(table.ok()) << table.status().ToString();
+  EXPECT_EQ((*table)->total_numel(), sizes[0] + sizes[1]);
+  Stream stream;
+  DeviceScalars& s = **scalars;
+  ASSERT_OK(s.SetGroup(0, h, 2, stream.s));
+  ASSERT_OK(s.BeginStep(stream.s));
+  ASSERT_OK(s.AdvanceSteps(stream.s));
+  ASSERT_OK((*table)->Update(s, stream.s));
+  ASSERT_CUDA(cudaStreamSynchronize(stream.s));
+
+  for (size_t k = 0; k < slices.size(); ++k) {
+    const std::vector<Tensor> got = {read_slice(slices[k])};
+    const std::vector<Tensor> want = CpuStep(c, {before[k]}, {h}, {3}, 1.0f, 0);
+    ExpectBitwise("slice " + std::to_string(k), c, got, want);
+  }
+}
+
+#endif  // EMSA_HAVE_CUDA
+
+}  // namespace
+}  // namespace emsa
