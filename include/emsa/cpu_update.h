@@ -3,8 +3,23 @@
 // CpuUpdater owns a persistent worker pool (threads made once, none per step) and the SIMD
 // variant chosen at construction from cpuid (AVX-512, AVX2 or scalar; a lower one can be forced
 // for tests). Step() splits the elements of all tensors so every worker gets an equal share
-// (tensor boundaries do not matter), runs, and returns when all are done. It is synchronous and
-// must not be called from two threads at once on the same updater. It allocates nothing.
+// (cut at multiples of 64 elements within a tensor; a worker's share may span tensors), runs,
+// and returns when all are done. It is synchronous and must not be called from two threads at
+// once on the same updater. It allocates nothing.
+//
+// Numerics (the math is in emsa/update.h):
+//  - Every element's result depends only on its inputs, its tensor's hyperparameters and step,
+//    the options, and its index within its tensor: results are bitwise identical across runs,
+//    thread counts and ISAs (each float operation rounds on its own; no FMA contraction).
+//  - Stores to bf16/fp16 round to nearest even, or (Rounding::kStochastic) stochastically from a
+//    hash of (seed, step, element index within the tensor). Tensors that share a step see the
+//    same random stream; vary `seed` per call if that matters.
+//  - A bf16/fp16 parameter with an fp32 master: the master is updated and the parameter gets
+//    the master rounded to nearest even. Without a master, a bf16/fp16 parameter is updated in
+//    fp32 and stored with stochastic rounding (round-to-nearest would drop small updates, so
+//    that combination is rejected). An fp32 parameter takes no master.
+//  - States are fp32 or bf16 (both moments share state_dtype). With bf16 states the parameter
+//    update uses the fp32 moments before they are rounded for storage.
 #pragma once
 
 #include <cstddef>
@@ -18,9 +33,12 @@
 namespace emsa {
 
 class ThreadPool;
+namespace cpu {
+struct KernelTable;
+}
 
 struct CpuUpdaterOptions {
-  int threads = 0;  // 0 = every core this process may run on
+  int threads = 0;  // 0 = every core this process may run on; at most 4096
   // Highest ISA to use; the detected level is used if lower. Tests force each level.
   SimdLevel max_simd = SimdLevel::kAvx512;
 };
@@ -36,9 +54,11 @@ class CpuUpdater {
   int threads() const;
 
   // Validates every tensor first (non-null pointers, numel >= 0, supported dtypes, step >= 1,
-  // finite hyperparameters, lr >= 0, 0 <= betas < 1, eps > 0 for Adam); an invalid batch changes
-  // nothing and the error names the tensor index. With options.check_finite a non-finite
-  // gradient anywhere skips the whole batch (report->skipped) and changes nothing.
+  // finite hyperparameters, lr >= 0, weight_decay >= 0, 0 <= betas < 1, eps > 0 for Adam); an
+  // invalid batch changes nothing and the error names the tensor index (kInvalidArgument;
+  // kUnsupported for an fp16 state). Null pointers are fine where numel is 0. With
+  // options.check_finite a non-finite gradient anywhere skips the whole batch (report->skipped,
+  // with the count and the first offending tensor) and changes nothing; that is not an error.
   Status Step(const TensorUpdate* tensors, size_t count, const StepOptions& options,
               StepReport* report = nullptr);
 
@@ -47,15 +67,23 @@ class CpuUpdater {
   Status Validate(const TensorUpdate* tensors, size_t count, const StepOptions& options) const;
 
   // Sum of squares of all gradients (times grad_multiplier^2 is NOT applied) and the count of
-  // non-finite elements, in one pass: the input to clipping by global norm.
+  // non-finite elements, in one pass: the input to clipping by global norm. Only numel, grad and
+  // grad_dtype are read. Either output may be null. The sum is accumulated in double; it is
+  // repeatable for a given thread count and ISA, and may differ in the last bits otherwise.
   Status GradStats(const TensorUpdate* tensors, size_t count, double* sum_sq,
                    int64_t* nonfinite_count);
 
   ThreadPool& pool() { return *pool_; }
 
  private:
+  struct Partial;  // one worker's gradient-scan result, on a cache line of its own
+  struct Scan;
   CpuUpdater() = default;
+  Scan ScanGrads(const TensorUpdate* tensors, size_t count, int64_t total);
+
   std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<Partial[]> partials_;  // pool size entries, sized at Create
+  const cpu::KernelTable* kernels_ = nullptr;
   SimdLevel simd_ = SimdLevel::kScalar;
 };
 

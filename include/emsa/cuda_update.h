@@ -59,14 +59,15 @@ namespace emsa {
 struct DeviceGroupScalars {
   int64_t step = 0;  // the step number Update() uses; AdvanceSteps() adds 1 before each update,
                      // as torch does. Update() treats a step below 1 as 1.
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 1e-2f;
+  double lr = 1e-3;  // doubles, as HyperParams (emsa/update.h) says why
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
   int32_t maximize = 0;  // nonzero: ascend
+  int32_t reserved = 0;
 };
-static_assert(sizeof(DeviceGroupScalars) == 32, "DeviceGroupScalars is a device-memory layout");
+static_assert(sizeof(DeviceGroupScalars) == 56, "DeviceGroupScalars is a device-memory layout");
 
 // The per-step header. Inputs are set by the caller (SetInputs, or a direct copy); outputs are
 // written by BeginStep / AccumulateGradStats / FinishGradStats and may be read back with Read().

@@ -64,10 +64,10 @@ typedef int32_t emsa_status;
 #define EMSA_ROUNDING_STOCHASTIC 1
 
 /* ---- library ------------------------------------------------------------------------------- */
-EMSA_API uint32_t emsa_abi_version(void);      /* EMSA_ABI_VERSION of the built library */
-EMSA_API const char* emsa_version(void);       /* "0.1.0"; static, do not free */
-EMSA_API const char* emsa_last_error(void);    /* "" when the last call succeeded */
-EMSA_API void emsa_free(void* p);              /* frees strings returned by emsa */
+EMSA_API uint32_t emsa_abi_version(void);   /* EMSA_ABI_VERSION of the built library */
+EMSA_API const char* emsa_version(void);    /* "0.1.0"; static, do not free */
+EMSA_API const char* emsa_last_error(void); /* "" when the last call succeeded */
+EMSA_API void emsa_free(void* p);           /* frees strings returned by emsa */
 EMSA_API emsa_status emsa_parse_bytes(const char* text, uint64_t* bytes_out); /* "24GiB" */
 
 /* ---- device profile ------------------------------------------------------------------------ */
@@ -122,12 +122,12 @@ EMSA_API emsa_status emsa_host_arena_info(const emsa_host_arena* arena, void** d
 typedef struct emsa_cpu_updater emsa_cpu_updater;
 
 typedef struct emsa_hyperparams {
-  uint32_t struct_size; /* sizeof(emsa_hyperparams) */
-  float lr;             /* default 1e-3 */
-  float beta1;          /* default 0.9 */
-  float beta2;          /* default 0.999 */
-  float eps;            /* default 1e-8 */
-  float weight_decay;   /* default 1e-2 */
+  uint32_t struct_size; /* sizeof(emsa_hyperparams); values are doubles, as torch's */
+  double lr;            /* default 1e-3 */
+  double beta1;         /* default 0.9 */
+  double beta2;         /* default 0.999 */
+  double eps;           /* default 1e-8 */
+  double weight_decay;  /* default 1e-2 */
   int32_t maximize;     /* default 0 */
 } emsa_hyperparams;
 
@@ -136,28 +136,28 @@ typedef struct emsa_tensor_update {
   int32_t param_dtype;  /* EMSA_DTYPE_* */
   int32_t grad_dtype;
   int32_t state_dtype;
-  void* param;          /* numel elements, updated in place */
+  void* param; /* numel elements, updated in place */
   const void* grad;
   void* exp_avg;
-  void* exp_avg_sq;     /* NULL for Lion */
-  float* master;        /* fp32 master weights, or NULL */
+  void* exp_avg_sq; /* NULL for Lion */
+  float* master;    /* fp32 master weights, or NULL */
   int64_t numel;
-  int64_t step;         /* this update's step number, >= 1 */
+  int64_t step; /* this update's step number, >= 1 */
   const emsa_hyperparams* hyper;
 } emsa_tensor_update;
 
 typedef struct emsa_step_options {
-  uint32_t struct_size;   /* sizeof(emsa_step_options) */
-  int32_t optimizer;      /* EMSA_OPTIMIZER_*; default ADAMW */
-  float grad_multiplier;  /* clip_coef / loss_scale; default 1 */
-  int32_t check_finite;   /* 1: any inf/nan gradient skips the whole step; default 0 */
-  int32_t rounding;       /* EMSA_ROUNDING_*; default STOCHASTIC (only bf16/fp16 stores) */
-  uint64_t seed;          /* stochastic rounding stream; default 0 */
+  uint32_t struct_size;  /* sizeof(emsa_step_options) */
+  int32_t optimizer;     /* EMSA_OPTIMIZER_*; default ADAMW */
+  float grad_multiplier; /* clip_coef / loss_scale; default 1 */
+  int32_t check_finite;  /* 1: any inf/nan gradient skips the whole step; default 0 */
+  int32_t rounding;      /* EMSA_ROUNDING_*; default STOCHASTIC (only bf16/fp16 stores) */
+  uint64_t seed;         /* stochastic rounding stream; default 0 */
 } emsa_step_options;
 
 typedef struct emsa_step_report {
-  uint32_t struct_size;          /* sizeof(emsa_step_report) */
-  int32_t skipped;               /* 1: non-finite gradient found, nothing written */
+  uint32_t struct_size; /* sizeof(emsa_step_report) */
+  int32_t skipped;      /* 1: non-finite gradient found, nothing written */
   int64_t nonfinite_count;
   int64_t first_nonfinite_tensor;
 } emsa_step_report;
@@ -183,8 +183,67 @@ EMSA_API emsa_status emsa_cpu_grad_stats(emsa_cpu_updater* updater,
                                          const emsa_tensor_update* tensors, size_t count,
                                          double* sum_sq_out, int64_t* nonfinite_out);
 
+/* ---- device tier: fused CUDA updates ------------------------------------------------------- */
+/* Without a CUDA build or a usable device, the create calls return EMSA_UNSUPPORTED.
+ * Streams are cudaStream_t passed as void* (NULL = the legacy default stream); every call below
+ * but the *_read and *_create ones is asynchronous on that stream and never synchronizes.
+ * The device pointers in emsa_tensor_update are recorded at table creation and must stay
+ * allocated at those addresses; .hyper and .step are ignored there: the values come from the
+ * scalars' param groups (groups[i] names tensor i's group). */
+typedef struct emsa_device_scalars emsa_device_scalars;
+typedef struct emsa_device_table emsa_device_table;
+
+typedef struct emsa_device_table_options {
+  uint32_t struct_size; /* sizeof(emsa_device_table_options) */
+  int32_t optimizer;    /* EMSA_OPTIMIZER_*; default ADAMW */
+  int32_t rounding;     /* EMSA_ROUNDING_*; default STOCHASTIC */
+} emsa_device_table_options;
+
+/* What the last step saw; read back for reports and tests (synchronizes the stream). */
+typedef struct emsa_device_step_report {
+  uint32_t struct_size;  /* sizeof(emsa_device_step_report) */
+  int32_t found_inf;     /* nonzero: the update was skipped */
+  float grad_multiplier; /* what the update multiplied gradients by */
+  float clip_coef;
+  double sum_sq;    /* sum of squares of the raw (still scaled) gradients */
+  double grad_norm; /* global L2 norm of the unscaled gradients */
+  int64_t nonfinite_count;
+} emsa_device_step_report;
+
+EMSA_API void emsa_device_table_options_init(emsa_device_table_options* options);
+EMSA_API void emsa_device_step_report_init(emsa_device_step_report* report);
+
+/* One record per param group, initialized from groups[i] with step 0. Synchronous. */
+EMSA_API emsa_status emsa_device_scalars_create(const emsa_hyperparams* groups, size_t count,
+                                                emsa_device_scalars** scalars_out);
+EMSA_API void emsa_device_scalars_destroy(emsa_device_scalars* scalars);
+/* Sets group `group`'s hyperparameters and step (lr from a scheduler, say). */
+EMSA_API emsa_status emsa_device_scalars_set_group(emsa_device_scalars* scalars, size_t group,
+                                                   const emsa_hyperparams* hyper, int64_t step,
+                                                   void* stream);
+/* Per-step inputs: grad_unscale = 1/loss_scale (1 without AMP); max_norm <= 0: no clipping. */
+EMSA_API emsa_status emsa_device_scalars_set_inputs(emsa_device_scalars* scalars,
+                                                    float grad_unscale, float max_norm,
+                                                    uint64_t seed, void* stream);
+/* One whole step over `count` tables: begin, gradient statistics (only when check_stats is
+ * nonzero: for clipping or the non-finite skip), finish, advance the steps, update each table.
+ * No host synchronization. */
+EMSA_API emsa_status emsa_device_step(emsa_device_scalars* scalars, emsa_device_table** tables,
+                                      size_t count, int32_t check_stats, void* stream);
+EMSA_API emsa_status emsa_device_scalars_read(const emsa_device_scalars* scalars,
+                                              emsa_device_step_report* report, void* stream);
+
+EMSA_API emsa_status emsa_device_table_create(const emsa_tensor_update* tensors,
+                                              const int32_t* groups, size_t count,
+                                              const emsa_device_table_options* options,
+                                              emsa_device_table** table_out);
+EMSA_API void emsa_device_table_destroy(emsa_device_table* table);
+/* Elements, kernel launches per update, and bytes read+written per update (the time floor). */
+EMSA_API emsa_status emsa_device_table_info(const emsa_device_table* table, int64_t* numel_out,
+                                            int32_t* launches_out, uint64_t* bytes_out);
+
 #ifdef __cplusplus
-}  /* extern "C" */
+} /* extern "C" */
 #endif
 
-#endif  /* EMSA_EMSA_H_ */
+#endif /* EMSA_EMSA_H_ */

@@ -15,12 +15,14 @@
 
 namespace emsa {
 
+// Doubles, as torch passes them: per-step constants such as 1 - beta2 and lr / (1 - beta1^t)
+// are computed in double and rounded to float once (1 - 0.999f would be 1.3e-5 off torch's).
 struct HyperParams {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 1e-2f;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
   bool maximize = false;  // ascend instead of descend, as torch's maximize=True
 };
 
@@ -31,31 +33,31 @@ enum class Rounding : int32_t {
 };
 
 struct TensorUpdate {
-  void* param = nullptr;          // numel elements of param_dtype; updated in place
-  const void* grad = nullptr;     // numel elements of grad_dtype
-  void* exp_avg = nullptr;        // numel elements of state_dtype
-  void* exp_avg_sq = nullptr;     // numel elements of state_dtype; unused (may be null) for Lion
-  float* master = nullptr;        // numel fp32 master weights, or null (then param is the master;
-                                  // param must be fp32 unless rounding is stochastic)
+  void* param = nullptr;       // numel elements of param_dtype; updated in place
+  const void* grad = nullptr;  // numel elements of grad_dtype
+  void* exp_avg = nullptr;     // numel elements of state_dtype
+  void* exp_avg_sq = nullptr;  // numel elements of state_dtype; unused (may be null) for Lion
+  float* master = nullptr;     // numel fp32 master weights, or null (then param is the master;
+                               // param must be fp32 unless rounding is stochastic)
   int64_t numel = 0;
   DType param_dtype = DType::kFloat32;
   DType grad_dtype = DType::kFloat32;
   DType state_dtype = DType::kFloat32;
-  int64_t step = 1;               // this update's step number, >= 1 (bias correction)
+  int64_t step = 1;                    // this update's step number, >= 1 (bias correction)
   const HyperParams* hyper = nullptr;  // per-tensor (param group) hyperparameters
 };
 
 struct StepOptions {
   OptimizerKind optimizer = OptimizerKind::kAdamW;
-  float grad_multiplier = 1.0f;   // clip_coef / loss_scale, applied to every gradient element
-  bool check_finite = false;      // scan gradients first; any inf/nan skips the whole update
+  float grad_multiplier = 1.0f;  // clip_coef / loss_scale, applied to every gradient element
+  bool check_finite = false;     // scan gradients first; any inf/nan skips the whole update
   Rounding rounding = Rounding::kStochastic;
-  uint64_t seed = 0;              // stochastic rounding stream
+  uint64_t seed = 0;  // stochastic rounding stream
 };
 
 struct StepReport {
-  bool skipped = false;           // true: a non-finite gradient was found, nothing was written
-  int64_t nonfinite_count = 0;    // gradient elements that were inf or nan (when checked)
+  bool skipped = false;         // true: a non-finite gradient was found, nothing was written
+  int64_t nonfinite_count = 0;  // gradient elements that were inf or nan (when checked)
   int64_t first_nonfinite_tensor = -1;  // index in the batch of the first offending tensor
 };
 

@@ -63,11 +63,11 @@ class EmsaError(RuntimeError):
 class Hyperparams(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
-        ("lr", ctypes.c_float),
-        ("beta1", ctypes.c_float),
-        ("beta2", ctypes.c_float),
-        ("eps", ctypes.c_float),
-        ("weight_decay", ctypes.c_float),
+        ("lr", ctypes.c_double),
+        ("beta1", ctypes.c_double),
+        ("beta2", ctypes.c_double),
+        ("eps", ctypes.c_double),
+        ("weight_decay", ctypes.c_double),
         ("maximize", ctypes.c_int32),
     ]
 

@@ -7,8 +7,10 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "emsa/cpu_update.h"
+#include "emsa/cuda_update.h"
 #include "emsa/emsa.h"
 #include "emsa/host_arena.h"
 #include "emsa/plan.h"
@@ -24,6 +26,12 @@ struct emsa_host_arena {
 };
 struct emsa_cpu_updater {
   std::unique_ptr<emsa::CpuUpdater> updater;
+};
+struct emsa_device_scalars {
+  std::unique_ptr<emsa::DeviceScalars> scalars;
+};
+struct emsa_device_table {
+  std::unique_ptr<emsa::DeviceUpdateTable> table;
 };
 
 namespace {
@@ -95,6 +103,15 @@ emsa::Result<emsa::OptimizerKind> ToOptimizer(int32_t v) {
   return static_cast<emsa::OptimizerKind>(v);
 }
 
+emsa::Status ToHyper(const emsa_hyperparams* h, const std::string& where, emsa::HyperParams* out) {
+  if (h->struct_size != sizeof(emsa_hyperparams)) {
+    return emsa::Status::InvalidArgument(
+        where + "->struct_size mismatch; call emsa_hyperparams_init() first");
+  }
+  *out = emsa::HyperParams{h->lr, h->beta1, h->beta2, h->eps, h->weight_decay, h->maximize != 0};
+  return emsa::Status::Ok();
+}
+
 emsa::Result<emsa::StepOptions> ToStepOptions(const emsa_step_options* o) {
   emsa::StepOptions out;
   if (o == nullptr) return out;
@@ -117,34 +134,37 @@ emsa::Result<emsa::StepOptions> ToStepOptions(const emsa_step_options* o) {
 // whatever the tensor count.
 constexpr size_t kChunk = 64;
 
+// One C tensor to the core's form. With need_hyper, .hyper must be valid and is copied into
+// *hyper (the device tier reads hyperparameters from its scalars instead and passes false).
+emsa::Status ConvertTensor(const emsa_tensor_update& t, size_t index, bool need_hyper,
+                           emsa::TensorUpdate* u, emsa::HyperParams* hyper) {
+  const std::string where = "tensors[" + std::to_string(index) + "]";
+  if (t.struct_size != sizeof(emsa_tensor_update)) {
+    return emsa::Status::InvalidArgument(
+        where + ".struct_size mismatch; call emsa_tensor_update_init() first");
+  }
+  if (need_hyper) {
+    if (t.hyper == nullptr) return emsa::Status::InvalidArgument(where + ".hyper is NULL");
+    EMSA_RETURN_IF_ERROR(ToHyper(t.hyper, where + ".hyper", hyper));
+    u->hyper = hyper;
+  }
+  u->param = t.param;
+  u->grad = t.grad;
+  u->exp_avg = t.exp_avg;
+  u->exp_avg_sq = t.exp_avg_sq;
+  u->master = t.master;
+  u->numel = t.numel;
+  u->step = t.step;
+  EMSA_ASSIGN_OR_RETURN(u->param_dtype, ToDType(t.param_dtype, (where + ".param_dtype").c_str()));
+  EMSA_ASSIGN_OR_RETURN(u->grad_dtype, ToDType(t.grad_dtype, (where + ".grad_dtype").c_str()));
+  EMSA_ASSIGN_OR_RETURN(u->state_dtype, ToDType(t.state_dtype, (where + ".state_dtype").c_str()));
+  return emsa::Status::Ok();
+}
+
 emsa::Status ConvertChunk(const emsa_tensor_update* in, size_t base, size_t n,
                           emsa::TensorUpdate* out, emsa::HyperParams* hyper) {
   for (size_t i = 0; i < n; ++i) {
-    const emsa_tensor_update& t = in[i];
-    const std::string where = "tensors[" + std::to_string(base + i) + "]";
-    if (t.struct_size != sizeof(emsa_tensor_update)) {
-      return emsa::Status::InvalidArgument(
-          where + ".struct_size mismatch; call emsa_tensor_update_init() first");
-    }
-    if (t.hyper == nullptr) return emsa::Status::InvalidArgument(where + ".hyper is NULL");
-    if (t.hyper->struct_size != sizeof(emsa_hyperparams)) {
-      return emsa::Status::InvalidArgument(
-          where + ".hyper->struct_size mismatch; call emsa_hyperparams_init() first");
-    }
-    hyper[i] = emsa::HyperParams{t.hyper->lr,  t.hyper->beta1,        t.hyper->beta2,
-                                 t.hyper->eps, t.hyper->weight_decay, t.hyper->maximize != 0};
-    emsa::TensorUpdate& u = out[i];
-    u.param = t.param;
-    u.grad = t.grad;
-    u.exp_avg = t.exp_avg;
-    u.exp_avg_sq = t.exp_avg_sq;
-    u.master = t.master;
-    u.numel = t.numel;
-    u.step = t.step;
-    u.hyper = &hyper[i];
-    EMSA_ASSIGN_OR_RETURN(u.param_dtype, ToDType(t.param_dtype, (where + ".param_dtype").c_str()));
-    EMSA_ASSIGN_OR_RETURN(u.grad_dtype, ToDType(t.grad_dtype, (where + ".grad_dtype").c_str()));
-    EMSA_ASSIGN_OR_RETURN(u.state_dtype, ToDType(t.state_dtype, (where + ".state_dtype").c_str()));
+    EMSA_RETURN_IF_ERROR(ConvertTensor(in[i], base + i, true, &out[i], &hyper[i]));
   }
   return emsa::Status::Ok();
 }
@@ -475,6 +495,156 @@ emsa_status emsa_cpu_step(emsa_cpu_updater* updater, const emsa_tensor_update* t
     }
     return Report(emsa::Status::Ok());
   });
+}
+
+// ---- device tier
+// ---------------------------------------------------------------------------------
+
+void emsa_device_table_options_init(emsa_device_table_options* o) {
+  if (o == nullptr) return;
+  emsa::DeviceTableOptions d;
+  *o = emsa_device_table_options{sizeof(emsa_device_table_options),
+                                 static_cast<int32_t>(d.optimizer),
+                                 static_cast<int32_t>(d.rounding)};
+}
+
+void emsa_device_step_report_init(emsa_device_step_report* r) {
+  if (r == nullptr) return;
+  *r = emsa_device_step_report{};
+  r->struct_size = sizeof(emsa_device_step_report);
+}
+
+emsa_status emsa_device_scalars_create(const emsa_hyperparams* groups, size_t count,
+                                       emsa_device_scalars** scalars_out) {
+  return Guard([&] {
+    if (scalars_out == nullptr || (groups == nullptr && count > 0)) {
+      return Fail(EMSA_INVALID_ARGUMENT, "groups and scalars_out must not be NULL");
+    }
+    std::vector<emsa::HyperParams> hypers(count);
+    for (size_t i = 0; i < count; ++i) {
+      emsa::Status st = ToHyper(&groups[i], "groups[" + std::to_string(i) + "]", &hypers[i]);
+      if (!st.ok()) return Report(st);
+    }
+    auto scalars = emsa::DeviceScalars::Create(hypers.data(), count);
+    if (!scalars.ok()) return Report(scalars.status());
+    *scalars_out = new emsa_device_scalars{std::move(scalars).value()};
+    return Report(emsa::Status::Ok());
+  });
+}
+
+void emsa_device_scalars_destroy(emsa_device_scalars* scalars) { delete scalars; }
+
+emsa_status emsa_device_scalars_set_group(emsa_device_scalars* scalars, size_t group,
+                                          const emsa_hyperparams* hyper, int64_t step,
+                                          void* stream) {
+  return Guard([&] {
+    if (scalars == nullptr || hyper == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "scalars and hyper must not be NULL");
+    }
+    emsa::HyperParams h;
+    emsa::Status st = ToHyper(hyper, "hyper", &h);
+    if (!st.ok()) return Report(st);
+    return Report(scalars->scalars->SetGroup(group, h, step, static_cast<cudaStream_t>(stream)));
+  });
+}
+
+emsa_status emsa_device_scalars_set_inputs(emsa_device_scalars* scalars, float grad_unscale,
+                                           float max_norm, uint64_t seed, void* stream) {
+  return Guard([&] {
+    if (scalars == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "scalars is NULL");
+    return Report(scalars->scalars->SetInputs(grad_unscale, max_norm, seed,
+                                              static_cast<cudaStream_t>(stream)));
+  });
+}
+
+emsa_status emsa_device_step(emsa_device_scalars* scalars, emsa_device_table** tables, size_t count,
+                             int32_t check_stats, void* stream) {
+  return Guard([&] {
+    if (scalars == nullptr || (tables == nullptr && count > 0)) {
+      return Fail(EMSA_INVALID_ARGUMENT, "scalars and tables must not be NULL");
+    }
+    for (size_t i = 0; i < count; ++i) {
+      if (tables[i] == nullptr) {
+        return Fail(EMSA_INVALID_ARGUMENT, "tables[" + std::to_string(i) + "] is NULL");
+      }
+    }
+    auto s = static_cast<cudaStream_t>(stream);
+    emsa::DeviceScalars& sc = *scalars->scalars;
+    emsa::Status st = sc.BeginStep(s);
+    for (size_t i = 0; st.ok() && check_stats && i < count; ++i) {
+      st = tables[i]->table->AccumulateGradStats(sc, s);
+    }
+    if (st.ok()) st = sc.FinishGradStats(s);
+    if (st.ok()) st = sc.AdvanceSteps(s);
+    for (size_t i = 0; st.ok() && i < count; ++i) st = tables[i]->table->Update(sc, s);
+    return Report(st);
+  });
+}
+
+emsa_status emsa_device_scalars_read(const emsa_device_scalars* scalars,
+                                     emsa_device_step_report* report, void* stream) {
+  return Guard([&] {
+    if (scalars == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "scalars is NULL");
+    if (emsa_status s =
+            CheckSize(report, "emsa_device_step_report", "emsa_device_step_report_init")) {
+      return s;
+    }
+    emsa::DeviceStepHeader h;
+    emsa::Status st = scalars->scalars->Read(&h, nullptr, static_cast<cudaStream_t>(stream));
+    if (!st.ok()) return Report(st);
+    report->found_inf = h.found_inf != 0;
+    report->grad_multiplier = h.grad_multiplier;
+    report->clip_coef = h.clip_coef;
+    report->sum_sq = h.sum_sq;
+    report->grad_norm = h.grad_norm;
+    report->nonfinite_count = h.nonfinite_count;
+    return Report(emsa::Status::Ok());
+  });
+}
+
+emsa_status emsa_device_table_create(const emsa_tensor_update* tensors, const int32_t* groups,
+                                     size_t count, const emsa_device_table_options* options,
+                                     emsa_device_table** table_out) {
+  return Guard([&] {
+    if (table_out == nullptr || (tensors == nullptr && count > 0)) {
+      return Fail(EMSA_INVALID_ARGUMENT, "tensors and table_out must not be NULL");
+    }
+    emsa::DeviceTableOptions o;
+    if (options != nullptr) {
+      if (emsa_status s =
+              CheckSize(options, "emsa_device_table_options", "emsa_device_table_options_init")) {
+        return s;
+      }
+      auto opt = ToOptimizer(options->optimizer);
+      if (!opt.ok()) return Report(opt.status());
+      o.optimizer = *opt;
+      if (options->rounding != EMSA_ROUNDING_NEAREST &&
+          options->rounding != EMSA_ROUNDING_STOCHASTIC) {
+        return Fail(EMSA_INVALID_ARGUMENT, "rounding must be an EMSA_ROUNDING_* value");
+      }
+      o.rounding = static_cast<emsa::Rounding>(options->rounding);
+    }
+    std::vector<emsa::TensorUpdate> updates(count);  // bind time: allocation is fine here
+    for (size_t i = 0; i < count; ++i) {
+      emsa::Status st = ConvertTensor(tensors[i], i, false, &updates[i], nullptr);
+      if (!st.ok()) return Report(st);
+    }
+    auto table = emsa::DeviceUpdateTable::Create(updates.data(), groups, count, o);
+    if (!table.ok()) return Report(table.status());
+    *table_out = new emsa_device_table{std::move(table).value()};
+    return Report(emsa::Status::Ok());
+  });
+}
+
+void emsa_device_table_destroy(emsa_device_table* table) { delete table; }
+
+emsa_status emsa_device_table_info(const emsa_device_table* table, int64_t* numel_out,
+                                   int32_t* launches_out, uint64_t* bytes_out) {
+  if (table == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "table is NULL");
+  if (numel_out != nullptr) *numel_out = table->table->total_numel();
+  if (launches_out != nullptr) *launches_out = table->table->launches_per_update();
+  if (bytes_out != nullptr) *bytes_out = table->table->bytes_per_update();
+  return Report(emsa::Status::Ok());
 }
 
 }  // extern "C"

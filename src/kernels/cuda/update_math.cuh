@@ -171,8 +171,8 @@ struct StepConsts {
   int64_t step;
 };
 
-EMSA_HD Lerp MakeLerp(float beta) {
-  const float w = ToFloat(DSub(1.0, static_cast<double>(beta)));
+EMSA_HD Lerp MakeLerp(double beta) {
+  const float w = ToFloat(DSub(1.0, beta));
   Lerp l;
   l.from_end = !(Abs(w) < 0.5f);
   l.coef = l.from_end ? -Sub(1.0f, w) : w;
@@ -196,13 +196,13 @@ EMSA_HD StepConsts MakeStepConsts(const DeviceGroupScalars& g, float grad_multip
   if constexpr (kOpt == OptimizerKind::kLion) {
     c.decay = decoupled;
     c.lerp2 = MakeLerp(g.beta2);
-    c.neg_step_size = -g.lr;
+    c.neg_step_size = ToFloat(-lr);
   } else {
-    c.decay = kOpt == OptimizerKind::kAdam ? g.weight_decay : decoupled;
-    c.beta2 = g.beta2;
+    c.decay = kOpt == OptimizerKind::kAdam ? ToFloat(wd) : decoupled;
+    c.beta2 = ToFloat(beta2);
     c.one_minus_beta2 = ToFloat(DSub(1.0, beta2));
     c.bc2_sqrt = ToFloat(DSqrt(DSub(1.0, DPow(beta2, step))));
-    c.eps = g.eps;
+    c.eps = ToFloat(g.eps);
     c.neg_step_size = ToFloat(-DDiv(lr, DSub(1.0, DPow(beta1, step))));
   }
   return c;

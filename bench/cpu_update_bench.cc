@@ -1,0 +1,170 @@
+// cpu_update_bench.cc — host-tier AdamW throughput: Gparam/s and GB/s for fp32 state (28 bytes
+// per parameter moved) and bf16 state (20 bytes, nearest and stochastic rounding), each next to
+// a trivial read-modify-write stream over the same arrays: the memory system's ceiling for this
+// access pattern. Medians of --iters steps. Not part of the test build.
+//
+//   cmake -S . -B build -DEMSA_BUILD_BENCH=ON && cmake --build build --target cpu_update_bench
+//   (or: g++ -O3 -std=c++17 -Iinclude -Isrc bench/cpu_update_bench.cc build/libemsa_core.a
+//   -lpthread) cpu_update_bench [--params N] [--tensors T] [--threads K] [--simd
+//   scalar|avx2|avx512]
+//                    [--iters I]
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "emsa/cpu_update.h"
+#include "emsa/profile.h"
+#include "engine/thread_pool.h"
+
+namespace {
+
+constexpr size_t kHugePage = size_t{2} << 20;
+
+struct Args {
+  int64_t params = int64_t{64} << 20;
+  int tensors = 64;
+  int threads = 0;
+  std::string simd = "avx512";
+  int iters = 10;
+};
+
+Args Parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i];
+    const char* v = argv[i + 1];
+    if (k == "--params")
+      a.params = std::atoll(v);
+    else if (k == "--tensors")
+      a.tensors = std::atoi(v);
+    else if (k == "--threads")
+      a.threads = std::atoi(v);
+    else if (k == "--simd")
+      a.simd = v;
+    else if (k == "--iters")
+      a.iters = std::atoi(v);
+    else
+      std::fprintf(stderr, "unknown flag %s\n", k.c_str()), std::exit(2);
+  }
+  return a;
+}
+
+// Huge-page backed, first touched by the pool's workers in the split the updater uses.
+void* Alloc(size_t bytes, emsa::ThreadPool& pool) {
+  const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  void* p = std::aligned_alloc(kHugePage, rounded);
+  if (p == nullptr) std::fprintf(stderr, "out of memory\n"), std::exit(1);
+  (void)madvise(p, rounded, MADV_HUGEPAGE);
+  char* c = static_cast<char*>(p);
+  pool.ParallelFor(static_cast<int64_t>(rounded), 4096, [c](int64_t b, int64_t e) {
+    std::memset(c + b, 0, static_cast<size_t>(e - b));
+  });
+  return p;
+}
+
+// p += g, m += 1, v += 1 over [b, e): the update's memory traffic without its arithmetic.
+void Touch(float* __restrict p, const float* __restrict g, char* m, char* v, size_t ss, int64_t b,
+           int64_t e) {
+  if (ss == 4) {
+    float* __restrict mf = reinterpret_cast<float*>(m);
+    float* __restrict vf = reinterpret_cast<float*>(v);
+    for (int64_t i = b; i < e; ++i) p[i] += g[i], mf[i] += 1.0f, vf[i] += 1.0f;
+  } else {
+    uint16_t* __restrict mh = reinterpret_cast<uint16_t*>(m);
+    uint16_t* __restrict vh = reinterpret_cast<uint16_t*>(v);
+    for (int64_t i = b; i < e; ++i) p[i] += g[i], mh[i] += 1, vh[i] += 1;
+  }
+}
+
+template <typename Fn>
+double MedianSeconds(int iters, Fn&& fn) {
+  fn();  // warm: page tables, caches, worker wake-up
+  std::vector<double> t;
+  for (int i = 0; i < iters; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    fn();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+void Run(emsa::CpuUpdater& updater, const Args& a, emsa::DType state, emsa::Rounding rounding,
+         const char* label) {
+  emsa::ThreadPool& pool = updater.pool();
+  const int64_t n = a.params;
+  const size_t ss = emsa::DTypeSize(state);
+  float* param = static_cast<float*>(Alloc(n * 4, pool));
+  float* grad = static_cast<float*>(Alloc(n * 4, pool));
+  char* m = static_cast<char*>(Alloc(n * ss, pool));
+  char* v = static_cast<char*>(Alloc(n * ss, pool));
+  pool.ParallelFor(n, 4096, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      param[i] = 0.5f;
+      grad[i] = 1e-3f * static_cast<float>((i * 2654435761u) % 1000);
+    }
+  });
+  emsa::HyperParams hyper;
+  std::vector<emsa::TensorUpdate> ups(static_cast<size_t>(a.tensors));
+  const int64_t per = n / a.tensors;
+  for (int t = 0; t < a.tensors; ++t) {
+    const int64_t off = per * t;
+    emsa::TensorUpdate& u = ups[static_cast<size_t>(t)];
+    u.param = param + off;
+    u.grad = grad + off;
+    u.exp_avg = m + off * ss;
+    u.exp_avg_sq = v + off * ss;
+    u.numel = t == a.tensors - 1 ? n - off : per;
+    u.state_dtype = state;
+    u.step = 1;
+    u.hyper = &hyper;
+  }
+  emsa::StepOptions options;
+  options.rounding = rounding;
+  const double sec = MedianSeconds(a.iters, [&] {
+    emsa::Status s = updater.Step(ups.data(), ups.size(), options);
+    if (!s.ok()) std::fprintf(stderr, "%s\n", s.ToString().c_str()), std::exit(1);
+    for (auto& u : ups) ++u.step;
+  });
+  const double bytes = static_cast<double>(n) * (16 + 4 * ss);  // p,g in; p out; m,v in+out
+  std::printf("%-24s %7.3f Gparam/s  %7.1f GB/s  (%.2f ms per step)\n", label, n / sec / 1e9,
+              bytes / sec / 1e9, sec * 1e3);
+
+  // The ceiling: the same streams, read and written once each, with next to no arithmetic.
+  const double stream_sec = MedianSeconds(a.iters, [&] {
+    pool.ParallelFor(n, 4096, [&](int64_t b, int64_t e) { Touch(param, grad, m, v, ss, b, e); });
+  });
+  std::printf("%-24s %7.3f Gparam/s  %7.1f GB/s  (plain stream, same bytes)\n", "  ceiling",
+              n / stream_sec / 1e9, bytes / stream_sec / 1e9);
+  std::free(param);
+  std::free(grad);
+  std::free(m);
+  std::free(v);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args a = Parse(argc, argv);
+  auto level = emsa::ParseSimdLevel(a.simd);
+  if (!level.ok()) return std::fprintf(stderr, "%s\n", level.status().ToString().c_str()), 2;
+  emsa::CpuUpdaterOptions o;
+  o.threads = a.threads;
+  o.max_simd = *level;
+  auto updater = emsa::CpuUpdater::Create(o);
+  if (!updater.ok()) return std::fprintf(stderr, "%s\n", updater.status().ToString().c_str()), 1;
+  std::printf("AdamW, %lld params in %d tensors, %d threads, %s\n",
+              static_cast<long long>(a.params), a.tensors, (*updater)->threads(),
+              emsa::SimdLevelName((*updater)->simd()));
+  Run(**updater, a, emsa::DType::kFloat32, emsa::Rounding::kNearest, "fp32 param+state");
+  Run(**updater, a, emsa::DType::kBFloat16, emsa::Rounding::kNearest, "bf16 state, nearest");
+  Run(**updater, a, emsa::DType::kBFloat16, emsa::Rounding::kStochastic, "bf16 state, stochastic");
+  return 0;
+}
