@@ -19,6 +19,8 @@ __all__ = [
     "StepOptions",
     "StepReport",
     "PlanOptions",
+    "DeviceTableOptions",
+    "DeviceStepReport",
     "lib",
     "check",
     "take_string",
@@ -109,6 +111,26 @@ class StepReport(ctypes.Structure):
     ]
 
 
+class DeviceTableOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("optimizer", ctypes.c_int32),
+        ("rounding", ctypes.c_int32),
+    ]
+
+
+class DeviceStepReport(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("found_inf", ctypes.c_int32),
+        ("grad_multiplier", ctypes.c_float),
+        ("clip_coef", ctypes.c_float),
+        ("sum_sq", ctypes.c_double),
+        ("grad_norm", ctypes.c_double),
+        ("nonfinite_count", ctypes.c_int64),
+    ]
+
+
 class PlanOptions(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
@@ -163,6 +185,24 @@ _TABLE = {
     "emsa_cpu_grad_stats": (
         _S, [_P, ctypes.POINTER(TensorUpdate), ctypes.c_size_t, ctypes.POINTER(ctypes.c_double),
              ctypes.POINTER(ctypes.c_int64)]),
+    "emsa_device_table_options_init": (None, [ctypes.POINTER(DeviceTableOptions)]),
+    "emsa_device_step_report_init": (None, [ctypes.POINTER(DeviceStepReport)]),
+    "emsa_device_scalars_create": (
+        _S, [ctypes.POINTER(Hyperparams), ctypes.c_size_t, ctypes.POINTER(_P)]),
+    "emsa_device_scalars_destroy": (None, [_P]),
+    "emsa_device_scalars_set_group": (
+        _S, [_P, ctypes.c_size_t, ctypes.POINTER(Hyperparams), ctypes.c_int64, _P]),
+    "emsa_device_scalars_set_inputs": (
+        _S, [_P, ctypes.c_float, ctypes.c_float, ctypes.c_uint64, _P]),
+    "emsa_device_step": (_S, [_P, ctypes.POINTER(_P), ctypes.c_size_t, ctypes.c_int32, _P]),
+    "emsa_device_scalars_read": (_S, [_P, ctypes.POINTER(DeviceStepReport), _P]),
+    "emsa_device_table_create": (
+        _S, [ctypes.POINTER(TensorUpdate), ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t,
+             ctypes.POINTER(DeviceTableOptions), ctypes.POINTER(_P)]),
+    "emsa_device_table_destroy": (None, [_P]),
+    "emsa_device_table_info": (
+        _S, [_P, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int32),
+             ctypes.POINTER(ctypes.c_uint64)]),
 }
 
 
