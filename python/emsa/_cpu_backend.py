@@ -1,0 +1,224 @@
+"""The CPU engine: parameters in host memory, updated in place by libemsa's SIMD worker pool.
+
+Everything a step needs is built once here: the state views in host arenas laid out by the plan,
+one emsa_tensor_update per parameter in a ctypes array, one emsa_hyperparams per param group.
+A step then only writes gradient pointers, element counts and step numbers into that array
+(through an int64 memoryview over it: plain stores, no Python objects per field) and calls
+emsa_cpu_step once. A parameter whose .grad is None gets numel 0 for that step: it is skipped,
+as torch skips it, and its step count stays.
+
+bf16/fp16 parameters keep an fp32 master copy in the arena. emsa writes parameters through raw
+pointers, which leaves torch's version counter alone; so a changed counter means someone else
+wrote the parameter (model.load_state_dict, an EMA swap, ...), and the master is refreshed from
+it before the update instead of overwriting their write.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import _capi
+from ._arena import HostArena
+from ._backend import DTYPE_NAMES, Backend, StepResult, check_param, same_layout
+from ._binding import Slot
+from ._capi import Hyperparams, StepOptions, StepReport, TensorUpdate, check, lib
+from .plan import Plan
+
+_W = ctypes.sizeof(TensorUpdate) // 8
+assert ctypes.sizeof(TensorUpdate) % 8 == 0, "TensorUpdate must be a whole number of int64s"
+_PARAM = TensorUpdate.param.offset // 8
+_GRAD = TensorUpdate.grad.offset // 8
+_NUMEL = TensorUpdate.numel.offset // 8
+_STEP = TensorUpdate.step.offset // 8
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    wants_bandwidths = False
+
+    def __init__(self, slots: list[Slot], plan: Plan, optimizer: str,
+                 state_dtype: torch.dtype, group_count: int):
+        self.slots = slots
+        self.params = [s.param for s in slots]
+        self.names = [s.name for s in slots]
+        self.counts = [0] * group_count
+        for s in slots:
+            self.counts[s.group] += 1
+        self.shapes = [s.param.shape for s in slots]
+        self.dtypes = [s.param.dtype for s in slots]
+        self.strides = [s.param.stride() for s in slots]
+        self.ptrs = [s.param.data_ptr() for s in slots]
+        self.numels = [s.param.numel() for s in slots]
+        self.committed = [0] * len(slots)  # step counts of updates applied
+        self.kind = optimizer
+        n = len(slots)
+
+        self.arenas = {}
+        if plan.device_arena_bytes:
+            self.arenas["L1"] = HostArena(plan.device_arena_bytes, pinned=False)
+        if plan.host_arena_bytes:
+            self.arenas["L2"] = HostArena(plan.host_arena_bytes, pinned=False)
+
+        self.hyper = (Hyperparams * max(group_count, 1))()
+        for h in self.hyper:
+            lib.emsa_hyperparams_init(ctypes.byref(h))
+        self.raw = (ctypes.c_int64 * max(n * _W, 1))()
+        self.table = (TensorUpdate * max(n, 1)).from_buffer(self.raw)
+        self.mv = memoryview(self.raw).cast("B").cast("q")
+        # Step counts as torch keeps them (float32 scalars), one storage for all: "step" in
+        # state is a 0-d view of it, bumped by one add_ per step.
+        self.steps = torch.zeros(n, dtype=torch.float32)
+        self._has_raw = (ctypes.c_float * max(n, 1))()
+        self.has_grad = torch.frombuffer(self._has_raw, dtype=torch.float32)[:n]
+        self._has = memoryview(self._has_raw).cast("B").cast("f")
+        self.views: list[dict[str, torch.Tensor]] = []
+        state_code = _capi.DTYPE[DTYPE_NAMES[state_dtype]]
+        for i, s in enumerate(slots):
+            self.views.append(self._bind(i, s, plan.json["params"][s.record_index], state_dtype,
+                                         state_code))
+        self.masters = [i for i, v in enumerate(self.views) if "master" in v]
+        self.versions = [s.param._version for s in slots]
+
+        self.options = StepOptions()
+        lib.emsa_step_options_init(ctypes.byref(self.options))
+        self.options.optimizer = _capi.OPTIMIZER[optimizer]
+        self.report = StepReport()
+        self.updater = ctypes.c_void_p()
+        check(lib.emsa_cpu_updater_create(0, _capi.SIMD["avx512"], ctypes.byref(self.updater)))
+
+    def _bind(self, i: int, s: Slot, pp: dict, state_dtype, state_code) -> dict:
+        p = s.param
+        arena = self.arenas["L2" if pp["tier"] == "L2" else "L1"]
+        views = {"step": self.steps[i],
+                 "exp_avg": arena.view(pp["exp_avg_offset"], p, state_dtype)}
+        if self.kind != "lion":
+            views["exp_avg_sq"] = arena.view(pp["exp_avg_sq_offset"], p, state_dtype)
+        if p.dtype != torch.float32:
+            views["master"] = arena.view(pp["master_offset"], p, torch.float32)
+            views["master"].copy_(p.detach())
+        t = self.table[i]
+        lib.emsa_tensor_update_init(ctypes.byref(t))
+        code = _capi.DTYPE[DTYPE_NAMES[p.dtype]]
+        t.param_dtype = t.grad_dtype = code
+        t.state_dtype = state_code
+        t.param = p.data_ptr()
+        t.exp_avg = views["exp_avg"].data_ptr()
+        t.exp_avg_sq = views["exp_avg_sq"].data_ptr() if "exp_avg_sq" in views else None
+        t.master = views["master"].data_ptr() if "master" in views else None
+        t.numel = p.numel()
+        t.hyper = ctypes.pointer(self.hyper[s.group])
+        return views
+
+    def state(self, i: int) -> dict[str, torch.Tensor]:
+        return self.views[i]
+
+    def state_loaded(self) -> None:
+        self.committed = [int(v) for v in self.steps.tolist()]
+        self.versions = [p._version for p in self.params]
+
+    def close(self) -> None:
+        updater, self.updater = self.updater, None
+        if updater:
+            lib.emsa_cpu_updater_destroy(updater)
+
+    def __del__(self):
+        if getattr(self, "updater", None) and lib is not None:
+            self.close()
+
+    # ---- the step -----------------------------------------------------------------------
+    def _load_hyper(self, param_groups: list[dict]) -> None:
+        for h, group in zip(self.hyper, param_groups):
+            h.lr = float(group["lr"])
+            beta1, beta2 = group["betas"]
+            h.beta1 = float(beta1)
+            h.beta2 = float(beta2)
+            if "eps" in group:
+                h.eps = float(group["eps"])
+            h.weight_decay = float(group["weight_decay"])
+            h.maximize = int(bool(group["maximize"]))
+
+    def _param_changed(self, i: int, p: torch.Tensor) -> None:
+        name = self.names[i]
+        if p.shape != self.shapes[i] or p.dtype is not self.dtypes[i]:
+            raise ValueError(
+                f"parameter {name} changed from {tuple(self.shapes[i])} to {tuple(p.shape)} "
+                f"({p.dtype}) after emsa planned it; emsa lays optimizer state out once: build "
+                "a new optimizer over the changed model")
+        if p.device.type != "cpu":
+            raise ValueError(f"parameter {name} moved to {p.device} after emsa planned it on "
+                             "the CPU; build the optimizer after moving the model")
+        check_param(name, p)  # its storage was replaced; the new one must still be dense
+        self.ptrs[i] = p.data_ptr()
+        self.strides[i] = p.stride()
+        self.mv[i * _W + _PARAM] = self.ptrs[i]
+        if "master" in self.views[i]:
+            self.refresh_master(i)
+
+    def refresh_master(self, i: int) -> None:
+        p = self.params[i]
+        with torch.no_grad():
+            self.views[i]["master"].copy_(p)
+        self.versions[i] = p._version
+
+    def _check_groups(self, param_groups: list[dict]) -> None:
+        if len(param_groups) != len(self.counts) or any(
+                len(g["params"]) != c for g, c in zip(param_groups, self.counts)):
+            got = [len(g["params"]) for g in param_groups]
+            raise ValueError(
+                f"the optimizer's parameter groups hold {got} parameters but emsa planned "
+                f"{self.counts}: parameters added or removed after planning are not "
+                "optimized; build a new optimizer over the new parameter set")
+
+    def step(self, param_groups: list[dict]) -> StepResult:
+        self._check_groups(param_groups)
+        self._load_hyper(param_groups)
+        mv, has, expected, committed = self.mv, self._has, self.params, self.committed
+        keep = []  # gradients copied to the parameter's layout, alive until the call returns
+        i = 0
+        for group in param_groups:
+            for p in group["params"]:
+                if p is not expected[i]:
+                    raise ValueError(
+                        f"{self.names[i]} was replaced by another tensor after emsa planned "
+                        "it; build a new optimizer over the new parameter set")
+                if p.data_ptr() != self.ptrs[i] or p.shape != self.shapes[i]:
+                    self._param_changed(i, p)
+                g = p.grad
+                base = i * _W
+                if g is None:
+                    mv[base + _NUMEL] = 0
+                    has[i] = 0.0
+                else:
+                    if g.layout is not torch.strided:
+                        raise ValueError(
+                            f"{self.names[i]} has a sparse gradient ({g.layout}); emsa "
+                            "updates dense gradients only: use torch.optim.SparseAdam for "
+                            "sparse embeddings, or make the embedding dense (sparse=False)")
+                    if g.stride() != self.strides[i] and not same_layout(g, p):
+                        g = torch.empty_like(p).copy_(g)
+                        keep.append(g)
+                    mv[base + _GRAD] = g.data_ptr()
+                    mv[base + _NUMEL] = self.numels[i]
+                    mv[base + _STEP] = committed[i] + 1
+                    has[i] = 1.0
+                i += 1
+        self.options.check_finite = int(self.check_finite)
+        for j in self.masters:
+            if self.params[j]._version != self.versions[j]:
+                self.refresh_master(j)
+        report = self.report
+        lib.emsa_step_report_init(ctypes.byref(report))
+        check(lib.emsa_cpu_step(self.updater, self.table, i, ctypes.byref(self.options),
+                                ctypes.byref(report)))
+        del keep
+        if report.skipped:
+            first = report.first_nonfinite_tensor
+            return StepResult(True, report.nonfinite_count,
+                              self.names[first] if 0 <= first < len(self.names) else "")
+        for j in range(i):
+            if has[j]:
+                committed[j] += 1
+        self.steps.add_(self.has_grad)
+        return StepResult()

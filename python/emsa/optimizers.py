@@ -1,0 +1,366 @@
+"""emsa.AdamW, emsa.Adam, emsa.Lion: torch.optim.Optimizer subclasses run by libemsa.
+
+They take torch's constructor arguments and keep torch's param groups (so LR schedulers, param
+groups with their own hyperparameters, closures and zero_grad work unchanged), plus keyword-only
+options of emsa's own:
+
+  probe=           a ProbeRecord (emsa.probe(model, batch)) or a path to one. Given, the optimizer
+                   plans and lays out its state at construction, so a budget that cannot be met
+                   fails before training. Not given, it plans at the first step() from the
+                   parameters' shapes and the gradient-ready order hooks saw during the first
+                   backward (installed at construction, removed at planning); forward timings
+                   are then unknown, so hotness is ranked by order only.
+  budget=          device memory for the whole training process, bytes or "20GiB"; default: free
+                   device memory minus a margin (no GPU: unlimited).
+  state_dtype=     torch.float32 (default; matches torch.optim) or torch.bfloat16.
+  skip_nonfinite=  True (default): a step whose gradients hold inf/nan changes nothing (no
+                   parameter, state or step count), warns, and sets opt.last_step_skipped.
+                   torch.optim applies such a step and the weights become NaN for good, a
+                   loss that no speed-up repays. The check is one extra pass over every
+                   gradient before the update; under a GradScaler, which finds inf/nan and
+                   skips those steps itself, pass False to save it.
+  profile=         a DeviceProfile (dict, JSON text or path) to plan against instead of this
+                   machine's; for planning ahead and for tests.
+
+state_dict() has torch.optim's layout ("step" float32 scalar, "exp_avg", "exp_avg_sq"), so a
+checkpoint moves between emsa.AdamW and torch.optim.AdamW in both directions. The state tensors
+are views into emsa's arenas, as torch's are its live tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from . import _binding
+from ._backend import Backend, check_param, select
+from .plan import (STATE_DTYPES, Plan, make_plan, parse_bytes, profile_json, quick_profile_json,
+                   require_library)
+from .probe_record import ProbeRecord
+
+__all__ = ["AdamW", "Adam", "Lion"]
+
+# torch.optim options that pick among torch's own implementations. emsa has one implementation,
+# so each is accepted only at torch's default; the message says why.
+_TORCH_IMPL_OPTIONS = {
+    "foreach": (None, "selects one of torch's implementations; emsa's step is already one "
+                      "multi-tensor call: drop the argument"),
+    "fused": (None, "selects torch's fused kernel; emsa's step is already fused: drop the "
+                    "argument"),
+    "capturable": (False, "is for CUDA graph capture, which emsa does not support yet: use "
+                          "torch.optim with capturable=True"),
+    "differentiable": (False, "makes the update differentiable; emsa's update is not: use "
+                              "torch.optim with differentiable=True"),
+}
+
+
+class _EmsaOptimizer(Optimizer):
+    _kind = "adamw"
+
+    def __init__(self, params, defaults: dict[str, Any], *, probe, budget, state_dtype,
+                 skip_nonfinite, profile):
+        require_library()
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype={state_dtype}; emsa keeps optimizer state in "
+                             "torch.float32 or torch.bfloat16")
+        self._budget = parse_bytes(budget) if budget is not None else None
+        self._state_dtype = state_dtype
+        self._profile = profile_json(profile)
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self.last_step_skipped = False
+        self._backend: Backend | None = None
+        self._plan: Plan | None = None
+        self._record: ProbeRecord | None = None
+        self._recorder = None
+        super().__init__(params, defaults)
+        if probe is not None:
+            if isinstance(probe, (str, os.PathLike)):
+                probe = ProbeRecord.load(probe)
+            if not isinstance(probe, ProbeRecord):
+                raise TypeError("probe= takes an emsa.ProbeRecord (from emsa.probe) or a path "
+                                f"to one, not {type(probe).__name__}")
+            self._bind(probe)
+        else:
+            self._recorder = _binding.FirstBackwardRecorder(self._all_params())
+
+    # ---- param groups ---------------------------------------------------------------------
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_backend", None) is not None:
+            raise ValueError("emsa planned this optimizer's state already; parameters added "
+                             "now would not be optimized: build a new optimizer over the whole "
+                             "parameter set (add groups before the first step)")
+        super().add_param_group(param_group)
+        try:
+            self._check_group(len(self.param_groups) - 1)
+        except Exception:
+            self.param_groups.pop()
+            raise
+        if getattr(self, "_recorder", None) is not None:
+            self._recorder.remove()
+            self._recorder = _binding.FirstBackwardRecorder(self._all_params())
+
+    def _check_group(self, g: int) -> None:
+        group = self.param_groups[g]
+        self._check_hyper(group, f"param_groups[{g}]")
+        if group.get("amsgrad"):
+            raise ValueError(f"param_groups[{g}] sets amsgrad=True, which emsa does not "
+                             f"support; use torch.optim.{type(self).__name__}(amsgrad=True)")
+        for key, (default, why) in _TORCH_IMPL_OPTIONS.items():
+            if key in group and group[key] != default and group[key] is not False:
+                raise ValueError(f"{key}={group[key]!r} {why}")
+        names = group.get("param_names")
+        for j, p in enumerate(group["params"]):
+            check_param(names[j] if names else f"param_groups[{g}].params[{j}]", p)
+        devices = {p.device for p in self._all_params()}
+        if len(devices) > 1:
+            raise ValueError(
+                "the optimizer's parameters are on several devices ("
+                + ", ".join(sorted(str(d) for d in devices)) + "); emsa plans one device per "
+                "optimizer: build one optimizer per device")
+        for d in devices:
+            select(d)  # refuses devices without an engine, now rather than at the first step
+
+    def _check_hyper(self, group: dict[str, Any], where: str) -> None:
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError(f"{where}: Tensor lr must be 1-element")
+        if not 0.0 <= float(lr):
+            raise ValueError(f"Invalid learning rate: {lr} ({where})")
+        if "eps" in group and not 0.0 < float(group["eps"]):
+            raise ValueError(f"Invalid epsilon value: {group['eps']} ({where}); emsa needs "
+                             "eps > 0 (it divides by sqrt(exp_avg_sq) + eps)")
+        for k, beta in enumerate(group["betas"]):
+            if not 0.0 <= float(beta) < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {k}: {beta} ({where})")
+        if not 0.0 <= float(group["weight_decay"]):
+            raise ValueError(f"Invalid weight_decay value: {group['weight_decay']} ({where})")
+
+    # ---- planning -------------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan | None:
+        """The plan (str() it for the table, .json for the data); None until planned: at
+        construction with probe=, else at the first step()."""
+        return self._plan
+
+    @property
+    def probe_record(self) -> ProbeRecord | None:
+        """The record the plan was made from (parameters this optimizer does not hold marked
+        frozen); None until planned."""
+        return self._record
+
+    def _bind(self, record: ProbeRecord | None) -> None:
+        slots = _binding.slots_of(self.param_groups)
+        if not slots:
+            raise ValueError("the optimizer holds no parameters")
+        backend_cls = select(slots[0].param.device)
+        if record is None:
+            planned = _binding.unprobed_record(slots, self._recorder)
+            for i, s in enumerate(slots):
+                s.record_index = i
+        else:
+            planned = _binding.match(slots, record)
+        profile = self._profile
+        if profile is None and planned.profile is None and not backend_cls.wants_bandwidths:
+            profile = quick_profile_json()
+        plan = make_plan(planned, profile, optimizer=self._kind, state_dtype=self._state_dtype,
+                         budget=self._budget)
+        backend = backend_cls(slots, plan, self._kind, self._state_dtype,
+                              len(self.param_groups))
+        for i, s in enumerate(slots):
+            self.state[s.param] = backend.state(i)
+        self._plan, self._backend, self._record = plan, backend, planned
+        if self._recorder is not None:
+            self._recorder.remove()
+            self._recorder = None
+
+    # ---- the step -------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter whose .grad is not None; returns closure()'s loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._backend is None:
+            self._bind(None)
+        self._backend.check_finite = self.skip_nonfinite
+        result = self._backend.step(self.param_groups)
+        self.last_step_skipped = result.skipped
+        if result.skipped:
+            warnings.warn(
+                f"emsa: step skipped: {result.nonfinite_count} non-finite gradient elements "
+                f"(first in {result.first_nonfinite}); parameters, state and step counts are "
+                "unchanged. skip_nonfinite=False applies such steps as torch.optim does.",
+                RuntimeWarning, stacklevel=2)
+        return loss
+
+    # ---- state_dict -----------------------------------------------------------------------
+    def _state_keys(self) -> set[str]:
+        return {"step", "exp_avg"} if self._kind == "lion" else {"step", "exp_avg", "exp_avg_sq"}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Accepts emsa's or torch.optim's state_dict (same layout) and copies it into emsa's
+        state, converting dtypes as needed. Everything is checked before anything changes."""
+        if self._backend is None:
+            self._bind(None)
+        slots = _binding.slots_of(self.param_groups)
+        sources = self._check_state_dict(state_dict, slots)
+        # torch's loader takes the param groups (hyperparameters, hooks); the state is copied
+        # here straight from the source, without torch's per-tensor cast copies.
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        backend = self._backend
+        with torch.no_grad():
+            for i, s in enumerate(slots):
+                src = sources.get(i, {})
+                views = backend.state(i)
+                for key, view in views.items():
+                    if key == "step":
+                        view.fill_(float(src.get("step", 0)))
+                    elif key in src:
+                        view.copy_(src[key])
+                    elif key == "master":
+                        view.copy_(s.param)
+                    else:
+                        view.zero_()
+                self.state[s.param] = views
+        backend.state_loaded()
+
+    def _check_state_dict(self, sd: dict[str, Any], slots) -> dict[int, dict[str, Any]]:
+        """Checks a state_dict against this optimizer; returns the state by slot index."""
+        if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+            raise ValueError("not an optimizer state_dict: expected 'state' and 'param_groups'")
+        saved = sd["param_groups"]
+        if len(saved) != len(self.param_groups) or any(
+                len(a["params"]) != len(b["params"]) for a, b in zip(saved, self.param_groups)):
+            raise ValueError(
+                "the state_dict's parameter groups hold "
+                f"{[len(g['params']) for g in saved]} parameters, this optimizer's "
+                f"{[len(g['params']) for g in self.param_groups]}; load a state_dict saved for "
+                "the same parameter groups")
+        for g, group in enumerate(saved):
+            if group.get("amsgrad"):
+                raise ValueError(f"the state_dict's param_groups[{g}] uses amsgrad, which emsa "
+                                 "does not support; keep using torch.optim for it")
+            dwd = group.get("decoupled_weight_decay")
+            mine = self.defaults.get("decoupled_weight_decay")
+            if dwd is not None and mine is not None and bool(dwd) != bool(mine):
+                raise ValueError(
+                    f"the state_dict's param_groups[{g}] has decoupled_weight_decay={dwd}: it "
+                    f"is {'an AdamW' if dwd else 'an Adam'} state; load it into "
+                    f"emsa.{'AdamW' if dwd else 'Adam'}")
+            self._check_hyper({**self.defaults, **group}, f"state_dict param_groups[{g}]")
+        ids = dict(zip((i for g in saved for i in g["params"]), range(len(slots))))
+        keys = self._state_keys()
+        sources = {}
+        for k, st in sd["state"].items():
+            if k not in ids:
+                continue
+            s = slots[ids[k]]
+            sources[ids[k]] = st
+            extra = set(st) - keys - {"master"}
+            if "max_exp_avg_sq" in extra:
+                raise ValueError(f"state for {s.name} holds max_exp_avg_sq: it was saved with "
+                                 "amsgrad=True, which emsa does not support")
+            if extra or not keys - {"step"} <= set(st):
+                raise ValueError(f"state for {s.name} has keys {sorted(st)}; "
+                                 f"emsa.{type(self).__name__} expects {sorted(keys)}: is it "
+                                 "another optimizer's?")
+            for key in keys - {"step"} | ({"master"} & set(st)):
+                t = st[key]
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(s.param.shape):
+                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(f"state for {s.name}: {key} is {got}, the parameter is "
+                                     f"{tuple(s.param.shape)}; load a state_dict saved for "
+                                     "this model")
+            step = float(st.get("step", 0))
+            if not (step >= 0 and step == int(step)):
+                raise ValueError(f"state for {s.name}: step {step} is not a count of steps")
+        return sources
+
+    def __getstate__(self):
+        raise TypeError(f"emsa.{type(self).__name__} cannot be pickled or deep-copied (its state "
+                        "lives in emsa's arenas); save and load opt.state_dict() instead")
+
+
+def _impl_defaults(foreach, capturable, differentiable, fused) -> dict[str, Any]:
+    return {"foreach": foreach, "capturable": capturable, "differentiable": differentiable,
+            "fused": fused}
+
+
+def _refuse_amsgrad(amsgrad: bool, cls: str) -> None:
+    if amsgrad:
+        raise ValueError(f"amsgrad=True is not supported by emsa.{cls}; use "
+                         f"torch.optim.{cls}(amsgrad=True) for it")
+
+
+class AdamW(_EmsaOptimizer):
+    """AdamW with decoupled weight decay, as torch.optim.AdamW (see the module docstring)."""
+
+    _kind = "adamw"
+
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
+                 maximize: bool = False, foreach: bool | None = None, capturable: bool = False,
+                 differentiable: bool = False, fused: bool | None = None, probe=None,
+                 budget: int | str | None = None, state_dtype: torch.dtype = torch.float32,
+                 skip_nonfinite: bool = True, profile=None):
+        _refuse_amsgrad(amsgrad, "AdamW")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
+                        maximize=maximize,
+                        **_impl_defaults(foreach, capturable, differentiable, fused),
+                        decoupled_weight_decay=True)
+        super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
+                         skip_nonfinite=skip_nonfinite, profile=profile)
+
+
+class Adam(_EmsaOptimizer):
+    """Adam with L2 weight decay (added to the gradient), as torch.optim.Adam;
+    decoupled_weight_decay=True makes it AdamW, as in torch."""
+
+    _kind = "adam"
+
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
+                 foreach: bool | None = None, maximize: bool = False, capturable: bool = False,
+                 differentiable: bool = False, fused: bool | None = None,
+                 decoupled_weight_decay: bool = False, probe=None,
+                 budget: int | str | None = None, state_dtype: torch.dtype = torch.float32,
+                 skip_nonfinite: bool = True, profile=None):
+        _refuse_amsgrad(amsgrad, "Adam")
+        self._kind = "adamw" if decoupled_weight_decay else "adam"
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
+                        maximize=maximize,
+                        **_impl_defaults(foreach, capturable, differentiable, fused),
+                        decoupled_weight_decay=bool(decoupled_weight_decay))
+        super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
+                         skip_nonfinite=skip_nonfinite, profile=profile)
+
+    def _check_group(self, g: int) -> None:
+        super()._check_group(g)
+        if bool(self.param_groups[g]["decoupled_weight_decay"]) != (self._kind == "adamw"):
+            raise ValueError("decoupled_weight_decay must be the same in every param group; "
+                             "build one optimizer per kind of weight decay")
+
+
+class Lion(_EmsaOptimizer):
+    """Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms"):
+    c = lerp(m, g, 1-beta1); p *= 1 - lr*wd; p -= lr*sign(c); m = lerp(m, g, 1-beta2).
+    State: "step" and "exp_avg" (the momentum m). Use a learning rate 3-10x smaller than
+    AdamW's, and a weight decay 3-10x larger."""
+
+    _kind = "lion"
+
+    def __init__(self, params, lr: float | torch.Tensor = 1e-4, betas=(0.9, 0.99),
+                 weight_decay: float = 0.0, *, maximize: bool = False, probe=None,
+                 budget: int | str | None = None, state_dtype: torch.dtype = torch.float32,
+                 skip_nonfinite: bool = True, profile=None):
+        defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
+                         skip_nonfinite=skip_nonfinite, profile=profile)

@@ -1,0 +1,160 @@
+"""Plans, device profiles and byte sizes: thin wrappers over the C++ planner (emsa/plan.h).
+
+Everything here calls libemsa; nothing is computed in Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import _capi
+from ._capi import EmsaError, PlanOptions, check, lib, take_string
+
+__all__ = ["Plan", "make_plan", "measure_profile", "parse_bytes", "InfeasibleBudgetError"]
+
+EMSA_INFEASIBLE = 4
+
+STATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+class InfeasibleBudgetError(EmsaError):
+    """The budget cannot be met; .min_budget_bytes is the smallest budget that works."""
+
+    def __init__(self, status: int, message: str, min_budget_bytes: int):
+        super().__init__(status, message)
+        self.min_budget_bytes = min_budget_bytes
+
+
+def require_library() -> None:
+    """Loads libemsa now (EmsaLibraryError if missing or mismatched), so that a missing library
+    fails at construction rather than after a first forward and backward."""
+    lib.emsa_abi_version()
+
+
+def parse_bytes(value: int | str) -> int:
+    """A byte count from an int or text such as "20GiB", "512 MiB", "1.5GiB" (C++ ParseBytes)."""
+    if isinstance(value, bool):
+        raise TypeError("a byte size is an int or a string such as '20GiB', not a bool")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"byte size {value} is negative")
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"a byte size is an int or a string such as '20GiB', not {type(value)}")
+    out = ctypes.c_uint64()
+    check(lib.emsa_parse_bytes(value.encode(), ctypes.byref(out)))
+    return out.value
+
+
+def measure_profile(measure_bandwidth: bool = True, gpu_device: int = 0) -> dict[str, Any]:
+    """This machine's DeviceProfile (CPU; GPU when one is usable), as the C++ side writes it."""
+    out = ctypes.c_void_p()
+    check(lib.emsa_profile_measure(int(measure_bandwidth), int(gpu_device), ctypes.byref(out)))
+    return json.loads(take_string(out))
+
+
+_QUICK_PROFILE: str | None = None
+
+
+def quick_profile_json() -> str:
+    """An unmeasured profile of this machine (no timed parts), cached: enough to check records
+    and to lay out CPU-resident state, where bandwidths decide nothing."""
+    global _QUICK_PROFILE
+    if _QUICK_PROFILE is None:
+        _QUICK_PROFILE = json.dumps(measure_profile(measure_bandwidth=False))
+    return _QUICK_PROFILE
+
+
+def profile_json(profile: Any) -> str | None:
+    """Profile text from a dict, JSON text, or a path to a JSON file; None stays None."""
+    if profile is None:
+        return None
+    if isinstance(profile, dict):
+        return json.dumps(profile)
+    if isinstance(profile, os.PathLike) or (isinstance(profile, str)
+                                            and not profile.lstrip().startswith("{")):
+        return Path(profile).read_text(encoding="utf-8")
+    if isinstance(profile, str):
+        return profile
+    raise TypeError(f"profile= takes a dict, JSON text or a path, not {type(profile).__name__}")
+
+
+class Plan:
+    """A plan made by the C++ planner. str(plan) is its table; .json is its JSON as a dict."""
+
+    def __init__(self, handle: ctypes.c_void_p):
+        self._handle = handle
+        out = ctypes.c_void_p()
+        check(lib.emsa_plan_to_json(handle, ctypes.byref(out)))
+        self.text = take_string(out)
+        self.json: dict[str, Any] = json.loads(self.text)
+        dev, host = ctypes.c_uint64(), ctypes.c_uint64()
+        check(lib.emsa_plan_arena_bytes(handle, ctypes.byref(dev), ctypes.byref(host)))
+        self.device_arena_bytes = dev.value
+        self.host_arena_bytes = host.value
+
+    def table(self) -> str:
+        out = ctypes.c_void_p()
+        check(lib.emsa_plan_to_table(self._handle, ctypes.byref(out)))
+        return take_string(out)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        p = self.json["prediction"]
+        return (f"<emsa.Plan {len(self.json['params'])} params, device state "
+                f"{p['device_state_bytes']} B, host state {p['host_state_bytes']} B>")
+
+    def __del__(self):
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle and _capi is not None and lib._dll is not None:
+            lib.emsa_plan_destroy(handle)
+
+
+def _create(probe_text: str, profile_text: str | None, options: PlanOptions) -> Plan:
+    handle = ctypes.c_void_p()
+    min_budget = ctypes.c_uint64()
+    status = lib.emsa_plan_create(
+        probe_text.encode(), profile_text.encode() if profile_text is not None else None,
+        ctypes.byref(options), ctypes.byref(handle), ctypes.byref(min_budget))
+    if status == EMSA_INFEASIBLE:
+        raise InfeasibleBudgetError(status, lib.emsa_last_error().decode("utf-8", "replace"),
+                                    min_budget.value)
+    check(status)
+    return Plan(handle)
+
+
+def make_plan(record, profile: Any = None, *, optimizer: str = "adamw",
+              state_dtype: torch.dtype = torch.float32, budget: int | str | None = None,
+              allow_host_tier: bool = True, force_all_host: bool = False) -> Plan:
+    """Plans a ProbeRecord (or its JSON text) against a profile (dict, JSON text, path; None:
+    the record's embedded profile, else this machine measured). budget: bytes or "20GiB"."""
+    if optimizer not in _capi.OPTIMIZER:
+        raise ValueError(f"optimizer={optimizer!r}; use one of {sorted(_capi.OPTIMIZER)}")
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype={state_dtype}; emsa keeps optimizer state in "
+                         "torch.float32 or torch.bfloat16")
+    options = PlanOptions()
+    lib.emsa_plan_options_init(ctypes.byref(options))
+    options.optimizer = _capi.OPTIMIZER[optimizer]
+    options.state_dtype = _capi.DTYPE[STATE_DTYPES[state_dtype]]
+    options.allow_host_tier = int(allow_host_tier)
+    options.force_all_host = int(force_all_host)
+    if budget is not None:
+        options.budget_bytes = parse_bytes(budget)
+    text = record if isinstance(record, str) else record.to_json()
+    return _create(text, profile_json(profile), options)
+
+
+def check_probe_record(probe_text: str) -> None:
+    """Runs the C++ parser and validator over a record; raises EmsaError naming the field."""
+    options = PlanOptions()
+    lib.emsa_plan_options_init(ctypes.byref(options))
+    _create(probe_text, quick_profile_json(), options)

@@ -1,0 +1,337 @@
+"""emsa.probe(): one eager forward and backward on the user's batch, observed through hooks.
+
+What is observed, per parameter: first use in forward (module forward pre-hooks on the module
+that directly owns it), how often that module ran (use_count), when its gradient became final
+(post-accumulate-grad hooks), and device memory at module boundaries. Eager hooks are the
+primary source because many real models do not trace; torch.fx adds a graph only where it does.
+
+What the probe leaves exactly as it found it: parameter values, every .grad (the same tensor
+objects, or None), buffers (BatchNorm running statistics included: they are snapshotted and
+written back), the CPU and CUDA RNG states, and train/eval mode (never touched). What it does
+not restore: CUDA peak-memory statistics (reset to measure the peak) and Python attributes a
+model's forward may set on itself (trace=False also keeps fx from running the forward
+symbolically).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+import weakref
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+
+from ._backend import DTYPE_NAMES, check_param
+from .plan import measure_profile, profile_json, require_library
+from .probe_record import GraphOp, MemorySample, ParamRecord, ProbeRecord
+
+__all__ = ["probe", "default_loss"]
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The scalar the probe differentiates when no loss_fn is given.
+
+    A scalar tensor is used as is; a Hugging Face output (or any mapping or object) with a
+    non-None `loss` gives that; otherwise the sum of every floating-point tensor in the output
+    (nested tuples, lists and mappings included), in float32. A sum reaches every parameter the
+    output depends on, which is all the probe needs: it observes timing, not learning.
+    """
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    tensors = [t for t in _flatten(output) if t.is_floating_point() and t.requires_grad]
+    if not tensors:
+        raise ValueError("emsa.probe: the model's output holds no floating-point tensor that "
+                         "requires grad; pass loss_fn=lambda out: <a scalar loss>")
+    return sum(t.float().sum() for t in tensors)
+
+
+def _flatten(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _flatten(item)]
+    return []
+
+
+class _Clock:
+    """Marks on the host clock (CPU) or as CUDA events (GPU: no sync until the end)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.marks: list[Any] = []
+
+    def mark(self) -> int:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+        return len(self.marks) - 1
+
+    def resolve(self) -> list[float]:
+        """Seconds since the first mark, for every mark."""
+        if not self.marks:
+            return []
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            first = self.marks[0]
+            return [max(0.0, first.elapsed_time(e) / 1000.0) for e in self.marks]
+        first = self.marks[0]
+        return [max(0.0, t - first) for t in self.marks]
+
+
+def _memory(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _model_device(params: list[torch.Tensor]) -> torch.device:
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError("emsa.probe: the model's parameters are on several devices ("
+                         + ", ".join(sorted(str(d) for d in devices))
+                         + "); emsa plans one device per optimizer: move the model to one device")
+    return devices.pop() if devices else torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _preserved_state(model: torch.nn.Module, params: list[torch.Tensor]):
+    """Grads detached (so the probe's backward cannot accumulate into them) and buffers and RNG
+    snapshotted; everything put back exactly on exit, error or not."""
+    grads = [p.grad for p in params]
+    buffers = [(m, name, b, b.detach().clone()) for m in model.modules()
+               for name, b in m._buffers.items() if b is not None]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        with torch.no_grad():
+            for m, name, b, saved in buffers:
+                if m._buffers.get(name) is not b:  # a forward that rebinds instead of mutating
+                    m._buffers[name] = b
+                b.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def probe(model: torch.nn.Module, *example_args: Any, loss_fn: Callable[[Any], torch.Tensor]
+          | None = None, profile: Any = None, trace: bool = True,
+          **example_kwargs: Any) -> ProbeRecord:
+    """Runs model(*example_args, **example_kwargs), then backward of loss_fn(output) (default:
+    default_loss), without updating anything, and returns what it observed.
+
+    profile: the DeviceProfile to embed (dict, JSON text or path); None measures this machine
+    (well under a second on the CPU side). trace=False skips the optional torch.fx graph.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"emsa.probe takes an nn.Module, not {type(model).__name__}")
+    require_library()
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    device = _model_device(params)
+    for name, p in named:
+        check_param(name, p)
+    names_of: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        for p in m._parameters.values():
+            if p is not None and m not in owners.setdefault(id(p), []):
+                owners[id(p)].append(m)
+
+    profile_dict = _profile(profile, device)
+    obs = _Observer(model, named, names_of, owners, device)
+    with _preserved_state(model, params):
+        graph = _trace_graph(model, names_of) if trace else []
+        with obs.installed():
+            record = obs.run(loss_fn or default_loss, example_args, example_kwargs)
+    record.graph = graph
+    record.profile = profile_dict
+    return record
+
+
+class _Observer:
+    """The hooks, what they saw, and the record made from it."""
+
+    def __init__(self, model, named, names_of, owners, device):
+        self.model = model
+        self.named = named
+        self.names_of = names_of
+        self.owners = owners
+        self.device = device
+        self.clock = _Clock(device)
+        self.module_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        self.calls: dict[int, int] = {}
+        self.first_use: dict[int, int] = {}  # id(param) -> mark
+        self.use_order: list[int] = []
+        self.grad_mark: dict[int, int] = {}
+        self.grad_order: list[int] = []
+        self.samples: list[tuple[str, str, int, int]] = []  # module, event, mark, bytes
+        self.in_backward = False
+        self.forward_start = self.forward_end = self.backward_end = 0
+        self.memory_before = _memory(device)
+
+    def _pre(self, module, _args):
+        if self.in_backward:  # activation checkpointing re-runs forwards in backward
+            return
+        mark = self.clock.mark()
+        self.calls[id(module)] = self.calls.get(id(module), 0) + 1
+        for p in module._parameters.values():
+            if p is not None and id(p) not in self.first_use:
+                self.first_use[id(p)] = mark
+                self.use_order.append(id(p))
+        self.samples.append((self.module_names.get(id(module), ""), "forward_pre", mark,
+                             _memory(self.device)))
+
+    def _post(self, module, _args, _out):
+        if self.in_backward:
+            return
+        self.samples.append((self.module_names.get(id(module), ""), "forward_post",
+                             self.clock.mark(), _memory(self.device)))
+
+    def _grad_ready(self, p):
+        if id(p) in self.grad_mark:
+            return
+        mark = self.clock.mark()
+        self.grad_mark[id(p)] = mark
+        self.grad_order.append(id(p))
+        owner = self.owners.get(id(p), [None])[0]
+        self.samples.append((self.module_names.get(id(owner), ""), "backward_post", mark,
+                             _memory(self.device)))
+
+    def run(self, loss_fn, args, kwargs) -> ProbeRecord:
+        self.forward_start = self.clock.mark()
+        output = self.model(*args, **kwargs)
+        self.forward_end = self.clock.mark()
+        self.in_backward = True
+        loss = loss_fn(output)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("emsa.probe: loss_fn must return a scalar tensor")
+        # inputs= keeps the backward from accumulating into anything but the parameters (an
+        # input tensor that requires grad keeps its .grad).
+        targets = [p for _, p in self.named if p.requires_grad]
+        if targets and loss.requires_grad:
+            torch.autograd.backward(loss, inputs=targets)
+        self.backward_end = self.clock.mark()
+        return self.record()
+
+    @contextlib.contextmanager
+    def installed(self):
+        handles = []
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+                self.memory_before = _memory(self.device)
+            for m in self.model.modules():
+                handles.append(m.register_forward_pre_hook(self._pre))
+                handles.append(m.register_forward_hook(self._post))
+            for _, p in self.named:
+                if p.requires_grad:
+                    handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def record(self) -> ProbeRecord:
+        peak = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
+                else 0)
+        times = self.clock.resolve()
+        use_rank = {pid: r for r, pid in enumerate(self.use_order)}
+        grad_rank = {pid: r for r, pid in enumerate(self.grad_order)}
+        params = []
+        for name, p in self.named:
+            pid = id(p)
+            shape = list(p.shape)
+            use_count = sum(self.calls.get(id(m), 0) for m in self.owners.get(pid, []))
+            params.append(ParamRecord(
+                name=name,
+                module=name.rsplit(".", 1)[0] if "." in name else "",
+                shape=shape,
+                dtype=DTYPE_NAMES[p.dtype],
+                numel=p.numel(),
+                bytes=p.numel() * p.element_size(),
+                trainable=p.requires_grad,
+                tied_names=[n for n in self.names_of[pid] if n != name],
+                use_count=use_count,
+                forward_order=use_rank.get(pid, -1),
+                forward_time=times[self.first_use[pid]] if pid in self.first_use else 0.0,
+                grad_ready_order=grad_rank.get(pid, -1),
+                grad_ready_time=times[self.grad_mark[pid]] if pid in self.grad_mark else 0.0,
+            ))
+        forward_time = times[self.forward_end]
+        record = ProbeRecord(
+            model=type(self.model).__name__,
+            device=str(self.device),
+            forward_time=forward_time,
+            backward_time=max(0.0, times[self.backward_end] - forward_time),
+            peak_device_bytes=peak,
+            activation_peak_bytes=max(0, peak - self.memory_before),
+            params=params,
+            memory=[MemorySample(mod, ev, times[mark], min(b, peak))
+                    for mod, ev, mark, b in self.samples],
+        )
+        record.tensors = [weakref.ref(p) for _, p in self.named]
+        return record
+
+
+def _profile(profile: Any, device: torch.device) -> dict[str, Any]:
+    import json
+
+    if profile is not None:
+        return json.loads(profile_json(profile))
+    gpu = device.index if device.type == "cuda" and device.index is not None else 0
+    try:
+        return measure_profile(measure_bandwidth=True, gpu_device=gpu)
+    except RuntimeError as e:  # e.g. too little free device memory for the bandwidth test
+        warnings.warn(f"emsa.probe: measuring bandwidths failed ({e}); the profile holds the "
+                      "device description only", stacklevel=3)
+        return measure_profile(measure_bandwidth=False, gpu_device=gpu)
+
+
+def _trace_graph(model: torch.nn.Module, names_of: dict[int, list[str]]) -> list[GraphOp]:
+    """Ops in topological order with the parameters each reads, when torch.fx traces the model.
+    Never required: any failure (data-dependent control flow, unsupported ops) gives []."""
+    if type(model).__module__.startswith("transformers."):
+        return []  # transformers 5 dropped fx support; tracing would only fail slowly
+    known = {n for names in names_of.values() for n in names}
+    try:
+        import torch.fx
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gm = torch.fx.symbolic_trace(model)
+    except Exception:  # noqa: BLE001 - any tracing failure means "no graph", never an error
+        return []
+    ops: list[GraphOp] = []
+    index: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        params: list[str] = []
+        if node.op == "call_module":
+            sub = gm.get_submodule(node.target)
+            params = [f"{node.target}.{n}" for n, _ in sub.named_parameters()]
+        elif node.op == "get_attr":
+            params = [node.target]
+        params = list(dict.fromkeys(n for n in params if n in known))
+        inputs = sorted({index[a.name] for a in node.all_input_nodes if a.name in index})
+        index[node.name] = len(ops)
+        ops.append(GraphOp(name=node.name, params=params, inputs=inputs))
+    return ops

@@ -1,0 +1,247 @@
+"""Bad input gets a clear error (checked by its message) and changes nothing."""
+
+import os
+import pickle
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import emsa
+from conftest import CPU_PROFILE, ROOT, requires_cuda
+from models import SmallCNN, cnn_batches, cnn_loss
+
+
+def stepped(model, opt, n=1):
+    for batch in cnn_batches(n):
+        opt.zero_grad()
+        cnn_loss(model, batch).backward()
+        opt.step()
+
+
+def snapshot(model, opt):
+    return ([p.detach().clone() for p in model.parameters()],
+            {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()})
+
+
+def assert_unchanged(model, opt, before):
+    params, state = before
+    for a, b in zip(params, model.parameters()):
+        assert torch.equal(a, b)
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            assert torch.equal(v, state[id(p)][k]), k
+
+
+def test_sparse_gradients():
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = emsa.AdamW(emb.parameters())
+    before = emb.weight.detach().clone()
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match="sparse gradient.*SparseAdam"):
+        opt.step()
+    assert torch.equal(emb.weight, before)
+
+
+def test_float64_parameters():
+    with pytest.raises(ValueError, match=r"torch.float64.*cast the model \(model.float\(\)\)"):
+        emsa.AdamW(nn.Linear(2, 2).double().parameters())
+    with pytest.raises(ValueError, match="float64"):
+        emsa.probe(nn.Linear(2, 2).double(), torch.randn(1, 2, dtype=torch.float64))
+
+
+def test_complex_parameters():
+    p = nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="complex64.*view_as_real"):
+        emsa.Adam([p])
+
+
+def test_parameters_on_two_devices():
+    a = nn.Parameter(torch.randn(3))
+    b = nn.Parameter(torch.randn(3, device="meta"))
+    with pytest.raises(ValueError, match=r"several devices \(cpu, meta\).*one optimizer per"):
+        emsa.AdamW([a, b])
+    with pytest.raises(ValueError, match="several devices"):
+        emsa.AdamW([{"params": [a]}, {"params": [b]}])
+
+
+@requires_cuda
+def test_parameters_on_cpu_and_cuda():
+    with pytest.raises(ValueError, match="several devices"):
+        emsa.AdamW([nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3, device="cuda"))])
+
+
+@requires_cuda
+def test_cuda_parameters_are_not_supported_yet():
+    with pytest.raises(NotImplementedError, match="CUDA device tier is not built yet"):
+        emsa.AdamW(nn.Linear(2, 2).cuda().parameters())
+
+
+def test_parameter_reshaped_after_planning():
+    model = SmallCNN()
+    opt = emsa.AdamW(model.parameters())
+    stepped(model, opt)
+    before = snapshot(model, opt)
+    model.fc.weight.data = model.fc.weight.data.reshape(5, 32)
+    model.fc.weight.grad = torch.ones(5, 32)
+    with pytest.raises(ValueError, match=r"changed from \(10, 16\) to \(5, 32\).*new optimizer"):
+        opt.step()
+    model.fc.weight.data = model.fc.weight.data.reshape(10, 16)
+    assert_unchanged(model, opt, before)
+
+
+def test_parameter_storage_replaced_is_followed():
+    model = SmallCNN()
+    opt = emsa.AdamW(model.parameters())
+    stepped(model, opt)
+    model.fc.weight.data = model.fc.weight.data.clone()  # same shape, new memory
+    before = model.fc.weight.detach().clone()
+    stepped(model, opt)
+    assert not torch.equal(model.fc.weight, before)  # updated in its new memory
+
+
+def test_parameter_added_after_planning():
+    model = SmallCNN()
+    opt = emsa.AdamW(model.parameters())
+    stepped(model, opt)
+    with pytest.raises(ValueError, match="build a new optimizer"):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(2))]})
+    assert len(opt.param_groups) == 1
+    before = snapshot(model, opt)
+    extra = nn.Parameter(torch.randn(2))
+    opt.param_groups[0]["params"].append(extra)
+    extra.grad = torch.ones(2)
+    n = len(list(model.parameters()))
+    with pytest.raises(ValueError, match=rf"hold \[{n + 1}\] parameters but emsa planned \[{n}\]"):
+        opt.step()
+    opt.param_groups[0]["params"].pop()
+    opt.param_groups[0]["params"][0] = nn.Parameter(model.conv1.weight.detach().clone())
+    with pytest.raises(ValueError, match="replaced by another tensor"):
+        opt.step()
+    assert_unchanged(model, opt, before)
+
+
+def test_groups_added_before_planning_are_planned():
+    model = SmallCNN()
+    opt = emsa.AdamW(model.conv1.parameters())
+    opt.add_param_group({"params": model.fc.parameters(), "lr": 0.0})
+    before = model.fc.weight.detach().clone()
+    stepped(model, opt)
+    assert torch.equal(model.fc.weight, before)  # lr 0 in its group
+    assert opt.state[model.fc.weight]["step"].item() == 1
+
+
+def test_nonfinite_gradients_skip_the_step_and_change_nothing():
+    model = SmallCNN()
+    opt = emsa.AdamW(model.named_parameters(), lr=1e-2)
+    stepped(model, opt, 2)
+    before = snapshot(model, opt)
+    opt.zero_grad()
+    cnn_loss(model, cnn_batches(1)[0]).backward()
+    model.bn2.bias.grad[3] = float("nan")
+    model.fc.weight.grad[0, 0] = float("inf")
+    with pytest.warns(RuntimeWarning, match=r"step skipped: 2 non-finite gradient elements "
+                                            r"\(first in bn2.bias\)"):
+        opt.step()
+    assert opt.last_step_skipped
+    assert_unchanged(model, opt, before)
+    assert opt.state[model.fc.weight]["step"].item() == 2
+    opt.zero_grad()
+    cnn_loss(model, cnn_batches(1)[0]).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # a good step goes through again
+    assert not opt.last_step_skipped
+    assert opt.state[model.fc.weight]["step"].item() == 3
+
+
+def test_nonfinite_gradients_applied_when_asked_like_torch():
+    p = nn.Parameter(torch.ones(4))
+    opt = emsa.AdamW([p], skip_nonfinite=False)
+    p.grad = torch.tensor([1.0, float("nan"), 1.0, 1.0])
+    opt.step()
+    assert not opt.last_step_skipped
+    assert torch.isnan(p[1]) and torch.isfinite(p[0])
+
+
+def test_budget_that_cannot_fit():
+    model = SmallCNN()
+    opt = emsa.AdamW(model.parameters(), budget="1KiB")
+    model(cnn_batches(1)[0][0]).sum().backward()
+    with pytest.raises(emsa.InfeasibleBudgetError, match="smallest budget that works") as e:
+        opt.step()
+    assert e.value.min_budget_bytes > 1024
+    assert opt.plan is None
+    # The minimum it names works, on a profile of another machine too.
+    ok = emsa.AdamW(model.parameters(), budget=e.value.min_budget_bytes)
+    ok.step()
+    record = emsa.probe(model, cnn_batches(1)[0][0], profile=str(CPU_PROFILE))
+    with pytest.raises(emsa.InfeasibleBudgetError, match="smallest budget"):
+        emsa.AdamW(model.parameters(), probe=record, budget=1000, profile=str(CPU_PROFILE))
+
+
+def test_bad_budget_text():
+    with pytest.raises(emsa.EmsaError, match="lots"):
+        emsa.AdamW(nn.Linear(2, 2).parameters(), budget="lots")
+
+
+@pytest.mark.parametrize("cls,name", [(emsa.AdamW, "AdamW"), (emsa.Adam, "Adam")])
+def test_amsgrad_refused(cls, name):
+    with pytest.raises(ValueError, match=rf"use torch.optim.{name}\(amsgrad=True\)"):
+        cls(nn.Linear(2, 2).parameters(), amsgrad=True)
+    with pytest.raises(ValueError, match="amsgrad"):
+        cls([{"params": nn.Linear(2, 2).parameters(), "amsgrad": True}])
+
+
+@pytest.mark.parametrize("option,match", [
+    ("foreach", "already one multi-tensor call"), ("fused", "already fused"),
+    ("capturable", "CUDA graph capture"), ("differentiable", "not: use torch.optim"),
+])
+def test_torch_implementation_options_refused(option, match):
+    with pytest.raises(ValueError, match=match):
+        emsa.AdamW(nn.Linear(2, 2).parameters(), **{option: True})
+    emsa.AdamW(nn.Linear(2, 2).parameters(), **{option: None if option in ("foreach", "fused")
+                                                 else False})
+
+
+def test_invalid_hyperparameters():
+    params = list(nn.Linear(2, 2).parameters())
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        emsa.AdamW(params, lr=-1.0)
+    with pytest.raises(ValueError, match="Invalid beta parameter at index 1"):
+        emsa.AdamW(params, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="eps > 0"):
+        emsa.Adam(params, eps=0.0)
+    with pytest.raises(ValueError, match="Invalid weight_decay"):
+        emsa.Lion(params, weight_decay=-0.1)
+    with pytest.raises(ValueError, match="torch.float32 or torch.bfloat16"):
+        emsa.AdamW(params, state_dtype=torch.float16)
+
+
+def test_not_picklable():
+    opt = emsa.AdamW(nn.Linear(2, 2).parameters())
+    with pytest.raises(TypeError, match="save and load opt.state_dict"):
+        pickle.dumps(opt)
+
+
+def test_missing_library_is_a_clear_error_at_first_use():
+    code = ("import torch, emsa\n"
+            "for first_use in (lambda: emsa.AdamW(torch.nn.Linear(2, 2).parameters()),\n"
+            "                  lambda: emsa.probe(torch.nn.Linear(2, 2), torch.ones(1, 2)),\n"
+            "                  lambda: emsa.parse_bytes('1GiB')):\n"
+            "    try:\n"
+            "        first_use()\n"
+            "    except emsa.EmsaLibraryError as e:\n"
+            "        print('ERR', e)\n")
+    env = dict(os.environ, EMSA_LIBRARY="/nonexistent/libemsa.so",
+               PYTHONPATH=str(ROOT / "python"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    lines = out.splitlines()
+    assert len(lines) == 3  # importing emsa needs no library; each first use says what to do
+    for line in lines:
+        assert line.startswith("ERR libemsa.so not found (tried /nonexistent/libemsa.so)")
+        assert "point EMSA_LIBRARY at it" in line

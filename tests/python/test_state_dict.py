@@ -1,0 +1,158 @@
+"""state_dict interchange with torch.optim.AdamW, both directions, and its error messages."""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import emsa
+from models import TinyGPT, gpt_batches, gpt_loss, param_groups
+
+HYPER = dict(lr=3e-3, betas=(0.9, 0.95))
+
+
+def train(model, opt, batches):
+    for batch in batches:
+        opt.zero_grad()
+        gpt_loss(model, batch).backward()
+        opt.step()
+
+
+def saved(state_dict):
+    """As a checkpoint would carry it: through torch.save and torch.load."""
+    buf = io.BytesIO()
+    torch.save(state_dict, buf)
+    buf.seek(0)
+    return torch.load(buf)
+
+
+def start(make_opt, steps=10):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = make_opt(model)
+    batches = gpt_batches(steps + 10)
+    train(model, opt, batches[:steps])
+    return model, opt, batches[steps:]
+
+
+def assert_models_close(a, b, rtol=1e-6, atol=1e-8):
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert_close(pa, pb, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def test_layout_matches_torch():
+    model, opt, _ = start(lambda m: emsa.AdamW(param_groups(m), **HYPER), steps=1)
+    ref_model, ref_opt, _ = start(lambda m: torch.optim.AdamW(param_groups(m), **HYPER), 1)
+    ours, ref = opt.state_dict(), ref_opt.state_dict()
+    assert ours["param_groups"] == ref["param_groups"]
+    assert sorted(ours["state"]) == sorted(ref["state"])
+    for k, st in ref["state"].items():
+        assert list(ours["state"][k]) == list(st)
+        assert ours["state"][k]["step"].dtype == st["step"].dtype == torch.float32
+        assert ours["state"][k]["step"].dim() == 0
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert ours["state"][k][key].shape == st[key].shape
+
+
+@pytest.mark.parametrize("direction", ["emsa_to_torch", "torch_to_emsa"])
+def test_switching_continues_like_never_switching(direction):
+    ours_first = direction == "emsa_to_torch"
+    first = (lambda m: emsa.AdamW(param_groups(m), **HYPER)) if ours_first else (
+        lambda m: torch.optim.AdamW(param_groups(m), **HYPER))
+    second_cls = torch.optim.AdamW if ours_first else emsa.AdamW
+    model, opt, rest = start(first)
+    checkpoint = saved(opt.state_dict())
+    switched = copy.deepcopy(model)
+    opt2 = second_cls(param_groups(switched), **HYPER)
+    opt2.load_state_dict(checkpoint)
+    for p, q in zip(model.parameters(), switched.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], opt2.state[q][key])
+    train(model, opt, rest)  # never switching
+    train(switched, opt2, rest)
+    assert_models_close(model, switched)
+
+
+def test_emsa_round_trip_is_bitwise():
+    model, opt, rest = start(lambda m: emsa.AdamW(param_groups(m), **HYPER))
+    other = copy.deepcopy(model)
+    opt2 = emsa.AdamW(param_groups(other), **HYPER)
+    opt2.load_state_dict(saved(opt.state_dict()))
+    train(model, opt, rest)
+    train(other, opt2, rest)
+    for p, q in zip(model.parameters(), other.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_lion_round_trip_is_bitwise():
+    model, opt, rest = start(lambda m: emsa.Lion(m.parameters(), lr=1e-4))
+    other = copy.deepcopy(model)
+    opt2 = emsa.Lion(other.parameters(), lr=1e-4)
+    opt2.load_state_dict(saved(opt.state_dict()))
+    train(model, opt, rest)
+    train(other, opt2, rest)
+    for p, q in zip(model.parameters(), other.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_state_dict_hyperparameters_are_loaded():
+    model, opt, _ = start(lambda m: torch.optim.AdamW(m.parameters(), lr=0.5, eps=1e-6), 1)
+    ours = emsa.AdamW(model.parameters())
+    ours.load_state_dict(opt.state_dict())
+    assert ours.param_groups[0]["lr"] == 0.5 and ours.param_groups[0]["eps"] == 1e-6
+
+
+def snapshot(opt):
+    return {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+
+
+def assert_unchanged(opt, before):
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            assert torch.equal(v, before[id(p)][k]), k
+
+
+def test_bad_state_dicts_are_refused_and_change_nothing():
+    model, opt, _ = start(lambda m: emsa.AdamW(m.parameters(), **HYPER), 2)
+    good = saved(opt.state_dict())
+    before = snapshot(opt)
+
+    wrong_shape = copy.deepcopy(good)
+    wrong_shape["state"][3]["exp_avg"] = torch.zeros(7)
+    with pytest.raises(ValueError, match=r"exp_avg is \(7,\), the parameter is"):
+        opt.load_state_dict(wrong_shape)
+
+    ams = copy.deepcopy(good)
+    ams["state"][0]["max_exp_avg_sq"] = torch.zeros_like(ams["state"][0]["exp_avg"])
+    with pytest.raises(ValueError, match="amsgrad"):
+        opt.load_state_dict(ams)
+
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(gpt_batches(1)[0][0]).sum().backward()
+    sgd.step()
+    with pytest.raises(ValueError, match="momentum_buffer"):
+        opt.load_state_dict(sgd.state_dict())
+
+    fewer = copy.deepcopy(good)
+    fewer["param_groups"][0]["params"] = fewer["param_groups"][0]["params"][:-1]
+    with pytest.raises(ValueError, match="same parameter groups"):
+        opt.load_state_dict(fewer)
+
+    adam = copy.deepcopy(good)
+    adam["param_groups"][0]["decoupled_weight_decay"] = False
+    with pytest.raises(ValueError, match="load it into emsa.Adam"):
+        opt.load_state_dict(adam)
+    assert_unchanged(opt, before)
+
+
+def test_load_before_first_step_and_into_bf16_state():
+    model, opt, rest = start(lambda m: torch.optim.AdamW(m.parameters(), **HYPER))
+    ours = emsa.AdamW(copy.deepcopy(model).parameters(), state_dtype=torch.bfloat16, **HYPER)
+    ours.load_state_dict(saved(opt.state_dict()))
+    for p, q in zip(model.parameters(), ours.param_groups[0]["params"]):
+        got = ours.state[q]["exp_avg"]
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, opt.state[p]["exp_avg"].to(torch.bfloat16))
+        assert ours.state[q]["step"].item() == 10
