@@ -26,7 +26,12 @@ namespace cuda {
 // ---- launch geometry ---------------------------------------------------------------------------
 
 constexpr int kUpdateThreads = 256;
-constexpr int kElemsPerThread = 8;  // per pass: 32 bytes per fp32 stream, 16 per 16-bit stream
+// Elements per thread per pass: 8 gives 32 bytes per fp32 stream, 16 per 16-bit stream. A build
+// may override it for the tuning sweep (scripts/gpu-check sweep); the product keeps the default.
+#ifndef EMSA_CUDA_ELEMS_PER_THREAD
+#define EMSA_CUDA_ELEMS_PER_THREAD 8
+#endif
+constexpr int kElemsPerThread = EMSA_CUDA_ELEMS_PER_THREAD;
 constexpr int kWidestVec = 8;       // 16 bytes of bf16/fp16
 static_assert(kElemsPerThread % kWidestVec == 0, "a pass holds whole vectors of every width");
 static_assert(kChunkElems % (kUpdateThreads * kElemsPerThread) == 0,
@@ -66,14 +71,36 @@ struct Raw<false, 8> {
   uint4 w;
 };
 
+// Every byte is touched once per step, so loads and stores are marked evict-first (.cs); a
+// tuning build may set EMSA_CUDA_STREAMING_HINTS=0 for plain accesses (scripts/gpu-check sweep).
+#ifndef EMSA_CUDA_STREAMING_HINTS
+#define EMSA_CUDA_STREAMING_HINTS 1
+#endif
+template <typename T>
+__device__ __forceinline__ T LoadHinted(const T* p) {
+#if EMSA_CUDA_STREAMING_HINTS
+  return __ldcs(p);
+#else
+  return *p;
+#endif
+}
+template <typename T>
+__device__ __forceinline__ void StoreHinted(T* p, const T& v) {
+#if EMSA_CUDA_STREAMING_HINTS
+  __stcs(p, v);
+#else
+  *p = v;
+#endif
+}
+
 template <bool kF32, int kVec>
 __device__ __forceinline__ Raw<kF32, kVec> LoadRaw(const void* base, int offset) {
   Raw<kF32, kVec> r;
   if constexpr (kF32 || kVec == 8) {
-    r.w = __ldcs(
+    r.w = LoadHinted(
         reinterpret_cast<const uint4*>(static_cast<const char*>(base) + offset * (kF32 ? 4 : 2)));
   } else {
-    r.w = __ldcs(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(base) + offset));
+    r.w = LoadHinted(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(base) + offset));
   }
   return r;
 }
@@ -81,9 +108,9 @@ __device__ __forceinline__ Raw<kF32, kVec> LoadRaw(const void* base, int offset)
 template <bool kF32, int kVec>
 __device__ __forceinline__ void StoreRaw(void* base, int offset, const Raw<kF32, kVec>& r) {
   if constexpr (kF32 || kVec == 8) {
-    __stcs(reinterpret_cast<uint4*>(static_cast<char*>(base) + offset * (kF32 ? 4 : 2)), r.w);
+    StoreHinted(reinterpret_cast<uint4*>(static_cast<char*>(base) + offset * (kF32 ? 4 : 2)), r.w);
   } else {
-    __stcs(reinterpret_cast<uint2*>(static_cast<uint16_t*>(base) + offset), r.w);
+    StoreHinted(reinterpret_cast<uint2*>(static_cast<uint16_t*>(base) + offset), r.w);
   }
 }
 
