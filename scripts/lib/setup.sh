@@ -33,3 +33,20 @@ emsa_build() {
   fi
   cmake --build "$EMSA_ROOT/$dir" -j"$jobs"
 }
+
+# The Python environment for the front end's tests and the benchmarks: one venv outside the repo,
+# created once and reused by every clone ($EMSA_VENV to put it elsewhere). torch comes from PyPI
+# (a CUDA build; it runs on the CPU too).
+EMSA_VENV=${EMSA_VENV:-$HOME/.cache/emsa/venv}
+export EMSA_VENV
+emsa_python_env() {
+  if [ ! -x "$EMSA_VENV/bin/python" ]; then
+    echo "emsa: creating $EMSA_VENV"
+    python3 -m venv "$EMSA_VENV"
+  fi
+  if ! "$EMSA_VENV/bin/python" -c "import torch, numpy, pytest" >/dev/null 2>&1; then
+    echo "emsa: installing torch, numpy, pytest into $EMSA_VENV (several GB, once)"
+    "$EMSA_VENV/bin/python" -m pip install -q --upgrade pip
+    "$EMSA_VENV/bin/python" -m pip install -q torch numpy pytest
+  fi
+}
