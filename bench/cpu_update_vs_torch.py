@@ -115,6 +115,9 @@ class EmsaRunner:
 
 
 def git_commit() -> str:
+    # The GPU host gets the working tree without .git: scripts/gpu-check passes EMSA_COMMIT.
+    if os.environ.get("EMSA_COMMIT"):
+        return os.environ["EMSA_COMMIT"]
     try:
         return subprocess.check_output(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                                        text=True, stderr=subprocess.DEVNULL).strip()

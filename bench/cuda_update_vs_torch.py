@@ -15,6 +15,7 @@ import argparse
 import ctypes
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -144,7 +145,8 @@ def main():
         opt.step()
         e.step()
     torch.cuda.synchronize()
-    worst = max(((a - b.detach()).abs() / b.detach().abs().clamp_min(1e-6)).max().item()
+    # Worst |a - b| / (atol + rtol*|b|) with assert_close's tolerances below: <= 1 passes.
+    worst = max(((a - b.detach()).abs() / (1e-7 + 1e-5 * b.detach().abs())).max().item()
                 for a, b in zip(p_e, ps))
     for a, b in zip(p_e, ps):
         torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-7)
@@ -182,19 +184,22 @@ def main():
                  fraction_of_copy_bw=n * r["bytes_per_param"] / med / copy_bw,
                  speedup_vs_torch_fused_fp32=base / med)
     now = datetime.datetime.now(datetime.timezone.utc)
-    try:
-        commit = subprocess.check_output(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                                         text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        commit = "unknown"
+    commit = os.environ.get("EMSA_COMMIT", "")  # the GPU host's copy has no .git
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "-C", str(REPO), "rev-parse", "--short",
+                                              "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+        except Exception:
+            commit = "unknown"
     result = dict(benchmark="cuda-update", date=now.strftime("%Y-%m-%d"), time_utc=now.isoformat(),
                   device=torch.cuda.get_device_name(), torch=torch.__version__, commit=commit,
                   command=" ".join([sys.executable] + sys.argv), params=n, tensors=len(shapes),
-                  copy_bandwidth_bytes_per_s=copy_bw, fp32_max_rel_err_vs_torch_5_steps=worst,
+                  copy_bandwidth_bytes_per_s=copy_bw, fp32_worst_tolerance_ratio_vs_torch_5_steps=worst,
                   rows=rows)
     print(f"\nAdamW step on {n / 1e9:.3f} B params ({len(shapes)} tensors), "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
-          f"copy bandwidth {copy_bw / 1e12:.2f} TB/s; emsa vs torch fp32 max rel err {worst:.1e}")
+          f"copy bandwidth {copy_bw / 1e12:.2f} TB/s; emsa fp32 vs torch after 5 steps: worst "
+          f"error/tolerance {worst:.2f} (rtol 1e-5, atol 1e-7)")
     print(f"{'variant':34s} {'median ms':>9s} {'TB/s':>6s} {'of copy':>7s} {'vs torch fp32':>13s}")
     for name, r in rows.items():
         print(f"{name:34s} {r['median_s'] * 1e3:9.3f} {r['achieved_bytes_per_s'] / 1e12:6.2f} "
