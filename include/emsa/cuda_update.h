@@ -26,7 +26,8 @@
 // (the same counter-based hash of seed, step and element index).
 //
 // Pointers in TensorUpdate are device pointers on the device current at Create(); they are
-// recorded, not copied: the memory must stay allocated at those addresses for the table's life.
+// recorded, not copied: the memory must stay allocated at those addresses for the table's life
+// (gradients: until SetGradPointers replaces them).
 // Element counts are int64 throughout: tensors and buckets may exceed 2^31 elements.
 //
 // Threads and streams: an object is not shared between host threads without locking. Launches
@@ -112,7 +113,16 @@ class DeviceScalars {
   // Asynchronous on `stream`; each is one tiny kernel whose values travel as launch arguments
   // (captured into a graph as constants). Values are validated first; a bad one changes nothing.
   Status SetGroup(size_t group, const HyperParams& hyper, int64_t step, cudaStream_t stream);
+  // The hyperparameters of a group, leaving its step as the device counts it: what a framework
+  // calls each step (a scheduler changes lr) without knowing whether earlier steps were skipped.
+  Status SetGroupHyper(size_t group, const HyperParams& hyper, cudaStream_t stream);
   Status SetInputs(float grad_unscale, float max_norm, uint64_t seed, cudaStream_t stream);
+
+  // Enqueues a copy of the header into `dst` (pinned host memory, or device memory) after the
+  // stream's earlier work, and returns without waiting: a framework reads found_inf and
+  // nonfinite_count once an event recorded after it has completed, so no step waits on the host.
+  // Pageable host memory also works, but then the runtime may wait for the copy.
+  Status CopyHeader(DeviceStepHeader* dst, cudaStream_t stream) const;
 
   // Asynchronous copies of the whole header / all groups from caller-owned pinned host memory
   // (cudaHostAlloc or cudaHostRegister), which must not change until the stream has passed the
@@ -179,6 +189,27 @@ class DeviceUpdateTable {
   Status AccumulateGradStats(DeviceScalars& scalars, cudaStream_t stream);
   // The last AccumulateGradStats's figures for this table. Synchronizes the stream.
   Status ReadStats(DeviceTableStats* stats, cudaStream_t stream) const;
+
+  // Points the table at new gradients: grads[i] replaces tensors[i].grad of Create (same dtype
+  // and numel; null only where numel is 0), for frameworks that allocate gradients anew each
+  // backward (torch's zero_grad(set_to_none=True)). count must be tensor_count().
+  //
+  // Asynchronous on `stream` and allocation-free: the pointers are written into a pinned host
+  // slot made at Create, copied to the device and scattered into the table by one small kernel,
+  // which also re-derives each tensor's vector-path flag from the new alignment (a gradient off
+  // a 16-byte boundary takes the scalar path: same bits, slower). The slots form a ring of
+  // kGradStagingSlots, each reused only after an event says its copy is done: the host waits
+  // only when that many calls are still queued on the device. Pointers equal to the current ones
+  // enqueue nothing. A call must be ordered with this table's Update and AccumulateGradStats
+  // (same stream, or events), as the launches writing DeviceScalars are.
+  //
+  // Checked here: count, null pointers, alignment to the grad's element size. Not checked: that
+  // each pointer is device memory of the table's device holding numel elements (a driver query
+  // per pointer per step would cost more than a small model's update): pass what Create would
+  // accept. Not capturable into a CUDA graph (it may wait on an event); a graph that needs new
+  // gradients each replay should copy them into fixed buffers instead.
+  static constexpr int kGradStagingSlots = 4;
+  Status SetGradPointers(const void* const* grads, size_t count, cudaStream_t stream);
 
   int device() const { return device_; }
   OptimizerKind optimizer() const { return options_.optimizer; }

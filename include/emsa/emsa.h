@@ -242,6 +242,73 @@ EMSA_API void emsa_device_table_destroy(emsa_device_table* table);
 EMSA_API emsa_status emsa_device_table_info(const emsa_device_table* table, int64_t* numel_out,
                                             int32_t* launches_out, uint64_t* bytes_out);
 
+/* ---- device tier: what a framework needs per step ------------------------------------------ */
+/* The device-side step header, byte for byte (56 bytes; the layout is fixed). */
+typedef struct emsa_device_step_header {
+  float grad_multiplier; /* what the update multiplies gradients by */
+  int32_t found_inf;     /* nonzero: the last step was skipped (a non-finite gradient) */
+  float grad_unscale;    /* input: 1 / loss_scale */
+  float max_norm;        /* input: clip threshold; <= 0: none */
+  uint64_t seed;         /* input: stochastic-rounding stream */
+  double sum_sq;
+  int64_t nonfinite_count;
+  double grad_norm;
+  float clip_coef;
+  int32_t reserved;
+} emsa_device_step_header;
+
+/* Group `group`'s hyperparameters; its step stays as the device counts it (it does not advance
+ * on a skipped step, which the host learns only later). Asynchronous. */
+EMSA_API emsa_status emsa_device_scalars_set_hyper(emsa_device_scalars* scalars, size_t group,
+                                                   const emsa_hyperparams* hyper, void* stream);
+/* Every group's step count after the stream's earlier work; count must be the number of
+ * groups. Synchronizes the stream. */
+EMSA_API emsa_status emsa_device_scalars_read_steps(const emsa_device_scalars* scalars,
+                                                    int64_t* steps_out, size_t count, void* stream);
+/* Enqueues a copy of the step header into dst (pinned host memory or device memory) and
+ * returns without waiting: read dst once an event recorded on the stream after this call has
+ * completed. The way to learn whether a step was skipped without making the step wait. */
+EMSA_API emsa_status emsa_device_scalars_copy_header(const emsa_device_scalars* scalars,
+                                                     emsa_device_step_header* dst, void* stream);
+/* Points the table at new gradients: grads[i] for tensor i in creation order, count = the
+ * table's tensor count, each of the dtype and size given at creation (NULL only for an empty
+ * tensor). Asynchronous and allocation-free (pinned staging made at creation; the host waits
+ * only when several earlier calls are still queued on the device); pointers equal to the current
+ * ones enqueue nothing. Misaligned gradients are handled (scalar path). The pointers are not
+ * checked to be device memory: pass what emsa_device_table_create would accept. */
+EMSA_API emsa_status emsa_device_table_set_grads(emsa_device_table* table, const void* const* grads,
+                                                 size_t count, void* stream);
+
+/* ---- device arena and DLPack views ---------------------------------------------------------- */
+/* One zero-filled device allocation on CUDA device `device`, aligned to 2 MiB (emsa/
+ * device_arena.h). Views are exported as DLPack tensors (DLManagedTensor*, DLPack 0.x, passed as
+ * void*): contiguous, row-major, `dtype` (EMSA_DTYPE_*), starting `offset` bytes in. Each export
+ * keeps the arena's memory alive until its deleter runs, so destroy the handle whenever emsa is
+ * done with it: the memory is freed when the handle and every export are gone. A consumer (torch.
+ * from_dlpack on a PyCapsule named "dltensor") calls the deleter when it is done; an export never
+ * handed to one must be released with emsa_dlpack_delete, exactly once. */
+typedef struct emsa_device_arena emsa_device_arena;
+
+#define EMSA_DEVICE_ARENA_VMM 0         /* CUDA virtual memory */
+#define EMSA_DEVICE_ARENA_CUDA_MALLOC 1 /* cudaMalloc; fallback_reason says why */
+
+EMSA_API emsa_status emsa_device_arena_create(uint64_t bytes, int32_t device,
+                                              emsa_device_arena** arena_out);
+EMSA_API void emsa_device_arena_destroy(emsa_device_arena* arena);
+/* Any output may be NULL. *fallback_reason_out ("" for VMM) is freed with emsa_free. */
+EMSA_API emsa_status emsa_device_arena_info(const emsa_device_arena* arena, void** data_out,
+                                            uint64_t* bytes_out, int32_t* kind_out,
+                                            char** fallback_reason_out);
+EMSA_API emsa_status emsa_device_arena_export(const emsa_device_arena* arena, uint64_t offset,
+                                              const int64_t* shape, int32_t ndim, int32_t dtype,
+                                              void** dlmanaged_out);
+/* The same for a host arena; views are kDLCPU (pinned or not), which torch accepts. */
+EMSA_API emsa_status emsa_host_arena_export(const emsa_host_arena* arena, uint64_t offset,
+                                            const int64_t* shape, int32_t ndim, int32_t dtype,
+                                            void** dlmanaged_out);
+/* Runs an export's deleter (NULL: no-op). */
+EMSA_API void emsa_dlpack_delete(void* dlmanaged);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

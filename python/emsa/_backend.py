@@ -2,8 +2,9 @@
 
 A Backend is made once per optimizer, at planning time, from the plan and the parameters. It
 owns the state memory (arenas) and runs steps; the optimizer class owns torch's API (param
-groups, state_dict, closures). The CPU backend runs today; a CUDA backend (device arena, fused
-kernels on a side stream, host tier on the CPU pool) slots in by implementing the same methods.
+groups, state_dict, closures). Two exist: the CPU backend (host arenas, the SIMD worker pool)
+and the CUDA backend (a device arena, fused kernels on torch's current stream; the host tier
+for CUDA parameters is not built yet, so its plans keep all state on the device).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class StepResult:
     skipped: bool = False  # a non-finite gradient was found; nothing changed
     nonfinite_count: int = 0
     first_nonfinite: str = ""  # name of the first parameter with a non-finite gradient
+    call: int = 0  # which step() call (1-based), for a result known only after later calls
 
 
 class Backend:
@@ -27,8 +29,21 @@ class Backend:
     # Whether planning needs this machine's measured bandwidths (a device tier does; state that
     # all lives in host memory does not, and measuring would only cost time).
     wants_bandwidths = True
+    # Whether the plan may put state in the pinned host arena (tier L2).
+    host_tier = True
+    # Whether step()'s result is known only later (a GPU skips a step without telling the host
+    # at once): then step() returns StepResult() and finished_skips() reports skips as found.
+    deferred = False
     # Set by the optimizer before each step: scan gradients first, skip the step on inf/nan.
     check_finite = True
+
+    @staticmethod
+    def planning_profile(device: torch.device) -> str:
+        """The profile to plan with when neither the user nor the probe record gave one and
+        wants_bandwidths is False: this machine, without the timed measurements."""
+        from .plan import quick_profile_json
+
+        return quick_profile_json()
 
     def state(self, i: int) -> dict[str, torch.Tensor]:
         """Slot i's state as torch tensors aliasing the engine's memory, in torch.optim's keys
@@ -46,6 +61,21 @@ class Backend:
         take loaded master weights as current for the parameters as they are now."""
         raise NotImplementedError
 
+    def check_loadable_steps(self, steps: list[float]) -> None:
+        """Before load_state_dict changes anything: raises ValueError if this engine cannot
+        hold these per-slot step counts."""
+
+    def sync_state(self) -> None:
+        """Makes state() exact (step counts included) before state_dict() or a load."""
+
+    def finished_skips(self) -> list[StepResult]:
+        """Skipped steps found since the last call (deferred engines); each is reported once."""
+        return []
+
+    def last_step_skipped(self) -> bool:
+        """Whether the last step() was skipped (deferred engines; may wait for the device)."""
+        raise NotImplementedError
+
 
 def select(device: torch.device) -> type[Backend]:
     if device.type == "cpu":
@@ -53,12 +83,11 @@ def select(device: torch.device) -> type[Backend]:
 
         return CpuBackend
     if device.type == "cuda":
-        raise NotImplementedError(
-            "emsa: the CUDA device tier is not built yet; parameters on the GPU cannot be "
-            "optimized by this version. Use torch.optim.AdamW(fused=True) for now, or keep the "
-            "parameters on the CPU")
+        from ._cuda_backend import CudaBackend
+
+        return CudaBackend
     raise NotImplementedError(f"emsa: parameters on {device} are not supported; emsa runs on "
-                              "the CPU (and CUDA, when its device tier is built)")
+                              "the CPU and on CUDA devices")
 
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

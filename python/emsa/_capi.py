@@ -21,6 +21,7 @@ __all__ = [
     "PlanOptions",
     "DeviceTableOptions",
     "DeviceStepReport",
+    "DeviceStepHeader",
     "lib",
     "check",
     "take_string",
@@ -131,6 +132,26 @@ class DeviceStepReport(ctypes.Structure):
     ]
 
 
+class DeviceStepHeader(ctypes.Structure):
+    """emsa_device_step_header: the device's per-step header, byte for byte."""
+
+    _fields_ = [
+        ("grad_multiplier", ctypes.c_float),
+        ("found_inf", ctypes.c_int32),
+        ("grad_unscale", ctypes.c_float),
+        ("max_norm", ctypes.c_float),
+        ("seed", ctypes.c_uint64),
+        ("sum_sq", ctypes.c_double),
+        ("nonfinite_count", ctypes.c_int64),
+        ("grad_norm", ctypes.c_double),
+        ("clip_coef", ctypes.c_float),
+        ("reserved", ctypes.c_int32),
+    ]
+
+
+assert ctypes.sizeof(DeviceStepHeader) == 56, "emsa_device_step_header is 56 bytes"
+
+
 class PlanOptions(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
@@ -203,6 +224,23 @@ _TABLE = {
     "emsa_device_table_info": (
         _S, [_P, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int32),
              ctypes.POINTER(ctypes.c_uint64)]),
+    "emsa_device_scalars_set_hyper": (_S, [_P, ctypes.c_size_t, ctypes.POINTER(Hyperparams), _P]),
+    "emsa_device_scalars_read_steps": (
+        _S, [_P, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t, _P]),
+    "emsa_device_scalars_copy_header": (_S, [_P, _P, _P]),
+    "emsa_device_table_set_grads": (_S, [_P, ctypes.POINTER(_P), ctypes.c_size_t, _P]),
+    "emsa_device_arena_create": (_S, [ctypes.c_uint64, ctypes.c_int32, ctypes.POINTER(_P)]),
+    "emsa_device_arena_destroy": (None, [_P]),
+    "emsa_device_arena_info": (
+        _S, [_P, ctypes.POINTER(_P), ctypes.POINTER(ctypes.c_uint64),
+             ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(_P)]),
+    "emsa_device_arena_export": (
+        _S, [_P, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int64), ctypes.c_int32, ctypes.c_int32,
+             ctypes.POINTER(_P)]),
+    "emsa_host_arena_export": (
+        _S, [_P, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int64), ctypes.c_int32, ctypes.c_int32,
+             ctypes.POINTER(_P)]),
+    "emsa_dlpack_delete": (None, [_P]),
 }
 
 

@@ -18,7 +18,9 @@ options of emsa's own:
                    torch.optim applies such a step and the weights become NaN for good, a
                    loss that no speed-up repays. The check is one extra pass over every
                    gradient before the update; under a GradScaler, which finds inf/nan and
-                   skips those steps itself, pass False to save it.
+                   skips those steps itself, pass False to save it. On CUDA the GPU decides
+                   and step() does not wait for it: the warning comes at a later step() (or
+                   when last_step_skipped or state_dict() is read, which wait for the GPU).
   profile=         a DeviceProfile (dict, JSON text or path) to plan against instead of this
                    machine's; for planning ahead and for tests.
 
@@ -38,8 +40,7 @@ from torch.optim import Optimizer
 
 from . import _binding
 from ._backend import Backend, check_param, select
-from .plan import (STATE_DTYPES, Plan, make_plan, parse_bytes, profile_json, quick_profile_json,
-                   require_library)
+from .plan import STATE_DTYPES, Plan, make_plan, parse_bytes, profile_json, require_library
 from .probe_record import ProbeRecord
 
 __all__ = ["AdamW", "Adam", "Lion"]
@@ -71,7 +72,7 @@ class _EmsaOptimizer(Optimizer):
         self._state_dtype = state_dtype
         self._profile = profile_json(profile)
         self.skip_nonfinite = bool(skip_nonfinite)
-        self.last_step_skipped = False
+        self._last_skipped = False
         self._backend: Backend | None = None
         self._plan: Plan | None = None
         self._record: ProbeRecord | None = None
@@ -168,9 +169,9 @@ class _EmsaOptimizer(Optimizer):
             planned = _binding.match(slots, record)
         profile = self._profile
         if profile is None and planned.profile is None and not backend_cls.wants_bandwidths:
-            profile = quick_profile_json()
+            profile = backend_cls.planning_profile(slots[0].param.device)
         plan = make_plan(planned, profile, optimizer=self._kind, state_dtype=self._state_dtype,
-                         budget=self._budget)
+                         budget=self._budget, allow_host_tier=backend_cls.host_tier)
         backend = backend_cls(slots, plan, self._kind, self._state_dtype,
                               len(self.param_groups))
         for i, s in enumerate(slots):
@@ -190,20 +191,52 @@ class _EmsaOptimizer(Optimizer):
                 loss = closure()
         if self._backend is None:
             self._bind(None)
-        self._backend.check_finite = self.skip_nonfinite
-        result = self._backend.step(self.param_groups)
-        self.last_step_skipped = result.skipped
-        if result.skipped:
-            warnings.warn(
-                f"emsa: step skipped: {result.nonfinite_count} non-finite gradient elements "
-                f"(first in {result.first_nonfinite}); parameters, state and step counts are "
-                "unchanged. skip_nonfinite=False applies such steps as torch.optim does.",
-                RuntimeWarning, stacklevel=2)
+        backend = self._backend
+        backend.check_finite = self.skip_nonfinite
+        result = backend.step(self.param_groups)
+        if backend.deferred:
+            self._warn_skipped(backend.finished_skips(), stacklevel=3)
+        else:
+            self._last_skipped = result.skipped
+            if result.skipped:
+                self._warn_skipped([result], stacklevel=3)
         return loss
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """True when the last step() changed nothing because a gradient held inf/nan
+        (skip_nonfinite=True). On CUDA, reading it waits for that step to finish on the GPU:
+        step() itself never waits, so read it only when you need the answer."""
+        backend = self._backend
+        if backend is None or not backend.deferred:
+            return self._last_skipped
+        skipped = backend.last_step_skipped()
+        self._warn_skipped(backend.finished_skips(), stacklevel=3)
+        return skipped
+
+    def _warn_skipped(self, results, stacklevel: int) -> None:
+        for r in results:
+            where = f" (first in {r.first_nonfinite})" if r.first_nonfinite else ""
+            late = (f" Found after the fact: it was step() call {r.call}; the GPU skips a step "
+                    "without making step() wait." if r.call else "")
+            warnings.warn(
+                f"emsa: step skipped: {r.nonfinite_count} non-finite gradient elements{where}; "
+                "parameters, state and step counts are unchanged. skip_nonfinite=False applies "
+                f"such steps as torch.optim does.{late}", RuntimeWarning, stacklevel=stacklevel)
 
     # ---- state_dict -----------------------------------------------------------------------
     def _state_keys(self) -> set[str]:
         return {"step", "exp_avg"} if self._kind == "lion" else {"step", "exp_avg", "exp_avg_sq"}
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's layout; the state tensors are emsa's own (views into its arenas), as
+        torch's are its live tensors. On CUDA this waits for the GPU (step counts are read
+        back from it)."""
+        backend = self._backend
+        if backend is not None:
+            backend.sync_state()
+            self._warn_skipped(backend.finished_skips(), stacklevel=3)
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Accepts emsa's or torch.optim's state_dict (same layout) and copies it into emsa's
@@ -212,6 +245,10 @@ class _EmsaOptimizer(Optimizer):
             self._bind(None)
         slots = _binding.slots_of(self.param_groups)
         sources = self._check_state_dict(state_dict, slots)
+        self._backend.check_loadable_steps(
+            [float(sources.get(i, {}).get("step", 0)) for i in range(len(slots))])
+        self._backend.sync_state()
+        self._warn_skipped(self._backend.finished_skips(), stacklevel=3)
         # torch's loader takes the param groups (hyperparameters, hooks); the state is copied
         # here straight from the source, without torch's per-tensor cast copies.
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})

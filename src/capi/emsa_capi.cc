@@ -2,6 +2,7 @@
 //
 // Every entry point catches nothing because the core throws nothing; what can throw here is
 // std::bad_alloc from building strings, which we turn into EMSA_OUT_OF_MEMORY at the boundary.
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -11,18 +12,23 @@
 
 #include "emsa/cpu_update.h"
 #include "emsa/cuda_update.h"
+#include "emsa/device_arena.h"
 #include "emsa/emsa.h"
 #include "emsa/host_arena.h"
 #include "emsa/plan.h"
 #include "emsa/probe_record.h"
 #include "emsa/profile.h"
 #include "emsa/types.h"
+#include "memory/dlpack_export.h"
 
 struct emsa_plan {
   emsa::Plan plan;
 };
 struct emsa_host_arena {
-  std::unique_ptr<emsa::HostArena> arena;
+  std::shared_ptr<emsa::HostArena> arena;  // shared with the DLPack exports of its views
+};
+struct emsa_device_arena {
+  std::shared_ptr<emsa::DeviceArena> arena;
 };
 struct emsa_cpu_updater {
   std::unique_ptr<emsa::CpuUpdater> updater;
@@ -33,6 +39,24 @@ struct emsa_device_scalars {
 struct emsa_device_table {
   std::unique_ptr<emsa::DeviceUpdateTable> table;
 };
+
+// The C header mirrors the device layout byte for byte.
+static_assert(sizeof(emsa_device_step_header) == sizeof(emsa::DeviceStepHeader),
+              "emsa_device_step_header must mirror emsa::DeviceStepHeader");
+#define EMSA_SAME_OFFSET(field)                                                            \
+  static_assert(                                                                           \
+      offsetof(emsa_device_step_header, field) == offsetof(emsa::DeviceStepHeader, field), \
+      "emsa_device_step_header." #field " must sit where the device has it")
+EMSA_SAME_OFFSET(grad_multiplier);
+EMSA_SAME_OFFSET(found_inf);
+EMSA_SAME_OFFSET(grad_unscale);
+EMSA_SAME_OFFSET(max_norm);
+EMSA_SAME_OFFSET(seed);
+EMSA_SAME_OFFSET(sum_sq);
+EMSA_SAME_OFFSET(nonfinite_count);
+EMSA_SAME_OFFSET(grad_norm);
+EMSA_SAME_OFFSET(clip_coef);
+#undef EMSA_SAME_OFFSET
 
 namespace {
 
@@ -182,6 +206,27 @@ emsa::Status ForEachChunk(const emsa_tensor_update* tensors, size_t count, Fn&& 
   return emsa::Status::Ok();
 }
 
+// Shape and dtype of a DLPack export from the C arguments.
+emsa::Status ExportArgs(const int64_t* shape, int32_t ndim, int32_t dtype,
+                        std::vector<int64_t>* dims, emsa::DType* type) {
+  if (ndim < 0) {
+    return emsa::Status::InvalidArgument("ndim is " + std::to_string(ndim) + "; it must be >= 0");
+  }
+  if (ndim > 0 && shape == nullptr) {
+    return emsa::Status::InvalidArgument("shape is NULL but ndim is " + std::to_string(ndim));
+  }
+  EMSA_ASSIGN_OR_RETURN(*type, ToDType(dtype, "dtype"));
+  dims->assign(shape, shape + ndim);
+  return emsa::Status::Ok();
+}
+
+// Hands a finished export to the caller.
+emsa_status ReturnExport(emsa::Result<DLManagedTensor*> exported, void** dlmanaged_out) {
+  if (!exported.ok()) return Report(exported.status());
+  *dlmanaged_out = *exported;
+  return Report(emsa::Status::Ok());
+}
+
 }  // namespace
 
 extern "C" {
@@ -329,6 +374,21 @@ emsa_status emsa_host_arena_create(uint64_t bytes, int32_t want_pinned,
 }
 
 void emsa_host_arena_destroy(emsa_host_arena* arena) { delete arena; }
+
+emsa_status emsa_host_arena_export(const emsa_host_arena* arena, uint64_t offset,
+                                   const int64_t* shape, int32_t ndim, int32_t dtype,
+                                   void** dlmanaged_out) {
+  return Guard([&] {
+    if (arena == nullptr || dlmanaged_out == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "arena and dlmanaged_out must not be NULL");
+    }
+    std::vector<int64_t> dims;
+    emsa::DType type;
+    emsa::Status st = ExportArgs(shape, ndim, dtype, &dims, &type);
+    if (!st.ok()) return Report(st);
+    return ReturnExport(emsa::ExportView(arena->arena, offset, dims, type), dlmanaged_out);
+  });
+}
 
 emsa_status emsa_host_arena_info(const emsa_host_arena* arena, void** data_out, uint64_t* bytes_out,
                                  int32_t* pinned_out) {
@@ -637,6 +697,118 @@ emsa_status emsa_device_table_create(const emsa_tensor_update* tensors, const in
 }
 
 void emsa_device_table_destroy(emsa_device_table* table) { delete table; }
+
+emsa_status emsa_device_scalars_set_hyper(emsa_device_scalars* scalars, size_t group,
+                                          const emsa_hyperparams* hyper, void* stream) {
+  return Guard([&] {
+    if (scalars == nullptr || hyper == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "scalars and hyper must not be NULL");
+    }
+    emsa::HyperParams h;
+    emsa::Status st = ToHyper(hyper, "hyper", &h);
+    if (!st.ok()) return Report(st);
+    return Report(scalars->scalars->SetGroupHyper(group, h, static_cast<cudaStream_t>(stream)));
+  });
+}
+
+emsa_status emsa_device_scalars_read_steps(const emsa_device_scalars* scalars, int64_t* steps_out,
+                                           size_t count, void* stream) {
+  return Guard([&] {
+    if (scalars == nullptr || steps_out == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "scalars and steps_out must not be NULL");
+    }
+    const size_t groups = scalars->scalars->group_count();
+    if (count != groups) {
+      return Fail(EMSA_INVALID_ARGUMENT, "count is " + std::to_string(count) +
+                                             " but the scalars hold " + std::to_string(groups) +
+                                             " groups");
+    }
+    emsa::DeviceStepHeader header;
+    std::vector<emsa::DeviceGroupScalars> records(groups);
+    emsa::Status st =
+        scalars->scalars->Read(&header, records.data(), static_cast<cudaStream_t>(stream));
+    if (!st.ok()) return Report(st);
+    for (size_t i = 0; i < groups; ++i) steps_out[i] = records[i].step;
+    return Report(emsa::Status::Ok());
+  });
+}
+
+emsa_status emsa_device_scalars_copy_header(const emsa_device_scalars* scalars,
+                                            emsa_device_step_header* dst, void* stream) {
+  return Guard([&] {
+    if (scalars == nullptr || dst == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "scalars and dst must not be NULL");
+    }
+    return Report(scalars->scalars->CopyHeader(reinterpret_cast<emsa::DeviceStepHeader*>(dst),
+                                               static_cast<cudaStream_t>(stream)));
+  });
+}
+
+emsa_status emsa_device_table_set_grads(emsa_device_table* table, const void* const* grads,
+                                        size_t count, void* stream) {
+  return Guard([&] {
+    if (table == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "table is NULL");
+    return Report(table->table->SetGradPointers(grads, count, static_cast<cudaStream_t>(stream)));
+  });
+}
+
+// ---- device arena
+// --------------------------------------------------------------------------------
+
+emsa_status emsa_device_arena_create(uint64_t bytes, int32_t device,
+                                     emsa_device_arena** arena_out) {
+  return Guard([&] {
+    if (arena_out == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "arena_out is NULL");
+    auto arena = emsa::DeviceArena::Create(bytes, device);
+    if (!arena.ok()) return Report(arena.status());
+    *arena_out = new emsa_device_arena{std::move(arena).value()};
+    return Report(emsa::Status::Ok());
+  });
+}
+
+void emsa_device_arena_destroy(emsa_device_arena* arena) { delete arena; }
+
+emsa_status emsa_device_arena_info(const emsa_device_arena* arena, void** data_out,
+                                   uint64_t* bytes_out, int32_t* kind_out,
+                                   char** fallback_reason_out) {
+  return Guard([&] {
+    if (arena == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "arena is NULL");
+    const emsa::DeviceArena& a = *arena->arena;
+    char* reason = nullptr;
+    if (fallback_reason_out != nullptr) {
+      reason = CopyString(a.fallback_reason());
+      if (reason == nullptr) return Fail(EMSA_OUT_OF_MEMORY, "cannot allocate the reason");
+      *fallback_reason_out = reason;
+    }
+    if (data_out != nullptr) *data_out = a.data();
+    if (bytes_out != nullptr) *bytes_out = a.size();
+    if (kind_out != nullptr) {
+      *kind_out = a.kind() == emsa::DeviceArena::Kind::kVmm ? EMSA_DEVICE_ARENA_VMM
+                                                            : EMSA_DEVICE_ARENA_CUDA_MALLOC;
+    }
+    return Report(emsa::Status::Ok());
+  });
+}
+
+emsa_status emsa_device_arena_export(const emsa_device_arena* arena, uint64_t offset,
+                                     const int64_t* shape, int32_t ndim, int32_t dtype,
+                                     void** dlmanaged_out) {
+  return Guard([&] {
+    if (arena == nullptr || dlmanaged_out == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "arena and dlmanaged_out must not be NULL");
+    }
+    std::vector<int64_t> dims;
+    emsa::DType type;
+    emsa::Status st = ExportArgs(shape, ndim, dtype, &dims, &type);
+    if (!st.ok()) return Report(st);
+    return ReturnExport(emsa::ExportView(arena->arena, offset, dims, type), dlmanaged_out);
+  });
+}
+
+void emsa_dlpack_delete(void* dlmanaged) {
+  auto* managed = static_cast<DLManagedTensor*>(dlmanaged);
+  if (managed != nullptr && managed->deleter != nullptr) managed->deleter(managed);
+}
 
 emsa_status emsa_device_table_info(const emsa_device_table* table, int64_t* numel_out,
                                    int32_t* launches_out, uint64_t* bytes_out) {

@@ -5,6 +5,8 @@
 #include <string.h>
 
 #include "emsa/emsa.h"
+/* The DLPack structs as emsa declares them (plain C, from the spec). */
+#include "../../src/memory/dlpack.h"
 
 static int g_failed = 0;
 static int g_passed = 0;
@@ -237,10 +239,94 @@ static void test_plan_and_arena(void) {
   free(profile);
 }
 
+/* Arena views as DLPack tensors: the fields a consumer reads, and the memory kept alive by an
+ * export after emsa's handle is gone (ASan reports the accesses below if it is not). */
+static void test_dlpack_exports(void) {
+  emsa_host_arena* arena = NULL;
+  CHECK(emsa_host_arena_create(4096, 0, &arena) == EMSA_OK);
+  if (arena == NULL) return;
+  void* data = NULL;
+  CHECK(emsa_host_arena_info(arena, &data, NULL, NULL) == EMSA_OK);
+  const int64_t shape[2] = {3, 5};
+  void* out = NULL;
+  CHECK(emsa_host_arena_export(arena, 256, shape, 2, EMSA_DTYPE_FLOAT32, &out) == EMSA_OK);
+  DLManagedTensor* m = (DLManagedTensor*)out;
+  CHECK(m != NULL);
+  if (m == NULL) return;
+  const DLTensor* t = &m->dl_tensor;
+  CHECK(t->data == (char*)data + 256);
+  CHECK(t->device.device_type == kDLCPU && t->device.device_id == 0);
+  CHECK(t->ndim == 2 && t->shape[0] == 3 && t->shape[1] == 5);
+  CHECK(t->strides[0] == 5 && t->strides[1] == 1);
+  CHECK(t->dtype.code == kDLFloat && t->dtype.bits == 32 && t->dtype.lanes == 1);
+  CHECK(t->byte_offset == 0 && m->deleter != NULL);
+  void* half = NULL;
+  CHECK(emsa_host_arena_export(arena, 0, shape, 1, EMSA_DTYPE_BFLOAT16, &half) == EMSA_OK);
+  if (half != NULL) {
+    const DLTensor* h = &((DLManagedTensor*)half)->dl_tensor;
+    CHECK(h->dtype.code == kDLBfloat && h->dtype.bits == 16 && h->ndim == 1 && h->shape[0] == 3);
+  }
+  emsa_dlpack_delete(half);
+
+  float* f = (float*)t->data;
+  f[14] = 2.5f;
+  emsa_host_arena_destroy(arena); /* emsa lets go; the export still holds the memory */
+  CHECK(f[14] == 2.5f);
+  f[0] = 1.0f;
+  emsa_dlpack_delete(out); /* the last holder: the memory is freed now */
+  emsa_dlpack_delete(NULL);
+
+  /* Bad views are refused and leave the output alone. */
+  CHECK(emsa_host_arena_create(4096, 0, &arena) == EMSA_OK);
+  void* untouched = (void*)&g_passed;
+  out = untouched;
+  CHECK(emsa_host_arena_export(arena, 4096 - 8, shape, 2, EMSA_DTYPE_FLOAT32, &out) ==
+        EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "bytes there") != NULL);
+  CHECK(emsa_host_arena_export(arena, 2, shape, 2, EMSA_DTYPE_FLOAT32, &out) ==
+        EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_host_arena_export(arena, 0, NULL, 2, EMSA_DTYPE_FLOAT32, &out) ==
+        EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_host_arena_export(arena, 0, shape, -1, EMSA_DTYPE_FLOAT32, &out) ==
+        EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_host_arena_export(arena, 0, shape, 2, 7, &out) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_host_arena_export(NULL, 0, shape, 2, EMSA_DTYPE_FLOAT32, &out) ==
+        EMSA_INVALID_ARGUMENT);
+  CHECK(out == untouched);
+  emsa_host_arena_destroy(arena);
+
+  /* The device arena: a GPU gives a view of kDLCUDA memory; no GPU is EMSA_UNSUPPORTED. */
+  emsa_device_arena* dev = NULL;
+  const emsa_status st = emsa_device_arena_create(1u << 20, 0, &dev);
+  if (st == EMSA_OK) {
+    int32_t kind = -1;
+    char* reason = NULL;
+    uint64_t bytes = 0;
+    CHECK(emsa_device_arena_info(dev, NULL, &bytes, &kind, &reason) == EMSA_OK);
+    CHECK(bytes == 1u << 20 && reason != NULL);
+    CHECK(kind == EMSA_DEVICE_ARENA_VMM || kind == EMSA_DEVICE_ARENA_CUDA_MALLOC);
+    emsa_free(reason);
+    out = NULL;
+    CHECK(emsa_device_arena_export(dev, 512, shape, 2, EMSA_DTYPE_FLOAT16, &out) == EMSA_OK);
+    if (out != NULL) {
+      CHECK(((DLManagedTensor*)out)->dl_tensor.device.device_type == kDLCUDA);
+    }
+    emsa_device_arena_destroy(dev);
+    emsa_dlpack_delete(out);
+  } else {
+    CHECK(st == EMSA_UNSUPPORTED && dev == NULL);
+  }
+  CHECK(emsa_device_table_set_grads(NULL, NULL, 0, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_device_scalars_copy_header(NULL, NULL, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_device_scalars_read_steps(NULL, NULL, 0, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_device_scalars_set_hyper(NULL, 0, NULL, NULL) == EMSA_INVALID_ARGUMENT);
+}
+
 int main(void) {
   test_library();
   test_cpu_step();
   test_plan_and_arena();
+  test_dlpack_exports();
   printf("capi_test: %d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

@@ -1,7 +1,8 @@
 // Tests for include/emsa/cuda_update.h and src/kernels/cuda: every optimizer x dtype combination
 // against the CPU kernels (bitwise) and a float64 reference; odd tensor counts and sizes,
 // misaligned tensors, several param groups; a bucket over 2^31 elements; bitwise repeatability;
-// the found_inf skip; global norm and clipping; a captured CUDA graph; validation.
+// the found_inf skip; global norm and clipping; a captured CUDA graph; gradients moved by
+// SetGradPointers; validation.
 //
 // Validation and the host run of the device arithmetic (CudaUpdateMath) run everywhere; the
 // rest skip cleanly without a CUDA device. CudaUpdate.Small* are quick enough for
@@ -916,6 +917,117 @@ TEST(CudaUpdate, SmallGlobalNormAndClipping) {
   ASSERT_OK(s.Read(&header, nullptr, stream.s));
   EXPECT_EQ(header.clip_coef, 1.0f);
   EXPECT_EQ(header.grad_multiplier, 0.25f);
+}
+
+// Sum of squares of every gradient, as the device accumulates it (double).
+double GradSumSq(const Case& c, const std::vector<Tensor>& tensors) {
+  double sum = 0.0;
+  for (const Tensor& t : tensors) {
+    for (int64_t i = 0; i < t.numel; ++i) {
+      const double g = ToFloat(c.grad, t.grad, i);
+      sum += g * g;
+    }
+  }
+  return sum;
+}
+
+// Gradients at new addresses each step, as torch allocates them: the table follows
+// SetGradPointers (the update and the gradient statistics), a gradient off a 16-byte boundary
+// switches its tensor to the scalar path and back, a ring's worth of calls queued without a
+// sync leaves the last pointers in place, and a rejected call changes nothing.
+TEST(CudaUpdate, SmallSetGradPointersFollowsNewGradients) {
+  SKIP_WITHOUT_DEVICE();
+  const Case c{OptimizerKind::kAdamW, DType::kFloat32, DType::kFloat32,
+               DType::kFloat32,       false,           Rounding::kNearest};
+  const int64_t sizes[] = {4097, 70001, 0, 33};
+  Rng rng(606);
+  std::vector<Tensor> host;
+  for (int64_t n : sizes) host.push_back(MakeTensor(c, n, false, 0, rng));
+  DeviceTensors mem;
+  std::vector<TensorUpdate> dev;
+  for (const Tensor& t : host) dev.push_back(mem.Upload(c, t));
+  // A second gradient for every tensor, elsewhere; tensor 1's one element off 16 bytes.
+  std::vector<Tensor> other_host;
+  std::vector<const void*> grads_a, grads_b;
+  for (size_t i = 0; i < host.size(); ++i) {
+    other_host.push_back(MakeTensor(c, sizes[i], i == 1, 0, rng));
+    grads_a.push_back(dev[i].grad);
+    grads_b.push_back(sizes[i] == 0 ? nullptr : mem.Upload(c, other_host.back()).grad);
+  }
+  ASSERT_TRUE(mem.ok());
+  ASSERT_NE(reinterpret_cast<uintptr_t>(grads_b[1]) % 16, 0u) << "the test needs a misaligned grad";
+  const std::vector<Tensor> original = host;
+  const auto with_grads = [&](std::vector<Tensor> state, const std::vector<Tensor>& from) {
+    for (size_t i = 0; i < state.size(); ++i) state[i].grad = from[i].grad;
+    return state;
+  };
+
+  HyperParams h = GroupHyper(0, c.optimizer);
+  auto scalars = DeviceScalars::Create(&h, 1);
+  ASSERT_TRUE(scalars.ok()) << scalars.status().ToString();
+  DeviceTableOptions o;
+  o.rounding = c.rounding;
+  auto made = DeviceUpdateTable::Create(dev.data(), nullptr, dev.size(), o);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  DeviceUpdateTable& table = **made;
+  DeviceScalars& s = **scalars;
+  Stream stream;
+  // One checked step; returns the sum of squares the device saw.
+  const auto step = [&]() {
+    DeviceStepHeader header;
+    EXPECT_TRUE(s.BeginStep(stream.s).ok());
+    EXPECT_TRUE(table.AccumulateGradStats(s, stream.s).ok());
+    EXPECT_TRUE(s.FinishGradStats(stream.s).ok());
+    EXPECT_TRUE(s.AdvanceSteps(stream.s).ok());
+    EXPECT_TRUE(table.Update(s, stream.s).ok());
+    EXPECT_TRUE(s.Read(&header, nullptr, stream.s).ok());
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+    EXPECT_EQ(header.found_inf, 0);
+    return header.sum_sq;
+  };
+  // Every stream as the device holds it now; the gradients are read from Create's pointers.
+  const auto state_now = [&]() { return DownloadAll(original, dev); };
+
+  // Step 1 on the second gradients (one misaligned).
+  ASSERT_OK(table.SetGradPointers(grads_b.data(), grads_b.size(), stream.s));
+  double sum_sq = step();
+  std::vector<Tensor> want = CpuStep(c, with_grads(original, other_host), {h}, {1}, 1.0f, 0);
+  EXPECT_NEAR(sum_sq, GradSumSq(c, other_host), 1e-12 * GradSumSq(c, other_host))
+      << "the gradient statistics did not read the new gradients";
+  std::vector<Tensor> got = state_now();
+  for (size_t i = 0; i < got.size(); ++i) got[i].grad = want[i].grad;  // not Create's grads
+  ExpectBitwise("step 1 on the second gradients", c, got, want);
+
+  // Rejected calls change nothing: the next step still reads the second gradients.
+  std::vector<const void*> bad = grads_b;
+  ExpectError(table.SetGradPointers(bad.data(), bad.size() - 1, stream.s),
+              StatusCode::kInvalidArgument, "count is 3 but the table holds 4");
+  bad[0] = nullptr;
+  ExpectError(table.SetGradPointers(bad.data(), bad.size(), stream.s), StatusCode::kInvalidArgument,
+              "grads[0] is null");
+  bad = grads_b;
+  bad[3] = static_cast<const char*>(grads_a[3]) + 2;
+  ExpectError(table.SetGradPointers(bad.data(), bad.size(), stream.s), StatusCode::kInvalidArgument,
+              "grads[3] is not aligned to its 4-byte elements");
+  ExpectError(table.SetGradPointers(nullptr, bad.size(), stream.s), StatusCode::kInvalidArgument,
+              "grads is null");
+  ASSERT_OK(table.SetGradPointers(grads_b.data(), grads_b.size(), stream.s));  // unchanged: no-op
+  sum_sq = step();
+  want = CpuStep(c, want, {h}, {2}, 1.0f, 0);
+  got = state_now();
+  for (size_t i = 0; i < got.size(); ++i) got[i].grad = want[i].grad;
+  ExpectBitwise("step 2 after rejected calls", c, got, want);
+
+  // More calls than staging slots, queued without a sync, alternating; the last one (the first
+  // gradients, all aligned: vector path again) must win.
+  for (int k = 0; k < 3 * DeviceUpdateTable::kGradStagingSlots + 1; ++k) {
+    const std::vector<const void*>& g = k % 2 == 0 ? grads_a : grads_b;
+    ASSERT_OK(table.SetGradPointers(g.data(), g.size(), stream.s));
+  }
+  sum_sq = step();
+  EXPECT_NEAR(sum_sq, GradSumSq(c, original), 1e-12 * GradSumSq(c, original));
+  want = CpuStep(c, with_grads(want, original), {h}, {3}, 1.0f, 0);
+  ExpectBitwise("step 3 back on the first gradients", c, state_now(), want);
 }
 
 // A whole step captured once, replayed with a new lr each time through pinned memory.

@@ -40,6 +40,25 @@ constexpr int VariantIndex(Variant v) {
 constexpr uint32_t kTensorVector = 1u;      // every stream 16-byte aligned: vector path
 constexpr uint32_t kTensorGradVector = 2u;  // the grad 16-byte aligned (grad statistics)
 
+#if defined(__CUDACC__)
+#define EMSA_TABLE_HD __host__ __device__ inline
+#else
+#define EMSA_TABLE_HD inline
+#endif
+
+EMSA_TABLE_HD bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// A tensor's flags from its streams (null counts as aligned: an absent stream). One definition
+// for Create (host) and SetGradPointers (device), so a new gradient gets the flags Create would
+// have given it.
+EMSA_TABLE_HD uint16_t TensorFlags(const void* param, const void* grad, const void* exp_avg,
+                                   const void* exp_avg_sq, const void* master) {
+  const bool vector = Aligned16(param) && Aligned16(grad) && Aligned16(exp_avg) &&
+                      Aligned16(exp_avg_sq) && Aligned16(master);
+  return static_cast<uint16_t>((vector ? kTensorVector : 0u) |
+                               (Aligned16(grad) ? kTensorGradVector : 0u));
+}
+
 struct alignas(16) DeviceTensor {
   void* param;
   const void* grad;
@@ -106,7 +125,13 @@ struct GradStatsLaunch {
 Result<int> GradStatsBlocksPerSm();
 Status LaunchGradStats(const GradStatsLaunch& launch, cudaStream_t stream);
 
+// Writes grads[i] into tensors[i].grad and re-derives tensors[i].flags (TensorFlags), i < count.
+Status LaunchSetGrads(DeviceTensor* tensors, const void* const* grads, int64_t count,
+                      cudaStream_t stream);
+
 // The small kernels behind DeviceScalars.
+Status LaunchSetGroupHyper(DeviceGroupScalars* groups, int64_t index,
+                           const DeviceGroupScalars& value, cudaStream_t stream);
 Status LaunchSetGroup(DeviceGroupScalars* groups, int64_t index, const DeviceGroupScalars& value,
                       cudaStream_t stream);
 Status LaunchSetInputs(DeviceStepHeader* header, float grad_unscale, float max_norm, uint64_t seed,

@@ -306,8 +306,6 @@ ParamKind KindOf(const TensorUpdate& t) {
   }
 }
 
-bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 uint64_t BytesPerElement(const TensorUpdate& t, OptimizerKind optimizer) {
   const uint64_t state = DTypeSize(t.state_dtype) * (optimizer == OptimizerKind::kLion ? 2 : 4);
   const uint64_t grad = DTypeSize(t.grad_dtype);
@@ -317,6 +315,16 @@ uint64_t BytesPerElement(const TensorUpdate& t, OptimizerKind optimizer) {
 }
 
 size_t RoundUp(size_t x, size_t to) { return (x + to - 1) / to * to; }
+
+Status CheckGroupIndex(size_t group, size_t group_count) {
+  if (group >= group_count) {
+    return Status::InvalidArgument("group " + std::to_string(group) + " is out of range; there " +
+                                   "are " + std::to_string(group_count) + " groups");
+  }
+  return Status::Ok();
+}
+
+constexpr int kGradSlots = DeviceUpdateTable::kGradStagingSlots;
 
 }  // namespace
 
@@ -356,10 +364,7 @@ DeviceScalars::~DeviceScalars() {
 
 Status DeviceScalars::SetGroup(size_t group, const HyperParams& hyper, int64_t step,
                                cudaStream_t stream) {
-  if (group >= group_count_) {
-    return Status::InvalidArgument("group " + std::to_string(group) + " is out of range; there " +
-                                   "are " + std::to_string(group_count_) + " groups");
-  }
+  EMSA_RETURN_IF_ERROR(CheckGroupIndex(group, group_count_));
   EMSA_RETURN_IF_ERROR(ValidateHyper("hyper", hyper));
   if (step < 0) {
     return Status::InvalidArgument("step is " + std::to_string(step) +
@@ -367,6 +372,22 @@ Status DeviceScalars::SetGroup(size_t group, const HyperParams& hyper, int64_t s
   }
   EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::SetGroup"));
   return cuda::LaunchSetGroup(groups_, static_cast<int64_t>(group), ToDevice(hyper, step), stream);
+}
+
+Status DeviceScalars::SetGroupHyper(size_t group, const HyperParams& hyper, cudaStream_t stream) {
+  EMSA_RETURN_IF_ERROR(CheckGroupIndex(group, group_count_));
+  EMSA_RETURN_IF_ERROR(ValidateHyper("hyper", hyper));
+  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::SetGroupHyper"));
+  return cuda::LaunchSetGroupHyper(groups_, static_cast<int64_t>(group), ToDevice(hyper, 0),
+                                   stream);
+}
+
+Status DeviceScalars::CopyHeader(DeviceStepHeader* dst, cudaStream_t stream) const {
+  if (dst == nullptr) return Status::InvalidArgument("DeviceScalars::CopyHeader: dst is null");
+  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::CopyHeader"));
+  EMSA_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dst, header_, sizeof(DeviceStepHeader), cudaMemcpyDefault, stream));
+  return Status::Ok();
 }
 
 Status DeviceScalars::SetInputs(float grad_unscale, float max_norm, uint64_t seed,
@@ -441,15 +462,30 @@ struct DeviceUpdateTable::Impl {
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
   ~Impl() {
+    for (cudaEvent_t e : slot_done) {
+      if (e != nullptr) (void)cudaEventDestroy(e);
+    }
+    if (pinned != nullptr) (void)cudaFreeHost(pinned);
     if (memory != nullptr) (void)cudaFree(memory);
   }
-  void* memory = nullptr;  // one allocation: tensors | chunks | partials | stats
+  void* memory = nullptr;  // one allocation: tensors | chunks | partials | stats | staged
   cuda::DeviceTensor* tensors = nullptr;
   cuda::DeviceChunk* chunks = nullptr;
   cuda::GradPartial* partials = nullptr;
   cuda::GradTableStats* stats = nullptr;
   std::vector<Launch> launches;
   int stats_grid = 0;
+
+  // SetGradPointers: kGradSlots slots of tensor-count pointers in pinned host memory and their
+  // device twins (in `memory`); a slot is reused once its event says the copy and the scatter
+  // that read it are done.
+  const void** pinned = nullptr;
+  const void** staged = nullptr;
+  cudaEvent_t slot_done[kGradSlots] = {};
+  uint64_t grad_calls = 0;
+  std::vector<const void*> grads;  // what the table points at, as of the last enqueued call
+  std::vector<int64_t> numels;
+  std::vector<uint32_t> grad_sizes;  // bytes per gradient element
 };
 
 Result<std::unique_ptr<DeviceUpdateTable>> DeviceUpdateTable::Create(
@@ -491,10 +527,7 @@ Result<std::unique_ptr<DeviceUpdateTable>> DeviceUpdateTable::Create(
     d.master = t.master;
     d.numel = t.numel;
     d.group = groups != nullptr ? groups[i] : 0;
-    const bool vector = Aligned16(t.param) && Aligned16(t.grad) && Aligned16(t.exp_avg) &&
-                        (lion || Aligned16(t.exp_avg_sq)) && Aligned16(t.master);
-    d.flags = static_cast<uint16_t>((vector ? cuda::kTensorVector : 0u) |
-                                    (Aligned16(t.grad) ? cuda::kTensorGradVector : 0u));
+    d.flags = cuda::TensorFlags(d.param, d.grad, d.exp_avg, d.exp_avg_sq, d.master);
     d.grad_dtype = static_cast<uint16_t>(t.grad_dtype);
     variant_of[i] = cuda::VariantIndex(
         {KindOf(t), t.grad_dtype == DType::kFloat32, t.state_dtype == DType::kBFloat16});
@@ -529,13 +562,15 @@ Result<std::unique_ptr<DeviceUpdateTable>> DeviceUpdateTable::Create(
   impl.stats_grid = static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>(chunk_total, static_cast<int64_t>(stats_per_sm) * sms)));
 
-  // One allocation: tensors | chunks | partials | stats, each 256-byte aligned.
+  // One allocation: tensors | chunks | partials | stats | staged, each 256-byte aligned.
   const size_t tensors_bytes = RoundUp(count * sizeof(cuda::DeviceTensor), 256);
   const size_t chunks_bytes = RoundUp(dev_chunks.size() * sizeof(cuda::DeviceChunk), 256);
   const size_t partials_bytes =
       RoundUp(static_cast<size_t>(impl.stats_grid) * sizeof(cuda::GradPartial), 256);
   const size_t stats_bytes = RoundUp(sizeof(cuda::GradTableStats), 256);
-  const size_t alloc = tensors_bytes + chunks_bytes + partials_bytes + stats_bytes;
+  const size_t slots_bytes = kGradSlots * count * sizeof(void*);
+  const size_t alloc =
+      tensors_bytes + chunks_bytes + partials_bytes + stats_bytes + RoundUp(slots_bytes, 256);
   DeviceMemory mem;
   EMSA_RETURN_IF_ERROR(Allocate(&mem, alloc, "DeviceUpdateTable::Create"));
   impl.memory = mem.release();
@@ -545,6 +580,30 @@ Result<std::unique_ptr<DeviceUpdateTable>> DeviceUpdateTable::Create(
   impl.partials = reinterpret_cast<cuda::GradPartial*>(base + tensors_bytes + chunks_bytes);
   impl.stats =
       reinterpret_cast<cuda::GradTableStats*>(base + tensors_bytes + chunks_bytes + partials_bytes);
+  impl.staged = reinterpret_cast<const void**>(base + tensors_bytes + chunks_bytes +
+                                               partials_bytes + stats_bytes);
+  if (count > 0) {
+    void* pinned = nullptr;
+    const cudaError_t err = cudaHostAlloc(&pinned, slots_bytes, cudaHostAllocDefault);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return Status::OutOfMemory(
+          "DeviceUpdateTable::Create: cudaHostAlloc of " + std::to_string(slots_bytes) +
+          " bytes of pinned staging for SetGradPointers failed (" + cudaGetErrorName(err) + ")");
+    }
+    impl.pinned = static_cast<const void**>(pinned);
+    for (cudaEvent_t& e : impl.slot_done) {
+      EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
+  }
+  impl.grads.resize(count);
+  impl.numels.resize(count);
+  impl.grad_sizes.resize(count);
+  for (size_t i = 0; i < count; ++i) {
+    impl.grads[i] = tensors[i].grad;
+    impl.numels[i] = tensors[i].numel;
+    impl.grad_sizes[i] = static_cast<uint32_t>(DTypeSize(tensors[i].grad_dtype));
+  }
   const char* what = "DeviceUpdateTable::Create: upload";
   EMSA_RETURN_IF_ERROR(
       Upload(impl.tensors, dev_tensors.data(), count * sizeof(cuda::DeviceTensor), what));
@@ -612,6 +671,52 @@ Status DeviceUpdateTable::AccumulateGradStats(DeviceScalars& scalars, cudaStream
   return cuda::LaunchGradStats(launch, stream);
 }
 
+Status DeviceUpdateTable::SetGradPointers(const void* const* grads, size_t count,
+                                          cudaStream_t stream) {
+  if (count != tensor_count_) {
+    return Status::InvalidArgument("SetGradPointers: count is " + std::to_string(count) +
+                                   " but the table holds " + std::to_string(tensor_count_) +
+                                   " tensors; pass one gradient per tensor, in Create's order");
+  }
+  if (count == 0) return Status::Ok();
+  if (grads == nullptr) return Status::InvalidArgument("SetGradPointers: grads is null");
+  Impl& impl = *impl_;
+  bool changed = false;
+  for (size_t i = 0; i < count; ++i) {
+    const void* g = grads[i];
+    if (g == nullptr && impl.numels[i] > 0) {
+      return Status::InvalidArgument("SetGradPointers: grads[" + std::to_string(i) +
+                                     "] is null but tensors[" + std::to_string(i) + "] has " +
+                                     std::to_string(impl.numels[i]) +
+                                     " elements; pass its gradient");
+    }
+    if (reinterpret_cast<uintptr_t>(g) % impl.grad_sizes[i] != 0) {
+      return Status::InvalidArgument(
+          "SetGradPointers: grads[" + std::to_string(i) + "] is not aligned to its " +
+          std::to_string(impl.grad_sizes[i]) +
+          "-byte elements; pass the address of the gradient's first element");
+    }
+    changed = changed || g != impl.grads[i];
+  }
+  if (!changed) return Status::Ok();
+  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceUpdateTable::SetGradPointers"));
+  const size_t slot = static_cast<size_t>(impl.grad_calls % kGradSlots);
+  // The slot's last copy and scatter must be done before the host overwrites it: normally long
+  // ago, unless the host runs kGradSlots calls ahead of the device.
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(impl.slot_done[slot]));
+  const void** host = impl.pinned + slot * count;
+  const void** dev = impl.staged + slot * count;
+  std::memcpy(host, grads, count * sizeof(void*));
+  EMSA_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dev, host, count * sizeof(void*), cudaMemcpyHostToDevice, stream));
+  EMSA_RETURN_IF_ERROR(
+      cuda::LaunchSetGrads(impl.tensors, dev, static_cast<int64_t>(count), stream));
+  ++impl.grad_calls;
+  std::copy(grads, grads + count, impl.grads.begin());
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(impl.slot_done[slot], stream));
+  return Status::Ok();
+}
+
 Status DeviceUpdateTable::ReadStats(DeviceTableStats* stats, cudaStream_t stream) const {
   if (stats == nullptr) return Status::InvalidArgument("ReadStats: stats is null");
   EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceUpdateTable::ReadStats"));
@@ -649,6 +754,12 @@ DeviceScalars::~DeviceScalars() = default;
 Status DeviceScalars::SetGroup(size_t, const HyperParams&, int64_t, cudaStream_t) {
   return NoCuda("DeviceScalars::SetGroup");
 }
+Status DeviceScalars::SetGroupHyper(size_t, const HyperParams&, cudaStream_t) {
+  return NoCuda("DeviceScalars::SetGroupHyper");
+}
+Status DeviceScalars::CopyHeader(DeviceStepHeader*, cudaStream_t) const {
+  return NoCuda("DeviceScalars::CopyHeader");
+}
 Status DeviceScalars::SetInputs(float, float, uint64_t, cudaStream_t) {
   return NoCuda("DeviceScalars::SetInputs");
 }
@@ -683,6 +794,9 @@ Status DeviceUpdateTable::AccumulateGradStats(DeviceScalars&, cudaStream_t) {
 }
 Status DeviceUpdateTable::ReadStats(DeviceTableStats*, cudaStream_t) const {
   return NoCuda("DeviceUpdateTable::ReadStats");
+}
+Status DeviceUpdateTable::SetGradPointers(const void* const*, size_t, cudaStream_t) {
+  return NoCuda("DeviceUpdateTable::SetGradPointers");
 }
 
 }  // namespace emsa

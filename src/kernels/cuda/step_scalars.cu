@@ -19,6 +19,14 @@ __global__ void SetGroupKernel(DeviceGroupScalars* groups, int64_t index,
   groups[index] = value;
 }
 
+// The hyperparameters only: the step is the device's own count (AdvanceSteps), which the host
+// does not know without a synchronization.
+__global__ void SetGroupHyperKernel(DeviceGroupScalars* groups, int64_t index,
+                                    DeviceGroupScalars value) {
+  value.step = groups[index].step;
+  groups[index] = value;
+}
+
 __global__ void SetInputsKernel(DeviceStepHeader* h, float grad_unscale, float max_norm,
                                 uint64_t seed) {
   h->grad_unscale = grad_unscale;
@@ -74,6 +82,12 @@ Status LaunchSetGroup(DeviceGroupScalars* groups, int64_t index, const DeviceGro
                       cudaStream_t stream) {
   SetGroupKernel<<<1, 1, 0, stream>>>(groups, index, value);
   return Checked("SetGroup kernel launch");
+}
+
+Status LaunchSetGroupHyper(DeviceGroupScalars* groups, int64_t index,
+                           const DeviceGroupScalars& value, cudaStream_t stream) {
+  SetGroupHyperKernel<<<1, 1, 0, stream>>>(groups, index, value);
+  return Checked("SetGroupHyper kernel launch");
 }
 
 Status LaunchSetInputs(DeviceStepHeader* header, float grad_unscale, float max_norm, uint64_t seed,

@@ -1,0 +1,461 @@
+"""The CUDA engine: parameters on the GPU, updated in place by libemsa's fused multi-tensor
+kernels on torch's current stream.
+
+Bound once, before the first step, all synchronously:
+  - one device arena sized by the plan; exp_avg, exp_avg_sq (and an fp32 master for bf16/fp16
+    parameters, initialised from the parameter) are CUDA tensors aliasing it through DLPack, at
+    the plan's offsets;
+  - one DeviceScalars: every param group's hyperparameters and step count, in device memory;
+  - one DeviceUpdateTable per plan bucket, recording each parameter's address.
+
+A step enqueues on torch.cuda.current_stream() and never waits for the GPU: the hyperparameters
+of groups whose values changed (a scheduler's lr), the gradient addresses of tables where any
+changed (torch allocates gradients anew after zero_grad(set_to_none=True)), and one
+emsa_device_step over all tables (non-finite check when skip_nonfinite, step counts, updates).
+
+Skipped steps. With skip_nonfinite the GPU decides: a step whose gradients hold inf/nan writes
+nothing and does not advance the device's step counts, and the host is not told at once. After
+each checked step a copy of the step header is enqueued into a pinned ring (_RING slots) with an
+event; the host reads it once the event has completed: at a later step() when the GPU is done by
+then (an event query, no waiting), or when asked: opt.last_step_skipped and state_dict() wait.
+The warning for a skipped step is therefore issued late, naming the step() call it was. Until a
+skip is read, the "step" counts in opt.state (float32 CPU scalars, as torch.optim keeps them)
+include it; state_dict() reads the device's counts back (they are authoritative).
+
+What this engine requires, each checked with an error that says what to do:
+  - Every parameter has a gradient at each step, or none has (then step() does nothing, as
+    torch does). A table updates every tensor it holds, weight decay and step count included, so
+    a parameter without a gradient cannot sit out one step: freeze such parameters
+    (requires_grad=False) before building the optimizer, or use torch.optim.
+  - Hence every parameter of a param group has the group's step count (DeviceScalars keeps one
+    per group): load_state_dict refuses a state whose steps differ within a group.
+  - Parameters stay at the addresses they had when planned (the tables record them): copy new
+    values in (model.load_state_dict does); replacing the storage (p.data = ..., .to()) raises.
+  - All state lives on the device: the host tier is not built for CUDA parameters yet, so the
+    plan is made without it, and a budget too small for the state fails at planning with the
+    smallest budget that works.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import json
+
+import torch
+
+from . import _capi
+from ._backend import DTYPE_NAMES, Backend, StepResult, same_layout
+from ._binding import Slot
+from ._capi import (DeviceStepHeader, DeviceTableOptions, EmsaError, Hyperparams, TensorUpdate,
+                    check, lib)
+from ._device_arena import DeviceArena
+from .plan import Plan, measure_profile
+
+_RING = 8  # checked steps whose headers may be in flight before step() waits for the oldest
+_HEADER = ctypes.sizeof(DeviceStepHeader)
+_FOUND_INF = DeviceStepHeader.found_inf.offset // 4  # as an int32 index
+_NONFINITE = DeviceStepHeader.nonfinite_count.offset // 8  # as an int64 index
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _on(index: int):
+    """torch's and libemsa's current device set to `index` (emsa checks it on every call)."""
+    if torch.cuda.current_device() == index:
+        return contextlib.nullcontext()
+    return torch.cuda.device(index)
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    # Bandwidths rank which state leaves the device; with the host tier off, none does.
+    wants_bandwidths = False
+    host_tier = False
+    deferred = True
+
+    @staticmethod
+    def planning_profile(device: torch.device) -> str:
+        # Measured now, not cached: the default budget is the device's free memory.
+        return json.dumps(measure_profile(measure_bandwidth=False, gpu_device=_index(device)))
+
+    def __init__(self, slots: list[Slot], plan: Plan, optimizer: str,
+                 state_dtype: torch.dtype, group_count: int):
+        self.closed = True  # until everything below exists
+        self.slots = slots
+        self.params = [s.param for s in slots]
+        self.names = [s.name for s in slots]
+        self.groups = [s.group for s in slots]
+        self.counts = [0] * group_count
+        for s in slots:
+            self.counts[s.group] += 1
+        self.shapes = [s.param.shape for s in slots]
+        self.strides = [s.param.stride() for s in slots]
+        self.ptrs = [s.param.data_ptr() for s in slots]
+        self.kind = optimizer
+        self.index = _index(slots[0].param.device)
+        self.device = torch.device("cuda", self.index)
+        entries = [plan.json["params"][s.record_index] for s in slots]
+        for s, pp in zip(slots, entries):
+            if pp["tier"] != "L1":
+                raise RuntimeError(f"emsa internal error: the plan puts {s.name} on tier "
+                                   f"{pp['tier']}, but the CUDA path plans without the host "
+                                   "tier; please report it")
+        # Step counts as torch keeps them (float32 CPU scalars), one storage for all: "step" in
+        # state is a 0-d view of it.
+        self.steps = torch.zeros(len(slots), dtype=torch.float32)
+        self.tables: list[ctypes.c_void_p] = []
+        self.scalars = ctypes.c_void_p()
+        self.arena: DeviceArena | None = None
+        try:
+            with _on(self.index):
+                self.arena = DeviceArena(plan.device_arena_bytes, self.index)
+                state_code = _capi.DTYPE[DTYPE_NAMES[state_dtype]]
+                self.views = [self._bind_views(i, s, pp, state_dtype)
+                              for i, (s, pp) in enumerate(zip(slots, entries))]
+                self.masters = [i for i, v in enumerate(self.views) if "master" in v]
+                self.versions = [p._version for p in self.params]
+                self._make_scalars(group_count)
+                self._make_tables(slots, plan, state_code)
+                stream = torch.cuda.current_stream(self.device)
+                check(lib.emsa_device_scalars_set_inputs(self.scalars, 1.0, 0.0, 0,
+                                                         stream.cuda_stream))
+                self.last_stream = stream  # the masters were copied on it
+                self.ring = torch.zeros((_RING, _HEADER), dtype=torch.uint8, pin_memory=True)
+                self.ring_events = [torch.cuda.Event() for _ in range(_RING)]
+        except BaseException:
+            self._release()
+            raise
+        self.ring_found = self.ring.view(torch.int32)[:, _FOUND_INF]
+        self.ring_nonfinite = self.ring.view(torch.int64)[:, _NONFINITE]
+        self.pending: collections.deque[tuple[int, int]] = collections.deque()  # (slot, call)
+        self.recorded = 0  # step headers copied so far; the ring slot is recorded % _RING
+        self.group_steps = [0] * group_count
+        self.calls = 0  # step() calls that enqueued an update
+        self.noop_last = False  # the last step() had no gradients at all
+        self.last_skipped_call = 0
+        self.skips: list[StepResult] = []
+        self.closed = False
+
+    # ---- binding ------------------------------------------------------------------------
+    def _bind_views(self, i: int, s: Slot, pp: dict, state_dtype) -> dict:
+        p = s.param
+        views = {"step": self.steps[i],  # torch.optim's key order: step first
+                 "exp_avg": self.arena.view(pp["exp_avg_offset"], p, state_dtype)}
+        if self.kind != "lion":
+            views["exp_avg_sq"] = self.arena.view(pp["exp_avg_sq_offset"], p, state_dtype)
+        if p.dtype != torch.float32:
+            views["master"] = self.arena.view(pp["master_offset"], p, torch.float32)
+            with torch.no_grad():
+                views["master"].copy_(p)
+        return views
+
+    def _make_scalars(self, group_count: int) -> None:
+        hypers = (Hyperparams * group_count)()
+        for h in hypers:
+            lib.emsa_hyperparams_init(ctypes.byref(h))
+        check(lib.emsa_device_scalars_create(hypers, group_count, ctypes.byref(self.scalars)))
+        self.hyper = hypers  # each group's values as the device holds them
+        self.sent = [self._key_of(h) for h in hypers]
+        self.scratch = Hyperparams()
+        lib.emsa_hyperparams_init(ctypes.byref(self.scratch))
+
+    @staticmethod
+    def _key_of(h: Hyperparams) -> tuple:
+        return (h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, bool(h.maximize))
+
+    def _make_tables(self, slots, plan: Plan, state_code: int) -> None:
+        """One table per plan bucket. Gradients may not exist yet: each tensor's gradient
+        starts as its parameter's address (valid memory of the right size and dtype), and every
+        step sets the real ones first."""
+        slot_of = {s.record_index: i for i, s in enumerate(slots)}
+        options = DeviceTableOptions()
+        lib.emsa_device_table_options_init(ctypes.byref(options))
+        options.optimizer = _capi.OPTIMIZER[self.kind]
+        self.table_slots: list[list[int]] = []
+        for bucket in plan.json["buckets"]:
+            members = [slot_of[r] for r in bucket["params"] if r in slot_of]
+            if members:
+                self.table_slots.append(members)
+        covered = sorted(i for m in self.table_slots for i in m)
+        if covered != list(range(len(slots))):
+            missing = sorted(set(range(len(slots))) - set(covered))
+            names = [self.names[i] for i in missing]
+            raise RuntimeError("emsa internal error: the plan's buckets do not hold every "
+                               f"parameter exactly once (missing: {names}); please report it")
+        for members in self.table_slots:
+            tensors = (TensorUpdate * len(members))()
+            groups = (ctypes.c_int32 * len(members))()
+            for k, i in enumerate(members):
+                t, p, v = tensors[k], self.params[i], self.views[i]
+                lib.emsa_tensor_update_init(ctypes.byref(t))
+                t.param_dtype = t.grad_dtype = _capi.DTYPE[DTYPE_NAMES[p.dtype]]
+                t.state_dtype = state_code
+                t.param = t.grad = p.data_ptr()
+                t.exp_avg = v["exp_avg"].data_ptr()
+                t.exp_avg_sq = v["exp_avg_sq"].data_ptr() if "exp_avg_sq" in v else None
+                t.master = v["master"].data_ptr() if "master" in v else None
+                t.numel = p.numel()
+                groups[k] = self.groups[i]
+            table = ctypes.c_void_p()
+            check(lib.emsa_device_table_create(tensors, groups, len(members),
+                                               ctypes.byref(options), ctypes.byref(table)))
+            self.tables.append(table)
+        self.table_array = (ctypes.c_void_p * max(len(self.tables), 1))(
+            *[t.value for t in self.tables])
+        self.grad_arrays = [(ctypes.c_void_p * len(m))() for m in self.table_slots]
+        self.sent_grads: list[list[int] | None] = [None] * len(self.tables)
+
+    def state(self, i: int) -> dict[str, torch.Tensor]:
+        return self.views[i]
+
+    # ---- the step -------------------------------------------------------------------------
+    def _check_groups(self, param_groups: list[dict]) -> None:
+        if len(param_groups) != len(self.counts) or any(
+                len(g["params"]) != c for g, c in zip(param_groups, self.counts)):
+            got = [len(g["params"]) for g in param_groups]
+            raise ValueError(
+                f"the optimizer's parameter groups hold {got} parameters but emsa planned "
+                f"{self.counts}: parameters added or removed after planning are not "
+                "optimized; build a new optimizer over the new parameter set")
+
+    def _moved(self, i: int, p: torch.Tensor) -> None:
+        name = self.names[i]
+        if p.shape != self.shapes[i]:
+            raise ValueError(
+                f"parameter {name} changed from {tuple(self.shapes[i])} to {tuple(p.shape)} "
+                "after emsa planned it; emsa lays optimizer state out once: build a new "
+                "optimizer over the changed model")
+        raise ValueError(
+            f"parameter {name} no longer lives where emsa planned it (its storage was replaced: "
+            "p.data = ..., or the model moved); emsa's CUDA tables record parameter addresses: "
+            "copy new values into the parameter instead (model.load_state_dict copies), or "
+            "build a new optimizer after replacing it")
+
+    def _gradients(self, param_groups: list[dict]):
+        """Each slot's gradient address, or None when no parameter has a gradient; raises
+        before anything is enqueued. Returns the temporaries that must live until the launch."""
+        expected, ptrs, shapes = self.params, self.ptrs, self.shapes
+        addresses, keep, missing = [], [], []
+        i = 0
+        for group in param_groups:
+            for p in group["params"]:
+                if p is not expected[i]:
+                    raise ValueError(
+                        f"{self.names[i]} was replaced by another tensor after emsa planned "
+                        "it; build a new optimizer over the new parameter set")
+                if p.data_ptr() != ptrs[i] or p.shape != shapes[i]:
+                    self._moved(i, p)
+                g = p.grad
+                if g is None:
+                    missing.append(i)
+                    addresses.append(0)
+                else:
+                    if g.layout is not torch.strided:
+                        raise ValueError(
+                            f"{self.names[i]} has a sparse gradient ({g.layout}); emsa "
+                            "updates dense gradients only: use torch.optim.SparseAdam for "
+                            "sparse embeddings, or make the embedding dense (sparse=False)")
+                    if g.stride() != self.strides[i] and not same_layout(g, p):
+                        g = torch.empty_like(p).copy_(g)
+                        keep.append(g)
+                    addresses.append(g.data_ptr())
+                i += 1
+        if missing:
+            if len(missing) == len(expected):
+                return None, keep
+            have = next(j for j in range(len(expected)) if j not in set(missing))
+            raise ValueError(
+                f"{self.names[missing[0]]} has no gradient (.grad is None) but "
+                f"{self.names[have]} has one; emsa's CUDA path updates every parameter each "
+                f"step ({len(missing)} of {len(expected)} have none now), so it cannot skip "
+                "some as torch does: give the optimizer only parameters that get gradients "
+                "(e.g. [p for p in model.parameters() if p.requires_grad], after freezing the "
+                "others), or use torch.optim")
+        return addresses, keep
+
+    def _send_hyper(self, param_groups: list[dict], stream: int) -> None:
+        for g, group in enumerate(param_groups):
+            beta1, beta2 = group["betas"]
+            key = (float(group["lr"]), float(beta1), float(beta2),
+                   float(group.get("eps", self.sent[g][3])), float(group["weight_decay"]),
+                   bool(group["maximize"]))
+            if key == self.sent[g]:
+                continue
+            h = self.scratch
+            h.lr, h.beta1, h.beta2, h.eps, h.weight_decay = key[:5]
+            h.maximize = int(key[5])
+            try:
+                check(lib.emsa_device_scalars_set_hyper(self.scalars, g, ctypes.byref(h), stream))
+            except EmsaError as e:
+                raise ValueError(f"param_groups[{g}]: {e}") from None
+            ctypes.memmove(ctypes.byref(self.hyper[g]), ctypes.byref(h), ctypes.sizeof(h))
+            self.sent[g] = key
+
+    def _send_grads(self, addresses: list[int], stream: int) -> None:
+        for t, members in enumerate(self.table_slots):
+            mine = [addresses[i] for i in members]
+            if mine == self.sent_grads[t]:
+                continue
+            array = self.grad_arrays[t]
+            array[:] = mine
+            check(lib.emsa_device_table_set_grads(self.tables[t], array, len(mine), stream))
+            self.sent_grads[t] = mine
+
+    def step(self, param_groups: list[dict]) -> StepResult:
+        self._check_groups(param_groups)
+        with _on(self.index):
+            self._poll(wait=False)
+            addresses, keep = self._gradients(param_groups)
+            if addresses is None:
+                self.noop_last = True
+                return StepResult()
+            stream = torch.cuda.current_stream(self.device)
+            self._follow(stream)
+            handle = stream.cuda_stream
+            self._send_hyper(param_groups, handle)
+            self._send_grads(addresses, handle)
+            for j in self.masters:
+                if self.params[j]._version != self.versions[j]:
+                    self.refresh_master(j)
+            check(lib.emsa_device_step(self.scalars, self.table_array, len(self.tables),
+                                       int(self.check_finite), handle))
+            del keep  # freed in stream order: the caching allocator reuses it after the launch
+            self.calls += 1
+            self.noop_last = False
+            self.last_stream = stream
+            self.steps.add_(1.0)  # corrected when the step turns out skipped
+            self.group_steps = [s + 1 for s in self.group_steps]
+            if self.check_finite:
+                self._record(stream)
+        return StepResult()
+
+    def _follow(self, stream: torch.cuda.Stream) -> None:
+        """Orders `stream` after the last step's stream: both write the same state."""
+        if stream.cuda_stream != self.last_stream.cuda_stream:
+            stream.wait_stream(self.last_stream)
+
+    def refresh_master(self, i: int) -> None:
+        """Someone else wrote the parameter (emsa's raw writes leave _version alone): the
+        master follows the parameter, rather than overwriting that write at the next update."""
+        p = self.params[i]
+        with torch.no_grad():
+            self.views[i]["master"].copy_(p)
+        self.versions[i] = p._version
+
+    # ---- skipped steps, learned late ------------------------------------------------------
+    def _record(self, stream: torch.cuda.Stream) -> None:
+        while len(self.pending) >= _RING:
+            self._read_oldest(wait=True)
+        slot = self.recorded % _RING  # consecutive records take consecutive slots: FIFO holds
+        self.recorded += 1
+        dst = self.ring.data_ptr() + slot * _HEADER
+        check(lib.emsa_device_scalars_copy_header(self.scalars, dst, stream.cuda_stream))
+        self.ring_events[slot].record(stream)
+        self.pending.append((slot, self.calls))
+
+    def _read_oldest(self, wait: bool, count_steps: bool = True) -> bool:
+        slot, call = self.pending[0]
+        event = self.ring_events[slot]
+        if not wait and not event.query():
+            return False
+        event.synchronize()
+        self.pending.popleft()
+        if int(self.ring_found[slot]) != 0:
+            self.skips.append(StepResult(True, int(self.ring_nonfinite[slot]), "", call))
+            self.last_skipped_call = call
+            if count_steps:  # the host counted it when it was enqueued
+                self.steps.sub_(1.0)
+                self.group_steps = [s - 1 for s in self.group_steps]
+        return True
+
+    def _poll(self, wait: bool, count_steps: bool = True) -> None:
+        while self.pending and self._read_oldest(wait, count_steps):
+            pass
+
+    def finished_skips(self) -> list[StepResult]:
+        found, self.skips = self.skips, []
+        return found
+
+    def last_step_skipped(self) -> bool:
+        if self.calls == 0 or self.noop_last:
+            return False
+        with _on(self.index):
+            self._poll(wait=True)
+        return self.last_skipped_call == self.calls
+
+    # ---- state_dict -----------------------------------------------------------------------
+    def sync_state(self) -> None:
+        """Reads the device's step counts (waits for the GPU) into the "step" scalars."""
+        if self.closed:
+            return
+        with _on(self.index):
+            self._poll(wait=True)
+            stream = torch.cuda.current_stream(self.device)
+            self._follow(stream)
+            steps = (ctypes.c_int64 * len(self.group_steps))()
+            check(lib.emsa_device_scalars_read_steps(self.scalars, steps, len(self.group_steps),
+                                                     stream.cuda_stream))
+        self.group_steps = list(steps)
+        self.steps.copy_(torch.tensor([float(self.group_steps[g]) for g in self.groups],
+                                      dtype=torch.float32))
+
+    def check_loadable_steps(self, steps: list[float]) -> None:
+        first: dict[int, int] = {}
+        for i, step in enumerate(steps):
+            g = self.groups[i]
+            j = first.setdefault(g, i)
+            if step != steps[j]:
+                raise ValueError(
+                    f"the state_dict has step {steps[j]:g} for {self.names[j]} but {step:g} for "
+                    f"{self.names[i]}, both in param_groups[{g}]; emsa's CUDA path keeps one step "
+                    "count per param group (every parameter steps together), so it cannot load "
+                    "different counts within a group. A torch.optim state where some parameters "
+                    "missed steps (no gradient) can be continued with torch.optim")
+
+    def state_loaded(self) -> None:
+        """The optimizer wrote the views (steps included): the device's counts follow."""
+        with _on(self.index):
+            self._poll(wait=True, count_steps=False)  # older skips: superseded by the load
+            stream = torch.cuda.current_stream(self.device)
+            self._follow(stream)
+            values = self.steps.tolist()
+            for g in range(len(self.group_steps)):
+                members = [i for i, grp in enumerate(self.groups) if grp == g]
+                if not members:
+                    continue
+                step = int(values[members[0]])
+                check(lib.emsa_device_scalars_set_group(self.scalars, g,
+                                                        ctypes.byref(self.hyper[g]), step,
+                                                        stream.cuda_stream))
+                self.group_steps[g] = step
+            self.last_stream = stream
+        self.versions = [p._version for p in self.params]
+
+    # ---- lifetime -------------------------------------------------------------------------
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:  # nothing enqueued may still use the tables when they are freed
+            self.last_stream.synchronize()
+        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already
+            pass
+        self._release()
+
+    def _release(self) -> None:
+        for table in self.tables:
+            lib.emsa_device_table_destroy(table)
+        self.tables = []
+        scalars, self.scalars = self.scalars, ctypes.c_void_p()
+        if scalars:
+            lib.emsa_device_scalars_destroy(scalars)
+        if self.arena is not None:
+            self.arena.close()  # the state views keep the memory while torch holds them
+
+    def __del__(self):
+        if not getattr(self, "closed", True) and lib is not None:
+            self.close()
