@@ -29,7 +29,7 @@ struct CpuProfile {
   std::string model;      // brand string, or "unknown"
   int logical_cores = 0;  // threads the OS lets this process use (affinity mask)
   SimdLevel simd = SimdLevel::kScalar;
-  double host_mem_bandwidth = 0.0;     // B/s, multi-threaded in-place a += s*b, read+write, measured
+  double host_mem_bandwidth = 0.0;  // B/s, multi-threaded in-place a += s*b, read+write, measured
   double host_update_bandwidth = 0.0;  // B/s, an Adam-shaped pass (4 fp32 streams in, 3 out:
                                        // 28 bytes per element), measured
 };

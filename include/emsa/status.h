@@ -61,7 +61,7 @@ class [[nodiscard]] Status {
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : value_(std::move(value)) {}         // NOLINT: implicit by design
+  Result(T value) : value_(std::move(value)) {}  // NOLINT: implicit by design
   // An OK status carries no value: that misuse becomes an Internal error, never a fake value.
   Result(Status status)  // NOLINT: implicit by design
       : status_(status.ok() ? Status::Internal("Result constructed from an OK status")

@@ -11,15 +11,15 @@
 static int g_failed = 0;
 static int g_passed = 0;
 
-#define CHECK(cond)                                                   \
-  do {                                                                \
-    if (cond) {                                                       \
-      ++g_passed;                                                     \
-    } else {                                                          \
-      ++g_failed;                                                     \
-      fprintf(stderr, "%s:%d: CHECK failed: %s (last error: %s)\n",   \
-              __FILE__, __LINE__, #cond, emsa_last_error());          \
-    }                                                                 \
+#define CHECK(cond)                                                                            \
+  do {                                                                                         \
+    if (cond) {                                                                                \
+      ++g_passed;                                                                              \
+    } else {                                                                                   \
+      ++g_failed;                                                                              \
+      fprintf(stderr, "%s:%d: CHECK failed: %s (last error: %s)\n", __FILE__, __LINE__, #cond, \
+              emsa_last_error());                                                              \
+    }                                                                                          \
   } while (0)
 
 static char* read_file(const char* path) {

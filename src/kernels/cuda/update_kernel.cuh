@@ -38,7 +38,7 @@ constexpr int kElemsPerThread = EMSA_CUDA_ELEMS_PER_THREAD;
 #define EMSA_CUDA_MIN_BLOCKS 1
 #endif
 constexpr int kUpdateMinBlocks = EMSA_CUDA_MIN_BLOCKS;
-constexpr int kWidestVec = 8;       // 16 bytes of bf16/fp16
+constexpr int kWidestVec = 8;  // 16 bytes of bf16/fp16
 static_assert(kElemsPerThread % kWidestVec == 0, "a pass holds whole vectors of every width");
 static_assert(kChunkElems % (kUpdateThreads * kElemsPerThread) == 0,
               "full chunks are whole passes");
