@@ -232,6 +232,12 @@ EMSA_API emsa_status emsa_device_step(emsa_device_scalars* scalars, emsa_device_
                                       size_t count, int32_t check_stats, void* stream);
 EMSA_API emsa_status emsa_device_scalars_read(const emsa_device_scalars* scalars,
                                               emsa_device_step_report* report, void* stream);
+/* Updates one table with the scalars as they stand: no begin, statistics or step advance.
+ * For updates made per bucket as gradients become ready (step in backward): call
+ * emsa_device_step(scalars, NULL, 0, 0, stream) once per step first (it begins the step and
+ * advances the step counts), then this once per table. Asynchronous on `stream`. */
+EMSA_API emsa_status emsa_device_table_update(emsa_device_table* table,
+                                              const emsa_device_scalars* scalars, void* stream);
 
 EMSA_API emsa_status emsa_device_table_create(const emsa_tensor_update* tensors,
                                               const int32_t* groups, size_t count,

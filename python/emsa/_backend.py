@@ -56,6 +56,25 @@ class Backend:
         parameters are still the planned ones; raises before changing anything otherwise."""
         raise NotImplementedError
 
+    # Whether begin_pass/step_slot exist: updates made from gradient hooks during backward
+    # (the optimizer's step_in_backward=True).
+    steps_in_backward = False
+
+    def begin_pass(self, param_groups: list[dict]) -> None:
+        """Step in backward: called once per updating pass, before its first step_slot; reads
+        each group's hyperparameters now (a scheduler may have changed them)."""
+        raise NotImplementedError
+
+    def bucket_slots(self) -> list[list[int]]:
+        """Step in backward: the slots of each bucket, the unit step_bucket updates."""
+        raise NotImplementedError
+
+    def step_bucket(self, b: int) -> None:
+        """Step in backward: updates bucket b's slots from their gradients (which must be
+        final), on the current stream for a device. No non-finite check (the optimizer refuses
+        skip_nonfinite in this mode)."""
+        raise NotImplementedError
+
     def state_loaded(self) -> None:
         """After state was written from outside (load_state_dict): take step counts from it, and
         take loaded master weights as current for the parameters as they are now."""

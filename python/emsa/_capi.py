@@ -229,6 +229,7 @@ _TABLE = {
         _S, [_P, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t, _P]),
     "emsa_device_scalars_copy_header": (_S, [_P, _P, _P]),
     "emsa_device_table_set_grads": (_S, [_P, ctypes.POINTER(_P), ctypes.c_size_t, _P]),
+    "emsa_device_table_update": (_S, [_P, _P, _P]),
     "emsa_device_arena_create": (_S, [ctypes.c_uint64, ctypes.c_int32, ctypes.POINTER(_P)]),
     "emsa_device_arena_destroy": (None, [_P]),
     "emsa_device_arena_info": (

@@ -222,3 +222,42 @@ class CpuBackend(Backend):
                 committed[j] += 1
         self.steps.add_(self.has_grad)
         return StepResult()
+
+    # ---- step in backward: one parameter per call, from its post-accumulate-grad hook -----
+    steps_in_backward = True
+
+    def begin_pass(self, param_groups: list[dict]) -> None:
+        self._check_groups(param_groups)
+        self._load_hyper(param_groups)
+        self.options.check_finite = 0
+
+    def bucket_slots(self) -> list[list[int]]:
+        return [[i] for i in range(len(self.params))]  # any row can be updated alone
+
+    def step_bucket(self, i: int) -> None:
+        p = self.params[i]
+        if p.data_ptr() != self.ptrs[i] or p.shape != self.shapes[i]:
+            self._param_changed(i, p)
+        g = p.grad
+        if g is None:
+            return
+        if g.layout is not torch.strided:
+            raise ValueError(f"{self.names[i]} has a sparse gradient ({g.layout}); emsa updates "
+                             "dense gradients only: use torch.optim.SparseAdam for it")
+        if g.stride() != self.strides[i] and not same_layout(g, p):
+            g = torch.empty_like(p).copy_(g)
+        if "master" in self.views[i] and p._version != self.versions[i]:
+            self.refresh_master(i)
+        base = i * _W
+        self.mv[base + _GRAD] = g.data_ptr()
+        self.mv[base + _NUMEL] = self.numels[i]
+        self.mv[base + _STEP] = self.committed[i] + 1
+        # The table row alone: emsa_cpu_step takes any run of rows, so no per-call array.
+        row = ctypes.cast(ctypes.byref(self.table, i * ctypes.sizeof(TensorUpdate)),
+                          ctypes.POINTER(TensorUpdate))
+        lib.emsa_step_report_init(ctypes.byref(self.report))
+        check(lib.emsa_cpu_step(self.updater, row, 1, ctypes.byref(self.options),
+                                ctypes.byref(self.report)))
+        del g
+        self.committed[i] += 1
+        self.steps[i] += 1.0

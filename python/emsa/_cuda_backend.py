@@ -459,3 +459,66 @@ class CudaBackend(Backend):
     def __del__(self):
         if not getattr(self, "closed", True) and lib is not None:
             self.close()
+
+    # ---- step in backward: one table per call, when its gradients are all final ----------
+    # The step is begun and the group step counts advanced once per pass (emsa_device_step
+    # over no tables); each table is then updated alone (emsa_device_table_update), so the
+    # counts advance once per pass, not once per bucket.
+    steps_in_backward = True
+
+    def bucket_slots(self) -> list[list[int]]:
+        frozen = [self.names[i] for i, p in enumerate(self.params) if not p.requires_grad]
+        if frozen:
+            raise ValueError(
+                f"{frozen[0]} does not require a gradient; emsa's CUDA tables update every "
+                "parameter they hold, so with step_in_backward=True give the optimizer only "
+                "trainable parameters ([p for p in model.parameters() if p.requires_grad])")
+        return self.table_slots
+
+    def begin_pass(self, param_groups: list[dict]) -> None:
+        self._check_groups(param_groups)
+        with _on(self.index):
+            stream = torch.cuda.current_stream(self.device)
+            self._follow(stream)
+            handle = stream.cuda_stream
+            self._send_hyper(param_groups, handle)
+            check(lib.emsa_device_step(self.scalars, self.table_array, 0, 0, handle))
+            self.calls += 1
+            self.noop_last = False
+            self.last_stream = stream
+            self.steps.add_(1.0)
+            self.group_steps = [s + 1 for s in self.group_steps]
+
+    def step_bucket(self, t: int) -> None:
+        members = self.table_slots[t]
+        keep, mine = [], []
+        for i in members:
+            p = self.params[i]
+            if p.data_ptr() != self.ptrs[i] or p.shape != self.shapes[i]:
+                self._moved(i, p)
+            g = p.grad
+            if g is None:
+                raise RuntimeError(f"emsa internal error: {self.names[i]} has no gradient in "
+                                   "its hook; please report it")
+            if g.layout is not torch.strided:
+                raise ValueError(f"{self.names[i]} has a sparse gradient ({g.layout}); emsa "
+                                 "updates dense gradients only: use torch.optim.SparseAdam")
+            if g.stride() != self.strides[i] and not same_layout(g, p):
+                g = torch.empty_like(p).copy_(g)
+                keep.append(g)
+            mine.append(g.data_ptr())
+        with _on(self.index):
+            stream = torch.cuda.current_stream(self.device)
+            self._follow(stream)
+            handle = stream.cuda_stream
+            if mine != self.sent_grads[t]:
+                array = self.grad_arrays[t]
+                array[:] = mine
+                check(lib.emsa_device_table_set_grads(self.tables[t], array, len(mine), handle))
+                self.sent_grads[t] = mine
+            for j in members:
+                if "master" in self.views[j] and self.params[j]._version != self.versions[j]:
+                    self.refresh_master(j)
+            check(lib.emsa_device_table_update(self.tables[t], self.scalars, handle))
+            self.last_stream = stream
+        del keep  # freed in stream order, after the update that reads them

@@ -13,8 +13,9 @@ options of emsa's own:
   budget=          device memory for the whole training process, bytes or "20GiB"; default: free
                    device memory minus a margin (no GPU: unlimited).
   state_dtype=     torch.float32 (default; matches torch.optim) or torch.bfloat16.
-  skip_nonfinite=  True (default): a step whose gradients hold inf/nan changes nothing (no
-                   parameter, state or step count), warns, and sets opt.last_step_skipped.
+  skip_nonfinite=  True (default; False with step_in_backward): a step whose gradients hold
+                   inf/nan changes nothing (no parameter, state or step count), warns, and
+                   sets opt.last_step_skipped.
                    torch.optim applies such a step and the weights become NaN for good, a
                    loss that no speed-up repays. The check is one extra pass over every
                    gradient before the update; under a GradScaler, which finds inf/nan and
@@ -23,6 +24,36 @@ options of emsa's own:
                    when last_step_skipped or state_dict() is read, which wait for the GPU).
   profile=         a DeviceProfile (dict, JSON text or path) to plan against instead of this
                    machine's; for planning ahead and for tests.
+  step_in_backward= False (default). True: each parameter is updated from a gradient hook
+                   (register_post_accumulate_grad_hook) as soon as its gradient is final in
+                   backward, and its .grad is then set to None, so gradient memory is released
+                   during backward instead of held until step(). opt.step() then updates
+                   nothing (it only calls the closure, if given, and returns its loss) and
+                   zero_grad() is harmless. The unit of update is a bucket: one parameter on
+                   the CPU; on CUDA one of the plan's buckets (one fused launch on the current
+                   stream once all its gradients are final; the step counts advance once per
+                   pass, at its first gradient, which is also when lr and the other
+                   hyperparameters are read). Without probe= the optimizer plans at
+                   construction, from the parameters' shapes. What it rules out, because
+                   updates happen before all gradients exist:
+                   - gradient accumulation over micro-batches, unless accumulate=N is given:
+                     then only every Nth backward updates (and releases the gradients); the
+                     others leave .grad to accumulate as usual;
+                   - anything that needs every gradient before any update: clipping by global
+                     norm, GradScaler.unscale_/its inf skip, and the non-finite skip, so
+                     skip_nonfinite must be False (its default in this mode; True raises
+                     ValueError);
+                   - DDP/FSDP: their gradient reduction would need a comm hook that calls
+                     emsa; not supported;
+                   - a pass is one backward per micro-batch in which every trainable
+                     parameter gets a gradient. A parameter whose gradient never arrives leaves
+                     its update pending; the next backward then raises RuntimeError naming it
+                     (mark it requires_grad=False before building the optimizer, or use
+                     step() mode; on CUDA, frozen parameters are refused at construction:
+                     give the optimizer only trainable ones). Several backward calls over
+                     disjoint parameters within a pass are fine; two that reach the same
+                     parameter are not. opt.remove_hooks() ends the mode's updates.
+  accumulate=      with step_in_backward: update every Nth backward (default 1).
 
 state_dict() has torch.optim's layout ("step" float32 scalar, "exp_avg", "exp_avg_sq"), so a
 checkpoint moves between emsa.AdamW and torch.optim.AdamW in both directions. The state tensors
@@ -33,6 +64,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -63,8 +95,12 @@ class _EmsaOptimizer(Optimizer):
     _kind = "adamw"
 
     def __init__(self, params, defaults: dict[str, Any], *, probe, budget, state_dtype,
-                 skip_nonfinite, profile):
+                 skip_nonfinite, profile, step_in_backward=False, accumulate=1):
         require_library()
+        skip_nonfinite = _in_backward_options(step_in_backward, accumulate, skip_nonfinite)
+        self._in_backward = bool(step_in_backward)
+        self._accumulate = int(accumulate)
+        self._hooks: list = []
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype={state_dtype}; emsa keeps optimizer state in "
                              "torch.float32 or torch.bfloat16")
@@ -85,6 +121,8 @@ class _EmsaOptimizer(Optimizer):
                 raise TypeError("probe= takes an emsa.ProbeRecord (from emsa.probe) or a path "
                                 f"to one, not {type(probe).__name__}")
             self._bind(probe)
+        elif self._in_backward:
+            self._bind(None)  # no step() will come to plan at: plan from the shapes now
         else:
             self._recorder = _binding.FirstBackwardRecorder(self._all_params())
 
@@ -180,15 +218,86 @@ class _EmsaOptimizer(Optimizer):
         if self._recorder is not None:
             self._recorder.remove()
             self._recorder = None
+        if self._in_backward:
+            self._install_hooks(slots, backend_cls)
+
+    # ---- step in backward -----------------------------------------------------------------
+    def _install_hooks(self, slots, backend_cls) -> None:
+        if not backend_cls.steps_in_backward:
+            raise NotImplementedError(
+                f"step_in_backward=True is not supported for parameters on "
+                f"{slots[0].param.device} yet (the device engine updates all tables in one "
+                "call); use step_in_backward=False and call step() after backward")
+        self._names = [s.name for s in slots]
+        self._hooked = [i for i, s in enumerate(slots) if s.param.requires_grad]
+        self._fired: set[int] = set()
+        self._passes = 0
+        buckets = self._backend.bucket_slots()
+        self._bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
+        self._bucket_members = [[i for i in m if slots[i].param.requires_grad] for m in buckets]
+        self._waiting = [len(m) for m in self._bucket_members]
+        ref = weakref.ref(self)
+        for i in self._hooked:
+            def hook(p, i=i):
+                opt = ref()
+                if opt is not None:
+                    opt._grad_ready(i, p)
+
+            self._hooks.append(slots[i].param.register_post_accumulate_grad_hook(hook))
+
+    def _grad_ready(self, i: int, p: torch.Tensor) -> None:
+        fired = self._fired
+        if i in fired:
+            missing = [self._names[j] for j in self._hooked if j not in fired]
+            fired.clear()  # the unfinished pass is abandoned; the next backward starts anew
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more"
+                                              if len(missing) > 8 else "")
+            raise RuntimeError(
+                f"emsa step_in_backward: {self._names[i]} got a gradient again before the "
+                f"previous pass had gradients for {shown}; those were not updated in that pass. "
+                "Every trainable parameter must get a gradient once per backward: mark unused "
+                "ones requires_grad=False before building the optimizer, or use "
+                "step_in_backward=False")
+        updating = (self._passes + 1) % self._accumulate == 0
+        if updating and not fired:  # the pass's first gradient: its lr and hyperparameters
+            with torch.no_grad():
+                self._backend.begin_pass(self.param_groups)
+            self._waiting = [len(m) for m in self._bucket_members]
+        fired.add(i)
+        if updating:
+            b = self._bucket_of[i]
+            self._waiting[b] -= 1
+            if self._waiting[b] == 0:
+                with torch.no_grad():
+                    self._backend.step_bucket(b)
+                # Released now, not at zero_grad: the point of stepping in backward. On a
+                # device the caching allocator reuses the memory in stream order, after the
+                # update that reads it.
+                params = self._backend.params
+                for j in self._bucket_members[b]:
+                    params[j].grad = None
+        if len(fired) == len(self._hooked):
+            fired.clear()
+            self._passes += 1
+
+    def remove_hooks(self) -> None:
+        """Step in backward: removes the gradient hooks; later backwards update nothing."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     # ---- the step -------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        """One update of every parameter whose .grad is not None; returns closure()'s loss."""
+        """One update of every parameter whose .grad is not None; returns closure()'s loss.
+        With step_in_backward=True the updates were made during backward: this only calls
+        the closure (if given) and returns its loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._in_backward:
+            return loss
         if self._backend is None:
             self._bind(None)
         backend = self._backend
@@ -326,6 +435,24 @@ class _EmsaOptimizer(Optimizer):
                         "lives in emsa's arenas); save and load opt.state_dict() instead")
 
 
+def _in_backward_options(step_in_backward, accumulate, skip_nonfinite) -> bool:
+    """Checks step_in_backward/accumulate; returns skip_nonfinite resolved (None: the mode's
+    default)."""
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate={accumulate!r}; it is the number of backward passes per "
+                         "update, an int >= 1")
+    if not step_in_backward:
+        if accumulate != 1:
+            raise ValueError(f"accumulate={accumulate} applies only with step_in_backward=True; "
+                             "otherwise accumulate by calling step() every N backwards")
+        return True if skip_nonfinite is None else bool(skip_nonfinite)
+    if skip_nonfinite:
+        raise ValueError("skip_nonfinite=True needs every gradient before any update, but "
+                         "step_in_backward=True updates each parameter as its gradient arrives; "
+                         "pass skip_nonfinite=False (or leave it unset) with step_in_backward")
+    return False
+
+
 def _impl_defaults(foreach, capturable, differentiable, fused) -> dict[str, Any]:
     return {"foreach": foreach, "capturable": capturable, "differentiable": differentiable,
             "fused": fused}
@@ -347,14 +474,16 @@ class AdamW(_EmsaOptimizer):
                  maximize: bool = False, foreach: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, fused: bool | None = None, probe=None,
                  budget: int | str | None = None, state_dtype: torch.dtype = torch.float32,
-                 skip_nonfinite: bool = True, profile=None):
+                 skip_nonfinite: bool | None = None, profile=None,
+                 step_in_backward: bool = False, accumulate: int = 1):
         _refuse_amsgrad(amsgrad, "AdamW")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize,
                         **_impl_defaults(foreach, capturable, differentiable, fused),
                         decoupled_weight_decay=True)
         super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
-                         skip_nonfinite=skip_nonfinite, profile=profile)
+                         skip_nonfinite=skip_nonfinite, profile=profile,
+                         step_in_backward=step_in_backward, accumulate=accumulate)
 
 
 class Adam(_EmsaOptimizer):
@@ -369,7 +498,8 @@ class Adam(_EmsaOptimizer):
                  differentiable: bool = False, fused: bool | None = None,
                  decoupled_weight_decay: bool = False, probe=None,
                  budget: int | str | None = None, state_dtype: torch.dtype = torch.float32,
-                 skip_nonfinite: bool = True, profile=None):
+                 skip_nonfinite: bool | None = None, profile=None,
+                 step_in_backward: bool = False, accumulate: int = 1):
         _refuse_amsgrad(amsgrad, "Adam")
         self._kind = "adamw" if decoupled_weight_decay else "adam"
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
@@ -377,7 +507,8 @@ class Adam(_EmsaOptimizer):
                         **_impl_defaults(foreach, capturable, differentiable, fused),
                         decoupled_weight_decay=bool(decoupled_weight_decay))
         super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
-                         skip_nonfinite=skip_nonfinite, profile=profile)
+                         skip_nonfinite=skip_nonfinite, profile=profile,
+                         step_in_backward=step_in_backward, accumulate=accumulate)
 
     def _check_group(self, g: int) -> None:
         super()._check_group(g)
@@ -397,7 +528,9 @@ class Lion(_EmsaOptimizer):
     def __init__(self, params, lr: float | torch.Tensor = 1e-4, betas=(0.9, 0.99),
                  weight_decay: float = 0.0, *, maximize: bool = False, probe=None,
                  budget: int | str | None = None, state_dtype: torch.dtype = torch.float32,
-                 skip_nonfinite: bool = True, profile=None):
+                 skip_nonfinite: bool | None = None, profile=None,
+                 step_in_backward: bool = False, accumulate: int = 1):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
-                         skip_nonfinite=skip_nonfinite, profile=profile)
+                         skip_nonfinite=skip_nonfinite, profile=profile,
+                         step_in_backward=step_in_backward, accumulate=accumulate)

@@ -641,6 +641,16 @@ emsa_status emsa_device_step(emsa_device_scalars* scalars, emsa_device_table** t
   });
 }
 
+emsa_status emsa_device_table_update(emsa_device_table* table, const emsa_device_scalars* scalars,
+                                     void* stream) {
+  return Guard([&] {
+    if (table == nullptr || scalars == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "table and scalars must not be NULL");
+    }
+    return Report(table->table->Update(*scalars->scalars, static_cast<cudaStream_t>(stream)));
+  });
+}
+
 emsa_status emsa_device_scalars_read(const emsa_device_scalars* scalars,
                                      emsa_device_step_report* report, void* stream) {
   return Guard([&] {

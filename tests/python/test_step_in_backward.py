@@ -1,0 +1,152 @@
+"""step_in_backward=True: updates made from gradient hooks equal the same optimizer's step()."""
+
+import pytest
+import torch
+
+import emsa
+from conftest import CPU_PROFILE, requires_cuda
+from models import TinyGPT, gpt_batches, gpt_loss, warmup_cosine
+
+STEPS = 12
+OPTS = {
+    "adamw": lambda ps, **kw: emsa.AdamW(ps, lr=3e-3, weight_decay=0.1, **kw),
+    "adam": lambda ps, **kw: emsa.Adam(ps, lr=3e-3, weight_decay=0.01, **kw),
+    "lion": lambda ps, **kw: emsa.Lion(ps, lr=3e-4, weight_decay=0.1, **kw),
+}
+
+
+def make(kind, in_backward, device="cpu", accumulate=1, dtype=torch.float32):
+    torch.manual_seed(0)
+    model = TinyGPT().to(device=device, dtype=dtype)
+    kw = dict(profile=str(CPU_PROFILE), skip_nonfinite=False, state_dtype=dtype)
+    if in_backward:
+        kw.update(step_in_backward=True, accumulate=accumulate)
+    opt = OPTS[kind](model.parameters(), **kw)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(3, STEPS))
+    return model, opt, sched
+
+
+def batches(device, n):
+    return [tuple(t.to(device) for t in b) for b in gpt_batches(n, seed=1)]
+
+
+def assert_same(model_a, opt_a, model_b, opt_b):
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(a, b), f"{name} differs by {(a - b).abs().max().item()}"
+        sa, sb = opt_a.state[a], opt_b.state[b]
+        for key in ("step", "exp_avg", "exp_avg_sq", "master"):
+            if key in sa or key in sb:
+                assert torch.equal(sa[key], sb[key]), f"state {key} of {name} differs"
+
+
+def check_equal_to_step(kind, device, accumulate, dtype=torch.float32):
+    ref_model, ref_opt, ref_sched = make(kind, False, device, dtype=dtype)
+    model, opt, sched = make(kind, True, device, accumulate, dtype)
+    data = batches(device, STEPS * accumulate)
+    for k in range(STEPS):
+        micro = data[k * accumulate:(k + 1) * accumulate]
+        ref_opt.zero_grad(set_to_none=True)
+        for b in micro:
+            gpt_loss(ref_model, b).backward()
+        ref_opt.step()
+        ref_sched.step()
+        for j, b in enumerate(micro):
+            gpt_loss(model, b).backward()
+            last = j == accumulate - 1
+            grads = [p.grad is None for p in model.parameters()]
+            assert all(grads) if last else not any(grads), (k, j, grads)
+        opt.step()  # does nothing in this mode
+        opt.zero_grad()
+        sched.step()
+    assert int(opt.state[next(model.parameters())]["step"]) == STEPS
+    assert_same(model, opt, ref_model, ref_opt)
+
+
+@pytest.mark.parametrize("kind", sorted(OPTS))
+def test_matches_step_after_backward(kind):
+    check_equal_to_step(kind, "cpu", 1)
+
+
+def test_accumulate_matches_micro_batches_then_step():
+    check_equal_to_step("adamw", "cpu", 2)
+
+
+def test_bf16_parameters_and_state_match_step():
+    # Stochastic rounding hashes the element index within each tensor, so updating one
+    # parameter per call gives the bits of one call over all of them.
+    check_equal_to_step("adamw", "cpu", 1, torch.bfloat16)
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind,accumulate", [("adamw", 1), ("adamw", 2), ("lion", 1)])
+def test_cuda_matches_step_after_backward(kind, accumulate):
+    check_equal_to_step(kind, "cuda", accumulate)
+    torch.cuda.synchronize()
+
+
+@requires_cuda
+def test_cuda_bf16_matches_step_after_backward():
+    check_equal_to_step("adamw", "cuda", 1, torch.bfloat16)
+
+
+@requires_cuda
+def test_cuda_refuses_frozen_parameters():
+    a = torch.nn.Parameter(torch.ones(3, device="cuda"))
+    frozen = torch.nn.Parameter(torch.ones(2, device="cuda"), requires_grad=False)
+    with pytest.raises(ValueError, match="requires_grad"):
+        emsa.AdamW([a, frozen], step_in_backward=True)
+
+
+def test_scheduler_lr_is_read_each_pass():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.zeros(4))
+    opt = emsa.AdamW([w], lr=1.0, weight_decay=0.0, step_in_backward=True,
+                     profile=str(CPU_PROFILE))
+    for lr in (1.0, 0.5, 0.0, 0.25):
+        for g in opt.param_groups:
+            g["lr"] = lr
+        before = w.detach().clone()
+        (w * torch.ones(4)).sum().backward()
+        # Adam's first steps with a constant gradient move each element by about lr.
+        moved = (before - w.detach()).abs()
+        assert torch.allclose(moved, torch.full((4,), lr), atol=1e-3), (lr, moved)
+        assert w.grad is None
+
+
+def test_closure_is_called_and_step_updates_nothing():
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = emsa.AdamW([w], step_in_backward=True, profile=str(CPU_PROFILE))
+    w.grad = torch.ones(3)
+    before = w.detach().clone()
+    assert opt.step(lambda: 7.0) == 7.0
+    assert torch.equal(w.detach(), before)
+
+
+def test_skip_nonfinite_true_is_refused():
+    w = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="skip_nonfinite"):
+        emsa.AdamW([w], step_in_backward=True, skip_nonfinite=True)
+    with pytest.raises(ValueError, match="step_in_backward"):
+        emsa.AdamW([w], accumulate=2)
+    with pytest.raises(ValueError, match="accumulate"):
+        emsa.AdamW([w], step_in_backward=True, accumulate=0)
+
+
+def test_missing_gradient_raises_naming_the_parameter():
+    a = torch.nn.Parameter(torch.ones(3))
+    unused = torch.nn.Parameter(torch.ones(2))
+    opt = emsa.AdamW([a, unused], step_in_backward=True, profile=str(CPU_PROFILE))
+    a.sum().backward()  # unused gets no gradient: its update stays pending
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\.params\[1\]"):
+        a.sum().backward()
+    assert int(opt.state[unused]["step"]) == 0
+
+
+def test_frozen_parameters_are_not_waited_for():
+    a = torch.nn.Parameter(torch.ones(3))
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    opt = emsa.AdamW([a, frozen], step_in_backward=True, profile=str(CPU_PROFILE))
+    for _ in range(3):
+        (a * a).sum().backward()
+    assert int(opt.state[a]["step"]) == 3
+    assert torch.equal(frozen.detach(), torch.ones(2))
