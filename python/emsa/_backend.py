@@ -130,6 +130,19 @@ def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return all(sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
 
 
+def kernel_grad(name: str, g: torch.Tensor, p: torch.Tensor, stride) -> torch.Tensor:
+    """g as the kernels read it, element i beside p's element i. Sparse gradients are refused;
+    g itself is returned when its layout is p's (the usual case), else a copy in p's layout,
+    which the caller keeps alive until the update that reads it has run."""
+    if g.layout is not torch.strided:
+        raise ValueError(f"{name} has a sparse gradient ({g.layout}); emsa updates dense "
+                         "gradients only: use torch.optim.SparseAdam for sparse embeddings, or "
+                         "make the embedding dense (sparse=False)")
+    if g.stride() != stride and not same_layout(g, p):
+        return torch.empty_like(p).copy_(g)
+    return g
+
+
 def check_param(name: str, p: torch.Tensor) -> None:
     """What any emsa engine can update in place; raises ValueError saying what to do."""
     if p.dtype not in DTYPE_NAMES:

@@ -21,7 +21,7 @@ import torch
 
 from . import _capi
 from ._arena import HostArena
-from ._backend import DTYPE_NAMES, Backend, StepResult, check_param, same_layout
+from ._backend import DTYPE_NAMES, Backend, StepResult, check_param, kernel_grad
 from ._binding import Slot
 from ._capi import Hyperparams, StepOptions, StepReport, TensorUpdate, check, lib
 from .plan import Plan
@@ -191,13 +191,8 @@ class CpuBackend(Backend):
                     mv[base + _NUMEL] = 0
                     has[i] = 0.0
                 else:
-                    if g.layout is not torch.strided:
-                        raise ValueError(
-                            f"{self.names[i]} has a sparse gradient ({g.layout}); emsa "
-                            "updates dense gradients only: use torch.optim.SparseAdam for "
-                            "sparse embeddings, or make the embedding dense (sparse=False)")
-                    if g.stride() != self.strides[i] and not same_layout(g, p):
-                        g = torch.empty_like(p).copy_(g)
+                    g = kernel_grad(self.names[i], g, p, self.strides[i])
+                    if g is not p.grad:
                         keep.append(g)
                     mv[base + _GRAD] = g.data_ptr()
                     mv[base + _NUMEL] = self.numels[i]
@@ -241,11 +236,7 @@ class CpuBackend(Backend):
         g = p.grad
         if g is None:
             return
-        if g.layout is not torch.strided:
-            raise ValueError(f"{self.names[i]} has a sparse gradient ({g.layout}); emsa updates "
-                             "dense gradients only: use torch.optim.SparseAdam for it")
-        if g.stride() != self.strides[i] and not same_layout(g, p):
-            g = torch.empty_like(p).copy_(g)
+        g = kernel_grad(self.names[i], g, p, self.strides[i])  # alive until the step below
         if "master" in self.views[i] and p._version != self.versions[i]:
             self.refresh_master(i)
         base = i * _W

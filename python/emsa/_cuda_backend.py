@@ -46,7 +46,7 @@ import json
 import torch
 
 from . import _capi
-from ._backend import DTYPE_NAMES, Backend, StepResult, same_layout
+from ._backend import DTYPE_NAMES, Backend, StepResult, kernel_grad
 from ._binding import Slot
 from ._capi import (DeviceStepHeader, DeviceTableOptions, EmsaError, Hyperparams, TensorUpdate,
                     check, lib)
@@ -254,13 +254,8 @@ class CudaBackend(Backend):
                     missing.append(i)
                     addresses.append(0)
                 else:
-                    if g.layout is not torch.strided:
-                        raise ValueError(
-                            f"{self.names[i]} has a sparse gradient ({g.layout}); emsa "
-                            "updates dense gradients only: use torch.optim.SparseAdam for "
-                            "sparse embeddings, or make the embedding dense (sparse=False)")
-                    if g.stride() != self.strides[i] and not same_layout(g, p):
-                        g = torch.empty_like(p).copy_(g)
+                    g = kernel_grad(self.names[i], g, p, self.strides[i])
+                    if g is not p.grad:
                         keep.append(g)
                     addresses.append(g.data_ptr())
                 i += 1
@@ -500,11 +495,8 @@ class CudaBackend(Backend):
             if g is None:
                 raise RuntimeError(f"emsa internal error: {self.names[i]} has no gradient in "
                                    "its hook; please report it")
-            if g.layout is not torch.strided:
-                raise ValueError(f"{self.names[i]} has a sparse gradient ({g.layout}); emsa "
-                                 "updates dense gradients only: use torch.optim.SparseAdam")
-            if g.stride() != self.strides[i] and not same_layout(g, p):
-                g = torch.empty_like(p).copy_(g)
+            g = kernel_grad(self.names[i], g, p, self.strides[i])
+            if g is not p.grad:
                 keep.append(g)
             mine.append(g.data_ptr())
         with _on(self.index):
