@@ -45,6 +45,26 @@ class Backend:
 
         return quick_profile_json()
 
+    # Shared by both backends, which hold: counts (planned parameters per group), params,
+    # views (slot i's state tensors), versions (each parameter's _version when its master was
+    # last written).
+    def _check_groups(self, param_groups: list[dict]) -> None:
+        if len(param_groups) != len(self.counts) or any(
+                len(g["params"]) != c for g, c in zip(param_groups, self.counts)):
+            got = [len(g["params"]) for g in param_groups]
+            raise ValueError(
+                f"the optimizer's parameter groups hold {got} parameters but emsa planned "
+                f"{self.counts}: parameters added or removed after planning are not "
+                "optimized; build a new optimizer over the new parameter set")
+
+    def refresh_master(self, i: int) -> None:
+        """Someone else wrote the parameter (emsa's raw writes leave _version alone): the
+        master follows the parameter, rather than overwriting that write at the next update."""
+        p = self.params[i]
+        with torch.no_grad():
+            self.views[i]["master"].copy_(p)
+        self.versions[i] = p._version
+
     def state(self, i: int) -> dict[str, torch.Tensor]:
         """Slot i's state as torch tensors aliasing the engine's memory, in torch.optim's keys
         ("step", "exp_avg", "exp_avg_sq"; "master" for low-precision parameters)."""

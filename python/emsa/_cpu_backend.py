@@ -156,21 +156,6 @@ class CpuBackend(Backend):
         if "master" in self.views[i]:
             self.refresh_master(i)
 
-    def refresh_master(self, i: int) -> None:
-        p = self.params[i]
-        with torch.no_grad():
-            self.views[i]["master"].copy_(p)
-        self.versions[i] = p._version
-
-    def _check_groups(self, param_groups: list[dict]) -> None:
-        if len(param_groups) != len(self.counts) or any(
-                len(g["params"]) != c for g, c in zip(param_groups, self.counts)):
-            got = [len(g["params"]) for g in param_groups]
-            raise ValueError(
-                f"the optimizer's parameter groups hold {got} parameters but emsa planned "
-                f"{self.counts}: parameters added or removed after planning are not "
-                "optimized; build a new optimizer over the new parameter set")
-
     def step(self, param_groups: list[dict]) -> StepResult:
         self._check_groups(param_groups)
         self._load_hyper(param_groups)

@@ -213,15 +213,6 @@ class CudaBackend(Backend):
         return self.views[i]
 
     # ---- the step -------------------------------------------------------------------------
-    def _check_groups(self, param_groups: list[dict]) -> None:
-        if len(param_groups) != len(self.counts) or any(
-                len(g["params"]) != c for g, c in zip(param_groups, self.counts)):
-            got = [len(g["params"]) for g in param_groups]
-            raise ValueError(
-                f"the optimizer's parameter groups hold {got} parameters but emsa planned "
-                f"{self.counts}: parameters added or removed after planning are not "
-                "optimized; build a new optimizer over the new parameter set")
-
     def _moved(self, i: int, p: torch.Tensor) -> None:
         name = self.names[i]
         if p.shape != self.shapes[i]:
@@ -332,14 +323,6 @@ class CudaBackend(Backend):
         """Orders `stream` after the last step's stream: both write the same state."""
         if stream.cuda_stream != self.last_stream.cuda_stream:
             stream.wait_stream(self.last_stream)
-
-    def refresh_master(self, i: int) -> None:
-        """Someone else wrote the parameter (emsa's raw writes leave _version alone): the
-        master follows the parameter, rather than overwriting that write at the next update."""
-        p = self.params[i]
-        with torch.no_grad():
-            self.views[i]["master"].copy_(p)
-        self.versions[i] = p._version
 
     # ---- skipped steps, learned late ------------------------------------------------------
     def _record(self, stream: torch.cuda.Stream) -> None:
