@@ -90,6 +90,7 @@ typedef struct emsa_plan_options {
   uint64_t budget_bytes;        /* 0: free device memory minus the margin (no GPU: unlimited) */
   uint64_t safety_margin_bytes; /* default 1 GiB */
   uint64_t bucket_bytes;        /* default 32 MiB of parameters per bucket */
+  int32_t release_grads;        /* 1: gradients freed in backward (step in backward); default 0 */
 } emsa_plan_options;
 
 EMSA_API void emsa_plan_options_init(emsa_plan_options* options);
@@ -106,6 +107,36 @@ EMSA_API emsa_status emsa_plan_to_table(const emsa_plan* plan, char** table_out)
 /* Sizes the arenas must have: device state bytes and host state bytes. */
 EMSA_API emsa_status emsa_plan_arena_bytes(const emsa_plan* plan, uint64_t* device_bytes,
                                            uint64_t* host_bytes);
+
+/* The same table without the per-parameter rows and module ranges: totals and prediction. */
+EMSA_API emsa_status emsa_plan_to_summary(const emsa_plan* plan, char** table_out);
+
+/* ---- models: an analytic probe from a config (emsa/model_config.h) ------------------------- */
+typedef struct emsa_model_options {
+  uint32_t struct_size;             /* sizeof(emsa_model_options) */
+  int32_t activation_checkpointing; /* 1: each layer keeps only its input; default 0 */
+  int64_t batch;                    /* sequences per step; default 1 */
+  int64_t seq_len;                  /* tokens per sequence; 0 (default): the model's context,
+                                       at most 2048 */
+  int32_t param_dtype;              /* EMSA_DTYPE_*: the parameters on the device; default FLOAT32
+                                       (training runs under bf16 autocast either way) */
+  double matmul_flops;              /* FLOP/s forward/backward reach; 0 (default): 400e12, or
+                                       take "matmul_flops" from emsa_device_preset's JSON */
+} emsa_model_options;
+
+EMSA_API void emsa_model_options_init(emsa_model_options* options);
+/* A probe record (JSON, as emsa_plan_create reads it) computed from a model's shape: `model` is
+ * a preset name ("llama-2-7b"), a Hugging Face config.json's text (starting with '{'), or a
+ * path to one (or to its folder). *summary_out (if summary_out is not NULL) receives a few lines
+ * for a person: family, parameter count, shape, training setup, times and device peak. Unknown
+ * presets are EMSA_NOT_FOUND (the message lists them); a config missing a field or of an
+ * unsupported model_type is EMSA_INVALID_ARGUMENT naming the field. */
+EMSA_API emsa_status emsa_model_probe(const char* model, const emsa_model_options* options,
+                                      char** probe_json_out, char** summary_out);
+/* A built-in device profile ("h200", "a100-40gb", "rtx-4090") as JSON: a DeviceProfile
+ * (emsa_plan_create's profile_json) with a "note" on where its numbers come from and the
+ * "matmul_flops" to put in emsa_model_options. Unknown names: EMSA_NOT_FOUND listing them. */
+EMSA_API emsa_status emsa_device_preset(const char* name, char** json_out);
 
 /* ---- pinned host arena --------------------------------------------------------------------- */
 typedef struct emsa_host_arena emsa_host_arena;
@@ -314,6 +345,73 @@ EMSA_API emsa_status emsa_host_arena_export(const emsa_host_arena* arena, uint64
                                             void** dlmanaged_out);
 /* Runs an export's deleter (NULL: no-op). */
 EMSA_API void emsa_dlpack_delete(void* dlmanaged);
+
+/* ---- host tier for CUDA parameters (emsa/host_tier.h) -------------------------------------- *
+ * Gradients down on d2h_stream as each bucket becomes ready, the CPU update on the updater's
+ * pool from a worker thread, parameters up on h2d_stream; the compute stream waits only per
+ * bucket (emsa_host_tier_wait), never for the whole step. The updater and both streams must
+ * outlive the tier, and nothing else may call the updater while the tier exists. */
+typedef struct emsa_host_tier emsa_host_tier;
+
+typedef struct emsa_host_tier_tensor {
+  uint32_t struct_size; /* sizeof(emsa_host_tier_tensor) */
+  /* Host pointers: param is what the CPU update writes (the fp32 master of an fp32 parameter,
+   * master NULL; else a bf16/fp16 staging buffer with master the fp32 master); grad the staging
+   * buffer the gradient is copied into. .step and .hyper are ignored (set per step). */
+  emsa_tensor_update update;
+  int32_t group;      /* param group */
+  int64_t bucket;     /* 0 <= bucket < bucket_count */
+  void* device_param; /* where the new parameter is copied (device memory) */
+} emsa_host_tier_tensor;
+
+typedef struct emsa_host_tier_options {
+  uint32_t struct_size; /* sizeof(emsa_host_tier_options) */
+  int32_t optimizer;    /* EMSA_OPTIMIZER_*; default ADAMW */
+  int32_t rounding;     /* EMSA_ROUNDING_*; default STOCHASTIC */
+  uint64_t seed;        /* stochastic rounding stream; default 0 */
+  int32_t device;       /* CUDA device; default 0 */
+} emsa_host_tier_options;
+
+/* One step's measurements: busy seconds per engine (sums over buckets). */
+typedef struct emsa_host_tier_step_stats {
+  uint32_t struct_size; /* sizeof(emsa_host_tier_step_stats) */
+  int64_t step;         /* 1-based count of emsa_host_tier_begin_step calls */
+  double d2h_s;         /* gradient copies (CUDA events) */
+  double cpu_s;         /* CPU updates */
+  double h2d_s;         /* parameter copies (CUDA events) */
+  double wait_s;        /* host time emsa_host_tier_wait blocked: an upload was not enqueued */
+  int64_t buckets;      /* buckets submitted in the step */
+  int32_t complete;     /* 1: every submitted bucket's copies have finished and been timed */
+} emsa_host_tier_step_stats;
+
+EMSA_API void emsa_host_tier_tensor_init(emsa_host_tier_tensor* tensor);
+EMSA_API void emsa_host_tier_options_init(emsa_host_tier_options* options);
+EMSA_API void emsa_host_tier_step_stats_init(emsa_host_tier_step_stats* stats);
+EMSA_API emsa_status emsa_host_tier_create(emsa_cpu_updater* updater,
+                                           const emsa_host_tier_tensor* tensors, size_t count,
+                                           size_t bucket_count, size_t group_count,
+                                           void* d2h_stream, void* h2d_stream,
+                                           const emsa_host_tier_options* options,
+                                           emsa_host_tier** tier_out);
+/* Waits for every submitted bucket, then stops the worker. */
+EMSA_API void emsa_host_tier_destroy(emsa_host_tier* tier);
+/* Starts a step (waits until the previous one's CPU updates are done): group_count
+ * hyperparameters and step numbers. */
+EMSA_API emsa_status emsa_host_tier_begin_step(emsa_host_tier* tier, const emsa_hyperparams* hypers,
+                                               const int64_t* steps, size_t group_count);
+/* Bucket `bucket`'s gradients are final on `stream` (device pointers in tensor order). */
+EMSA_API emsa_status emsa_host_tier_submit(emsa_host_tier* tier, size_t bucket,
+                                           const void* const* grads, size_t count, void* stream);
+/* `stream` waits for bucket `bucket`'s new parameters. */
+EMSA_API emsa_status emsa_host_tier_wait(emsa_host_tier* tier, size_t bucket, void* stream);
+/* `stream` waits until this step's gradient copies are done (before writing gradients). */
+EMSA_API emsa_status emsa_host_tier_wait_grads_copied(emsa_host_tier* tier, void* stream);
+/* The host waits until every submitted bucket is updated and its parameters are uploaded. */
+EMSA_API emsa_status emsa_host_tier_synchronize(emsa_host_tier* tier);
+/* Steps >= first (oldest kept first), at most capacity; *count_out receives how many. */
+EMSA_API emsa_status emsa_host_tier_stats(const emsa_host_tier* tier, int64_t first,
+                                          emsa_host_tier_step_stats* out, size_t capacity,
+                                          size_t* count_out);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -19,8 +19,11 @@
 // makes this the longest window first: the output head, then the late layers; never the
 // embedding), until the budget is met: peak device bytes = max(record.peak_device_bytes, bytes
 // of all parameters + gradients of the trainable ones) + the device arena (its 2 MiB padding
-// included). When nothing fits, MakePlan fails with the smallest budget that works: with every
-// state on the host (or, without the host tier, every state on the device).
+// included). With release_grads, gradients do not accumulate: from each memory sample of the
+// record, and from its peak (placed at the largest sample), the gradients final by then are
+// taken out, and two buckets' worth in flight added back. When nothing fits, MakePlan fails with
+// the smallest budget that works: with every state on the host (or, without the host tier, every
+// state on the device).
 #pragma once
 
 #include <cstdint>
@@ -45,6 +48,9 @@ struct PlanOptions {
   bool allow_host_tier = true;          // false: everything on the device or infeasible
   bool force_all_host = false;          // put every state on the host (benchmarks, tests)
   uint64_t bucket_bytes = 32ull << 20;  // target parameter bytes per update bucket
+  // Gradients are freed during backward as their bucket is updated or copied to the host (the
+  // optimizer's step_in_backward): the peak then holds only those in flight, about two buckets.
+  bool release_grads = false;
   uint64_t device_module_alignment = 2ull << 20;  // modules with >= this much state start here
   uint64_t device_tensor_alignment = 256;         // every device view starts at a multiple
   uint64_t host_tensor_alignment = 64;            // every host view starts at a multiple

@@ -15,6 +15,8 @@
 #include "emsa/device_arena.h"
 #include "emsa/emsa.h"
 #include "emsa/host_arena.h"
+#include "emsa/host_tier.h"
+#include "emsa/model_config.h"
 #include "emsa/plan.h"
 #include "emsa/probe_record.h"
 #include "emsa/profile.h"
@@ -38,6 +40,9 @@ struct emsa_device_scalars {
 };
 struct emsa_device_table {
   std::unique_ptr<emsa::DeviceUpdateTable> table;
+};
+struct emsa_host_tier {
+  std::unique_ptr<emsa::HostTier> tier;
 };
 
 // The C header mirrors the device layout byte for byte.
@@ -283,6 +288,7 @@ void emsa_plan_options_init(emsa_plan_options* o) {
   o->budget_bytes = d.budget_bytes;
   o->safety_margin_bytes = d.safety_margin_bytes;
   o->bucket_bytes = d.bucket_bytes;
+  o->release_grads = d.release_grads ? 1 : 0;
 }
 
 emsa_status emsa_plan_create(const char* probe_json, const char* profile_json,
@@ -308,6 +314,7 @@ emsa_status emsa_plan_create(const char* probe_json, const char* profile_json,
       po.budget_bytes = options->budget_bytes;
       po.safety_margin_bytes = options->safety_margin_bytes;
       po.bucket_bytes = options->bucket_bytes;
+      po.release_grads = options->release_grads != 0;
     }
     auto record = emsa::ProbeRecordFromJson(probe_json);
     if (!record.ok()) return Report(record.status().Annotate("probe record"));
@@ -357,6 +364,74 @@ emsa_status emsa_plan_arena_bytes(const emsa_plan* plan, uint64_t* device_bytes,
   if (device_bytes != nullptr) *device_bytes = plan->plan.prediction.device_state_bytes;
   if (host_bytes != nullptr) *host_bytes = plan->plan.prediction.host_state_bytes;
   return Report(emsa::Status::Ok());
+}
+
+emsa_status emsa_plan_to_summary(const emsa_plan* plan, char** table_out) {
+  return Guard([&] {
+    if (plan == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "plan is NULL");
+    return ReturnString(emsa::PlanSummaryToTable(plan->plan), table_out);
+  });
+}
+
+// ---- models
+// --------------------------------------------------------------------------------------
+
+void emsa_model_options_init(emsa_model_options* o) {
+  if (o == nullptr) return;
+  const emsa::ModelProbeOptions d;
+  *o = emsa_model_options{};
+  o->struct_size = sizeof(emsa_model_options);
+  o->activation_checkpointing = d.activation_checkpointing ? 1 : 0;
+  o->batch = d.batch;
+  o->seq_len = d.seq_len;
+  o->param_dtype = static_cast<int32_t>(d.param_dtype);
+  o->matmul_flops = d.matmul_flops;
+}
+
+emsa_status emsa_model_probe(const char* model, const emsa_model_options* options,
+                             char** probe_json_out, char** summary_out) {
+  return Guard([&] {
+    if (model == nullptr || probe_json_out == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "model and probe_json_out must not be NULL");
+    }
+    emsa::ModelProbeOptions mo;
+    if (options != nullptr) {
+      if (emsa_status s = CheckSize(options, "emsa_model_options", "emsa_model_options_init")) {
+        return s;
+      }
+      auto dtype = ToDType(options->param_dtype, "param_dtype");
+      if (!dtype.ok()) return Report(dtype.status());
+      mo.activation_checkpointing = options->activation_checkpointing != 0;
+      mo.batch = options->batch;
+      mo.seq_len = options->seq_len;
+      mo.param_dtype = *dtype;
+      mo.matmul_flops = options->matmul_flops;
+    }
+    emsa::DecoderConfig config;
+    auto record = emsa::ModelProbe(model, mo, &config);
+    if (!record.ok()) return Report(record.status());
+    // Both strings or neither: a failure leaves the outputs untouched.
+    char* probe = CopyString(emsa::ProbeRecordToJson(*record));
+    char* summary =
+        summary_out != nullptr ? CopyString(emsa::ModelSummary(config, *record)) : nullptr;
+    if (probe == nullptr || (summary_out != nullptr && summary == nullptr)) {
+      std::free(probe);
+      std::free(summary);
+      return Fail(EMSA_OUT_OF_MEMORY, "cannot allocate the returned strings");
+    }
+    *probe_json_out = probe;
+    if (summary_out != nullptr) *summary_out = summary;
+    return Report(emsa::Status::Ok());
+  });
+}
+
+emsa_status emsa_device_preset(const char* name, char** json_out) {
+  return Guard([&] {
+    if (name == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "name is NULL");
+    auto text = emsa::DevicePresetText(name);
+    if (!text.ok()) return Report(text.status());
+    return ReturnString(*text, json_out);
+  });
 }
 
 // ---- host arena
@@ -827,6 +902,151 @@ emsa_status emsa_device_table_info(const emsa_device_table* table, int64_t* nume
   if (launches_out != nullptr) *launches_out = table->table->launches_per_update();
   if (bytes_out != nullptr) *bytes_out = table->table->bytes_per_update();
   return Report(emsa::Status::Ok());
+}
+
+// ---- host tier ----------------------------------------------------------------------------------
+void emsa_host_tier_tensor_init(emsa_host_tier_tensor* tensor) {
+  if (tensor == nullptr) return;
+  std::memset(tensor, 0, sizeof(*tensor));
+  tensor->struct_size = sizeof(emsa_host_tier_tensor);
+  emsa_tensor_update_init(&tensor->update);
+}
+
+void emsa_host_tier_options_init(emsa_host_tier_options* options) {
+  if (options == nullptr) return;
+  std::memset(options, 0, sizeof(*options));
+  options->struct_size = sizeof(emsa_host_tier_options);
+  options->optimizer = EMSA_OPTIMIZER_ADAMW;
+  options->rounding = EMSA_ROUNDING_STOCHASTIC;
+}
+
+void emsa_host_tier_step_stats_init(emsa_host_tier_step_stats* stats) {
+  if (stats == nullptr) return;
+  std::memset(stats, 0, sizeof(*stats));
+  stats->struct_size = sizeof(emsa_host_tier_step_stats);
+}
+
+emsa_status emsa_host_tier_create(emsa_cpu_updater* updater, const emsa_host_tier_tensor* tensors,
+                                  size_t count, size_t bucket_count, size_t group_count,
+                                  void* d2h_stream, void* h2d_stream,
+                                  const emsa_host_tier_options* options,
+                                  emsa_host_tier** tier_out) {
+  return Guard([&] {
+    if (updater == nullptr || tier_out == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "updater and tier_out must not be NULL");
+    }
+    if (tensors == nullptr && count > 0) return Fail(EMSA_INVALID_ARGUMENT, "tensors is NULL");
+    if (emsa_status s =
+            CheckSize(options, "emsa_host_tier_options", "emsa_host_tier_options_init")) {
+      return s;
+    }
+    emsa::HostTierOptions o;
+    auto kind = ToOptimizer(options->optimizer);
+    if (!kind.ok()) return Report(kind.status());
+    o.optimizer = *kind;
+    if (options->rounding != EMSA_ROUNDING_NEAREST &&
+        options->rounding != EMSA_ROUNDING_STOCHASTIC) {
+      return Fail(EMSA_INVALID_ARGUMENT, "rounding must be EMSA_ROUNDING_NEAREST or _STOCHASTIC");
+    }
+    o.rounding = static_cast<emsa::Rounding>(options->rounding);
+    o.seed = options->seed;
+    o.device = options->device;
+    std::vector<emsa::HostTierTensor> converted(count);
+    for (size_t i = 0; i < count; ++i) {
+      const emsa_host_tier_tensor& t = tensors[i];
+      if (t.struct_size != sizeof(emsa_host_tier_tensor)) {
+        return Fail(EMSA_INVALID_ARGUMENT, "tensors[" + std::to_string(i) +
+                                               "].struct_size mismatch; call "
+                                               "emsa_host_tier_tensor_init() first");
+      }
+      emsa::Status st = ConvertTensor(t.update, i, false, &converted[i].update, nullptr);
+      if (!st.ok()) return Report(st);
+      converted[i].group = t.group;
+      converted[i].bucket = t.bucket;
+      converted[i].device_param = t.device_param;
+    }
+    auto tier = emsa::HostTier::Create(
+        updater->updater.get(), converted.data(), count, bucket_count, group_count,
+        static_cast<cudaStream_t>(d2h_stream), static_cast<cudaStream_t>(h2d_stream), o);
+    if (!tier.ok()) return Report(tier.status());
+    *tier_out = new emsa_host_tier{std::move(tier).value()};
+    return Report(emsa::Status::Ok());
+  });
+}
+
+void emsa_host_tier_destroy(emsa_host_tier* tier) { delete tier; }
+
+emsa_status emsa_host_tier_begin_step(emsa_host_tier* tier, const emsa_hyperparams* hypers,
+                                      const int64_t* steps, size_t group_count) {
+  return Guard([&] {
+    if (tier == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "tier is NULL");
+    if ((hypers == nullptr || steps == nullptr) && group_count > 0) {
+      return Fail(EMSA_INVALID_ARGUMENT, "hypers and steps must not be NULL");
+    }
+    std::vector<emsa::HyperParams> h(group_count);
+    for (size_t g = 0; g < group_count; ++g) {
+      emsa::Status st = ToHyper(&hypers[g], "hypers[" + std::to_string(g) + "]", &h[g]);
+      if (!st.ok()) return Report(st);
+    }
+    return Report(tier->tier->BeginStep(h.data(), steps, group_count));
+  });
+}
+
+emsa_status emsa_host_tier_submit(emsa_host_tier* tier, size_t bucket, const void* const* grads,
+                                  size_t count, void* stream) {
+  return Guard([&] {
+    if (tier == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "tier is NULL");
+    return Report(tier->tier->Submit(bucket, grads, count, static_cast<cudaStream_t>(stream)));
+  });
+}
+
+emsa_status emsa_host_tier_wait(emsa_host_tier* tier, size_t bucket, void* stream) {
+  return Guard([&] {
+    if (tier == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "tier is NULL");
+    return Report(tier->tier->Wait(bucket, static_cast<cudaStream_t>(stream)));
+  });
+}
+
+emsa_status emsa_host_tier_wait_grads_copied(emsa_host_tier* tier, void* stream) {
+  return Guard([&] {
+    if (tier == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "tier is NULL");
+    return Report(tier->tier->WaitGradsCopied(static_cast<cudaStream_t>(stream)));
+  });
+}
+
+emsa_status emsa_host_tier_synchronize(emsa_host_tier* tier) {
+  return Guard([&] {
+    if (tier == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "tier is NULL");
+    return Report(tier->tier->Synchronize());
+  });
+}
+
+emsa_status emsa_host_tier_stats(const emsa_host_tier* tier, int64_t first,
+                                 emsa_host_tier_step_stats* out, size_t capacity,
+                                 size_t* count_out) {
+  return Guard([&] {
+    if (tier == nullptr || count_out == nullptr || (out == nullptr && capacity > 0)) {
+      return Fail(EMSA_INVALID_ARGUMENT, "tier, count_out and out must not be NULL");
+    }
+    std::vector<emsa::HostTierStepStats> got(capacity);
+    size_t n = tier->tier->Stats(first, got.data(), capacity);
+    for (size_t i = 0; i < n; ++i) {
+      if (out[i].struct_size != sizeof(emsa_host_tier_step_stats)) {
+        return Fail(EMSA_INVALID_ARGUMENT,
+                    "out[" + std::to_string(i) +
+                        "].struct_size mismatch; call emsa_host_tier_step_stats_init() first");
+      }
+      out[i].step = got[i].step;
+      out[i].d2h_s = got[i].d2h_s;
+      out[i].cpu_s = got[i].cpu_s;
+      out[i].h2d_s = got[i].h2d_s;
+      out[i].wait_s = got[i].wait_s;
+      out[i].buckets = got[i].buckets;
+      out[i].complete = got[i].complete ? 1 : 0;
+    }
+    *count_out = n;
+    return Report(emsa::Status::Ok());
+  });
 }
 
 }  // extern "C"

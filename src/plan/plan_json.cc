@@ -20,6 +20,7 @@ Value OptionsJson(const PlanOptions& o) {
   v.Set("allow_host_tier", o.allow_host_tier);
   v.Set("force_all_host", o.force_all_host);
   v.Set("bucket_bytes", o.bucket_bytes);
+  v.Set("release_grads", o.release_grads);
   v.Set("device_module_alignment", o.device_module_alignment);
   v.Set("device_tensor_alignment", o.device_tensor_alignment);
   v.Set("host_tensor_alignment", o.host_tensor_alignment);

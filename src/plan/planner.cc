@@ -87,12 +87,41 @@ Result<uint64_t> ResolveBudget(const PlanOptions& options, const DeviceProfile& 
   return memory - options.safety_margin_bytes;
 }
 
-uint64_t BaseDeviceBytes(const ProbeRecord& record) {
-  uint64_t weights_and_grads = 0;
+uint64_t BaseDeviceBytes(const ProbeRecord& record, const PlanOptions& options) {
+  uint64_t weights = 0, grads = 0;
   for (const ParamRecord& p : record.params) {
-    weights_and_grads += p.bytes * (p.trainable ? 2 : 1);
+    weights += p.bytes;
+    if (p.trainable) grads += p.bytes;
   }
-  return std::max(record.peak_device_bytes, weights_and_grads);
+  if (!options.release_grads) return std::max(record.peak_device_bytes, weights + grads);
+  // Gradients freed as they are used: what a sample held of them by its time is gone, but
+  // for about two buckets in flight (one being copied or updated, one being produced).
+  const uint64_t in_flight = std::min(grads, 2 * options.bucket_bytes);
+  auto released_by = [&](double t) {
+    uint64_t r = 0;
+    for (const ParamRecord& p : record.params) {
+      if (p.trainable && p.grad_ready_order >= 0 && p.grad_ready_time <= t) r += p.bytes;
+    }
+    return r;
+  };
+  // The record's peak has no time: place it at its largest sample (a transient inside a
+  // module, such as the loss's gradient, peaks next to it); without samples, assume it held
+  // every gradient.
+  uint64_t held = 0;
+  double peak_time = -1.0;
+  uint64_t largest = 0;
+  for (const MemorySample& m : record.memory) {
+    const uint64_t r = released_by(m.time);
+    held = std::max(held, m.device_bytes > r ? m.device_bytes - r : 0);
+    if (m.device_bytes > largest) {
+      largest = m.device_bytes;
+      peak_time = m.time;
+    }
+  }
+  const uint64_t at_peak = peak_time >= 0.0 ? released_by(peak_time) : grads;
+  held =
+      std::max(held, record.peak_device_bytes > at_peak ? record.peak_device_bytes - at_peak : 0);
+  return std::max(held, weights) + in_flight;
 }
 
 // Marks the first k params of `order` as host-tier.
@@ -136,7 +165,7 @@ Result<Plan> MakePlan(const ProbeRecord& record, const DeviceProfile& profile,
     MarkHost(offload, k, &on_host);
     return sizer.ArenaBytes(on_host);
   };
-  const uint64_t base = BaseDeviceBytes(record);
+  const uint64_t base = BaseDeviceBytes(record, options);
   const size_t n = offload.size();
   const size_t k_max = options.allow_host_tier ? n : 0;
   const uint64_t min_budget = base + device_need(k_max);

@@ -62,24 +62,57 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
   out.cpu_time = cpu;
   out.h2d_time = h2d;
 
-  // Engines free at these times; buckets enter each engine in bucket order (FIFO).
+  // The engines as the host tier runs them (emsa/host_tier.h). Device buckets update in bucket
+  // order on the compute stream. Host buckets: gradients down in submission order (as each
+  // bucket is ready when gradients are released in backward; otherwise all at the end of
+  // backward, in forward order); the CPU takes, whenever free, the landed bucket the next
+  // forward needs first (the highest index), else waits for the next landing; uploads follow
+  // in CPU order.
+  const size_t nb = plan->buckets.size();
+  std::vector<double> finish(nb, 0.0), landed(nb, 0.0);
+  std::vector<size_t> host;  // host buckets in submission order
+  for (size_t b = 0; b < nb; ++b) {
+    if (plan->buckets[b].tier == Tier::kL2) host.push_back(b);
+  }
+  if (!options.release_grads) std::reverse(host.begin(), host.end());
   double hbm_free = 0, d2h_free = 0, cpu_free = 0, h2d_free = 0;
-  double stall = 0.0;
-  for (size_t b = 0; b < plan->buckets.size(); ++b) {
-    const Bucket& bucket = plan->buckets[b];
-    double finish = 0.0;
-    if (bucket.tier == Tier::kL2) {
-      d2h_free = std::max(bucket.ready_time, d2h_free) + work[b].d2h;
-      cpu_free = std::max(d2h_free, cpu_free) + work[b].cpu;
-      h2d_free = std::max(cpu_free, h2d_free) + work[b].h2d;
-      finish = h2d_free;
-    } else {
-      hbm_free = std::max(bucket.ready_time, hbm_free) + work[b].hbm;
-      finish = hbm_free;
+  for (size_t b = 0; b < nb; ++b) {
+    if (plan->buckets[b].tier == Tier::kL2) continue;
+    hbm_free = std::max(plan->buckets[b].ready_time, hbm_free) + work[b].hbm;
+    finish[b] = hbm_free;
+  }
+  for (size_t b : host) {
+    const double ready = options.release_grads ? plan->buckets[b].ready_time : out.period;
+    d2h_free = std::max(ready, d2h_free) + work[b].d2h;
+    landed[b] = d2h_free;
+  }
+  std::vector<char> done(nb, 0);
+  for (size_t left = host.size(); left > 0; --left) {
+    size_t pick = nb;
+    double first_landing = 0.0;
+    for (size_t b : host) {
+      if (done[b]) continue;
+      if (landed[b] <= cpu_free && (pick == nb || b > pick)) pick = b;
+      if (pick == nb && (first_landing == 0.0 || landed[b] < first_landing)) {
+        first_landing = landed[b];
+      }
     }
-    for (int64_t i : bucket.params) {
+    if (pick == nb) {  // nothing landed: the CPU idles until the next landing
+      cpu_free = first_landing;
+      for (size_t b : host) {
+        if (!done[b] && landed[b] <= cpu_free && (pick == nb || b > pick)) pick = b;
+      }
+    }
+    done[pick] = 1;
+    cpu_free += work[pick].cpu;
+    h2d_free = std::max(cpu_free, h2d_free) + work[pick].h2d;
+    finish[pick] = h2d_free;
+  }
+  double stall = 0.0;
+  for (size_t b = 0; b < nb; ++b) {
+    for (int64_t i : plan->buckets[b].params) {
       const double need = out.period + ForwardNeed(record, record.params[static_cast<size_t>(i)]);
-      stall = std::max(stall, finish - need);
+      stall = std::max(stall, finish[b] - need);
     }
   }
   out.stall_time = stall;

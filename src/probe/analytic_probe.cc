@@ -1,4 +1,5 @@
-// analytic_probe.cc — a Llama-style decoder's ProbeRecord from its shape and a roofline.
+// analytic_probe.cc — a decoder's ProbeRecord (Llama or GPT-2 names) from its shape and a
+// roofline.
 #include "emsa/analytic_probe.h"
 
 #include <cmath>
@@ -51,12 +52,36 @@ Status CheckConfig(const DecoderConfig& c) {
   if (DTypeSize(c.dtype) == 0) {
     return Status::InvalidArgument("DecoderConfig.dtype: not a known DType value");
   }
+  if (c.family != ModelFamily::kLlama && c.family != ModelFamily::kGpt2) {
+    return Status::InvalidArgument(
+        "DecoderConfig.family: " + std::to_string(static_cast<int>(c.family)) +
+        " is not a ModelFamily; use kLlama or kGpt2");
+  }
+  if (c.max_position_embeddings < 0) {
+    return Status::InvalidArgument("DecoderConfig.max_position_embeddings: must not be negative");
+  }
+  if (c.family == ModelFamily::kGpt2) {
+    EMSA_RETURN_IF_ERROR(CheckPositive(c.max_position_embeddings, "max_position_embeddings"));
+    if (c.num_kv_heads != c.num_heads) {
+      return Status::InvalidArgument(
+          "DecoderConfig.num_kv_heads: GPT-2 has no grouped-query attention; set it equal to "
+          "num_heads (" +
+          std::to_string(c.num_heads) + ")");
+    }
+    if (c.seq_len > c.max_position_embeddings) {
+      return Status::InvalidArgument("DecoderConfig.seq_len: " + std::to_string(c.seq_len) +
+                                     " exceeds max_position_embeddings " +
+                                     std::to_string(c.max_position_embeddings) +
+                                     " (GPT-2's position table); use a shorter sequence");
+    }
+  }
   // Reject shapes whose sizes would overflow the 64-bit counts below; doubles have the range
   // to tell. 2^60 bytes (1 EiB) is far beyond any machine and leaves room for the sums below.
   const double h = static_cast<double>(c.hidden_size);
   const double layer_params = 4.0 * h * h + 3.0 * h * static_cast<double>(c.intermediate_size);
   const double params = static_cast<double>(c.num_layers) * layer_params +
-                        2.0 * h * static_cast<double>(c.vocab_size);
+                        h * (2.0 * static_cast<double>(c.vocab_size) +
+                             static_cast<double>(c.max_position_embeddings));
   const double tokens = static_cast<double>(c.batch) * static_cast<double>(c.seq_len);
   const double activations =
       static_cast<double>(c.num_layers) * tokens *
@@ -70,6 +95,11 @@ Status CheckConfig(const DecoderConfig& c) {
         "batch and seq_len");
   }
   return Status::Ok();
+}
+
+std::string LayerPrefix(ModelFamily family, int64_t layer) {
+  return (family == ModelFamily::kGpt2 ? "transformer.h." : "model.layers.") +
+         std::to_string(layer);
 }
 
 class Builder {
@@ -110,36 +140,28 @@ class Builder {
   }
 
   void Embedding() {
-    Module("model.embed_tokens", -1, {{"weight", {c_.vocab_size, c_.hidden_size}}});
-    // A gather, not a matmul: no FLOPs worth counting, forward or backward.
-    segments_.back().flops = 0.0;
+    if (c_.family == ModelFamily::kGpt2) {
+      Gather("transformer.wte", c_.vocab_size);
+      Gather("transformer.wpe", c_.max_position_embeddings);
+    } else {
+      Gather("model.embed_tokens", c_.vocab_size);
+    }
   }
 
   void Layer(int64_t i) {
-    const int64_t h = c_.hidden_size;
-    const int64_t kv = c_.num_kv_heads * (h / c_.num_heads);
-    const std::string pre = "model.layers." + std::to_string(i);
-    auto proj = [&](const char* name, int64_t out, bool bias) {
-      std::vector<std::pair<const char*, std::vector<int64_t>>> t = {{"weight", {out, h}}};
-      if (bias) t.push_back({"bias", {out}});
-      Module(pre + ".self_attn." + name, i, std::move(t));
-    };
-    Module(pre + ".input_layernorm", i, {{"weight", {h}}});
-    proj("q_proj", h, c_.attention_bias);
-    proj("k_proj", kv, c_.attention_bias);
-    proj("v_proj", kv, c_.attention_bias);
-    // QK^T and attention-times-V: 2 matmuls of 2*b*s^2*h FLOPs each, causal mask not credited.
-    const double s = static_cast<double>(c_.seq_len);
-    Compute(pre + ".self_attn", i, 4.0 * tokens_ * s * static_cast<double>(h));
-    proj("o_proj", h, false);
-    Module(pre + ".post_attention_layernorm", i, {{"weight", {h}}});
-    Module(pre + ".mlp.gate_proj", i, {{"weight", {c_.intermediate_size, h}}});
-    Module(pre + ".mlp.up_proj", i, {{"weight", {c_.intermediate_size, h}}});
-    Module(pre + ".mlp.down_proj", i, {{"weight", {h, c_.intermediate_size}}});
+    if (c_.family == ModelFamily::kGpt2) {
+      Gpt2Layer(i);
+    } else {
+      LlamaLayer(i);
+    }
   }
 
   void Head() {
-    Module("model.norm", -1, {{"weight", {c_.hidden_size}}});
+    if (c_.family == ModelFamily::kGpt2) {
+      Module("transformer.ln_f", -1, {{"weight", {c_.hidden_size}}, {"bias", {c_.hidden_size}}});
+    } else {
+      Module("model.norm", -1, {{"weight", {c_.hidden_size}}});
+    }
     if (!c_.tie_embeddings) {
       Module("lm_head", -1, {{"weight", {c_.vocab_size, c_.hidden_size}}});
       return;
@@ -193,6 +215,56 @@ class Builder {
   ProbeRecord Take() { return std::move(record_); }
 
  private:
+  // An embedding table: a gather, not a matmul, so no FLOPs worth counting either way.
+  void Gather(const std::string& module, int64_t rows) {
+    Module(module, -1, {{"weight", {rows, c_.hidden_size}}});
+    segments_.back().flops = 0.0;
+  }
+
+  // QK^T and attention-times-V: 2 matmuls of 2*b*s^2*h FLOPs each, causal mask not credited.
+  void AttentionCore(const std::string& module, int64_t layer) {
+    const double s = static_cast<double>(c_.seq_len);
+    Compute(module, layer, 4.0 * tokens_ * s * static_cast<double>(c_.hidden_size));
+  }
+
+  void LlamaLayer(int64_t i) {
+    const int64_t h = c_.hidden_size;
+    const int64_t kv = c_.num_kv_heads * (h / c_.num_heads);
+    const std::string pre = LayerPrefix(c_.family, i);
+    auto proj = [&](const char* name, int64_t out, bool bias) {
+      std::vector<std::pair<const char*, std::vector<int64_t>>> t = {{"weight", {out, h}}};
+      if (bias) t.push_back({"bias", {out}});
+      Module(pre + ".self_attn." + name, i, std::move(t));
+    };
+    Module(pre + ".input_layernorm", i, {{"weight", {h}}});
+    proj("q_proj", h, c_.attention_bias);
+    proj("k_proj", kv, c_.attention_bias);
+    proj("v_proj", kv, c_.attention_bias);
+    AttentionCore(pre + ".self_attn", i);
+    proj("o_proj", h, false);
+    Module(pre + ".post_attention_layernorm", i, {{"weight", {h}}});
+    Module(pre + ".mlp.gate_proj", i, {{"weight", {c_.intermediate_size, h}}});
+    Module(pre + ".mlp.up_proj", i, {{"weight", {c_.intermediate_size, h}}});
+    Module(pre + ".mlp.down_proj", i, {{"weight", {h, c_.intermediate_size}}});
+  }
+
+  // GPT-2's Conv1D stores its weight as [in, out]; every module has a bias.
+  void Gpt2Layer(int64_t i) {
+    const int64_t h = c_.hidden_size;
+    const int64_t inner = c_.intermediate_size;
+    const std::string pre = LayerPrefix(c_.family, i);
+    auto conv = [&](const std::string& name, int64_t in, int64_t out) {
+      Module(pre + "." + name, i, {{"weight", {in, out}}, {"bias", {out}}});
+    };
+    Module(pre + ".ln_1", i, {{"weight", {h}}, {"bias", {h}}});
+    conv("attn.c_attn", h, 3 * h);
+    AttentionCore(pre + ".attn", i);
+    conv("attn.c_proj", h, h);
+    Module(pre + ".ln_2", i, {{"weight", {h}}, {"bias", {h}}});
+    conv("mlp.c_fc", h, inner);
+    conv("mlp.c_proj", inner, h);
+  }
+
   void Sample(const std::string& module, const char* event, double time, uint64_t bytes) {
     record_.memory.push_back({module, event, time, bytes});
   }
@@ -203,18 +275,9 @@ class Builder {
   std::vector<Segment> segments_;
 };
 
-// Memory model. Parameters are resident throughout; gradients appear as they become ready.
-// Per decoder layer, without checkpointing, the activations kept for backward are
-//   s*b*h*(34 + 5*a*s/h) bytes = (34*h + 5*a*s) * b*s bytes,
-// from Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
-// (MLSys 2023), eq. 1: 16-bit activations (bf16 autocast), no tensor or sequence parallelism.
-// The 34 already counts 2 bytes per element, so no further factor applies. With checkpointing a
-// layer keeps only its 16-bit input (2*b*s*h bytes), and one layer at a time holds its full
-// activations again while it runs backward. The logits are fp32 (b*s*vocab*4 bytes) and their
-// gradient doubles that at the start of backward. The peak is the sum params + all gradients +
-// the activation peak: an upper bound on the first step (where gradients grow while activations
-// shrink), and the actual figure once gradients stay resident (accumulation, zero_grad without
-// set_to_none).
+// The memory model is the one written out in emsa/analytic_probe.h: parameters resident
+// throughout, gradients appearing as they become ready, activations kept per layer (only the
+// layer's input with checkpointing), fp32 logits and their gradient around the head.
 void Builder::Memory() {
   const uint64_t b = static_cast<uint64_t>(c_.batch);
   const uint64_t s = static_cast<uint64_t>(c_.seq_len);
@@ -240,7 +303,7 @@ void Builder::Memory() {
   std::vector<Span> spans;
   for (size_t k = 0; k < segments_.size(); ++k) {
     const Segment& seg = segments_[k];
-    std::string module = seg.layer >= 0 ? "model.layers." + std::to_string(seg.layer) : seg.module;
+    std::string module = seg.layer >= 0 ? LayerPrefix(c_.family, seg.layer) : seg.module;
     if (!spans.empty() && spans.back().module == module) {
       spans.back().last = k;
     } else {
@@ -271,6 +334,16 @@ void Builder::Memory() {
 }
 
 }  // namespace
+
+const char* ModelFamilyName(ModelFamily family) {
+  switch (family) {
+    case ModelFamily::kLlama:
+      return "llama";
+    case ModelFamily::kGpt2:
+      return "gpt2";
+  }
+  return "unknown";
+}
 
 Result<ProbeRecord> AnalyticDecoderProbe(const DecoderConfig& config) {
   EMSA_RETURN_IF_ERROR(CheckConfig(config));

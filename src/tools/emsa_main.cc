@@ -1,12 +1,16 @@
-// emsa_main.cc — the `emsa` command: plan a probe record under a budget, or profile this machine.
+// emsa_main.cc — the `emsa` command: plan a probe record or a model config under a budget, or
+// profile this machine.
 //
 // Exit codes: 0 ok; 2 usage or bad input (the message says what to change); 3 the budget cannot
 // be met (the message names the smallest budget that works); 1 anything else.
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "common/json.h"
+#include "emsa/model_config.h"
 #include "emsa/plan.h"
 #include "emsa/probe_record.h"
 #include "emsa/profile.h"
@@ -22,8 +26,11 @@ constexpr int kExitInfeasible = 3;
 
 constexpr const char* kUsage =
     "usage:\n"
-    "  emsa plan PROBE.json [options]   plan optimizer state for a probed model\n"
-    "  emsa profile [--no-bandwidth]    measure this machine, print the profile as JSON\n"
+    "  emsa plan PROBE.json [options]     plan optimizer state for a probed model\n"
+    "  emsa plan --model NAME|PATH [options]\n"
+    "                                     the same for a model known by its config: will it\n"
+    "                                     fit, and how fast? (an analytic probe, no GPU needed)\n"
+    "  emsa profile [--no-bandwidth]      measure this machine, print the profile as JSON\n"
     "  emsa --help | --version\n"
     "\n"
     "plan options:\n"
@@ -40,8 +47,33 @@ constexpr const char* kUsage =
     "  --all-host             put all state on the host\n"
     "  --json FILE            also write the plan as JSON to FILE ('-': stdout, no table)\n"
     "  --summary              print totals and the prediction, not one row per parameter\n"
+    "  --step-in-backward     plan for updates in backward (emsa.AdamW(step_in_backward=True)):\n"
+    "                         each gradient is freed once its update has it\n"
+    "\n"
+    "model options (with --model):\n"
+    "  --model NAME|PATH      a preset (below), or a Hugging Face config.json (or its folder)\n"
+    "  --gpu-mem SIZE         the device budget, e.g. 24GiB (the same as --budget)\n"
+    "  --batch B              sequences per step (default 1)\n"
+    "  --seq T                tokens per sequence (default: the model's context, at most 2048)\n"
+    "  --checkpointing        activation checkpointing (each layer keeps only its input)\n"
+    "  --param-dtype DTYPE    the parameters on the device: fp32 (default), bf16 or fp16;\n"
+    "                         training runs under bf16 autocast either way\n"
+    "  --device NAME          a device preset (below; default h200), or 'this' to measure\n"
+    "                         this machine; --profile FILE instead names a profile file\n"
+    "  --keep-grads           plan for step() after backward, every gradient held at once\n"
+    "                         (the default with --model is --step-in-backward)\n"
     "\n"
     "exit codes: 0 ok, 2 usage or bad input, 3 the budget cannot be met, 1 other errors\n";
+
+std::string UsageText() {
+  auto join = [](const std::vector<std::string>& names) {
+    std::string out;
+    for (const std::string& n : names) out += (out.empty() ? "" : ", ") + n;
+    return out;
+  };
+  return std::string(kUsage) + "\nmodel presets:  " + join(emsa::ModelPresetNames()) +
+         "\ndevice presets: " + join(emsa::DevicePresetNames()) + ", this\n";
+}
 
 int Fail(int code, const std::string& message) {
   std::fprintf(stderr, "emsa: %s\n", message.c_str());
@@ -62,24 +94,73 @@ struct PlanArgs {
   std::string probe_path, profile_path, json_path;
   bool summary = false;
   emsa::PlanOptions options;
+  // --model and the options that only make sense with it.
+  std::string model, device;
+  emsa::ModelProbeOptions model_options;
+  std::vector<std::string> model_only;  // model options given, for the error without --model
+  bool budget_given = false, gpu_mem_given = false;
+  bool step_in_backward = false, keep_grads = false;
 };
 
+constexpr const char* kDefaultDevice = "h200";
+
 bool TakesValue(const std::string& name) {
-  for (const char* known : {"--budget", "--safety-margin", "--bucket-bytes", "--profile", "--json",
-                            "--optimizer", "--state-dtype"}) {
+  for (const char* known :
+       {"--budget", "--safety-margin", "--bucket-bytes", "--profile", "--json", "--optimizer",
+        "--state-dtype", "--model", "--gpu-mem", "--batch", "--seq", "--param-dtype", "--device"}) {
     if (name == known) return true;
   }
   return false;
 }
 
+// A positive decimal count, all of the text.
+bool ParseCount(const std::string& text, int64_t* out) {
+  if (text.empty() || text[0] < '0' || text[0] > '9') return false;
+  errno = 0;
+  char* end = nullptr;
+  const long long v = std::strtoll(text.c_str(), &end, 10);
+  if (errno != 0 || *end != '\0' || v <= 0) return false;
+  *out = v;
+  return true;
+}
+
+// The --model options; returns what was wrong, or "".
+std::string ApplyModelOption(const std::string& name, const std::string& value, PlanArgs* out) {
+  out->model_only.push_back(name);
+  if (name == "--batch" || name == "--seq") {
+    int64_t n = 0;
+    if (!ParseCount(value, &n)) {
+      return name + " '" + value + "' is not a positive whole number";
+    }
+    (name == "--batch" ? out->model_options.batch : out->model_options.seq_len) = n;
+  } else if (name == "--param-dtype") {
+    auto dtype = emsa::ParseDType(value);
+    if (!dtype.ok())
+      return "--param-dtype '" + value + "' is not supported; use fp32, bf16 or fp16";
+    out->model_options.param_dtype = *dtype;
+  } else {  // --device
+    out->device = value;
+  }
+  return "";
+}
+
 // Applies one "--name value" option; returns what was wrong, or "".
 std::string ApplyOption(const std::string& name, const std::string& value, PlanArgs* out) {
-  if (name == "--budget" || name == "--safety-margin" || name == "--bucket-bytes") {
+  if (name == "--batch" || name == "--seq" || name == "--param-dtype" || name == "--device") {
+    return ApplyModelOption(name, value, out);
+  }
+  if (name == "--model") {
+    out->model = value;
+  } else if (name == "--budget" || name == "--gpu-mem" || name == "--safety-margin" ||
+             name == "--bucket-bytes") {
     auto bytes = emsa::ParseBytes(value);
     if (!bytes.ok()) return name + ": " + bytes.status().message();
-    if (name == "--budget") {
-      if (*bytes == 0) return "--budget 0 is not a budget; name a positive size such as 24GiB";
+    if (name == "--budget" || name == "--gpu-mem") {
+      if (*bytes == 0) {
+        return name + " 0 is not a budget; name a positive size such as 24GiB";
+      }
       out->options.budget_bytes = *bytes;
+      (name == "--budget" ? out->budget_given : out->gpu_mem_given) = true;
     } else if (name == "--safety-margin") {
       out->options.safety_margin_bytes = *bytes;
     } else {
@@ -115,6 +196,14 @@ std::string ParsePlanArgs(Args* args, PlanArgs* out) {
       out->options.allow_host_tier = false;
     } else if (arg == "--all-host") {
       out->options.force_all_host = true;
+    } else if (arg == "--step-in-backward") {
+      out->step_in_backward = true;
+    } else if (arg == "--keep-grads") {
+      out->keep_grads = true;
+      out->model_only.push_back(arg);
+    } else if (arg == "--checkpointing") {
+      out->model_options.activation_checkpointing = true;
+      out->model_only.push_back(arg);
     } else if (TakesValue(name)) {
       if (eq == std::string::npos && args->Done()) return name + " needs a value";
       const std::string value =
@@ -128,10 +217,36 @@ std::string ParsePlanArgs(Args* args, PlanArgs* out) {
       return "one probe record at a time: got '" + out->probe_path + "' and '" + arg + "'";
     }
   }
-  if (out->probe_path.empty()) return "emsa plan needs a probe record: emsa plan PROBE.json";
+  if (!out->model.empty()) {
+    if (!out->probe_path.empty()) {
+      return "give a probe record or --model, not both: got '" + out->probe_path +
+             "' and --model " + out->model;
+    }
+    if (out->budget_given && out->gpu_mem_given) {
+      return "--gpu-mem and --budget name the same thing; give one";
+    }
+    if (!out->device.empty() && !out->profile_path.empty()) {
+      return "--device and --profile both name the device; give one";
+    }
+  } else {
+    if (!out->model_only.empty()) {
+      return out->model_only.front() + " goes with --model NAME|PATH";
+    }
+    if (out->gpu_mem_given) return "--gpu-mem goes with --model; for a probe record use --budget";
+    if (out->probe_path.empty()) {
+      return "emsa plan needs a probe record (emsa plan PROBE.json) or a model "
+             "(emsa plan --model NAME)";
+    }
+  }
   if (out->options.force_all_host && !out->options.allow_host_tier) {
     return "--all-host and --no-host-tier contradict each other; pick one";
   }
+  if (out->step_in_backward && out->keep_grads) {
+    return "--step-in-backward and --keep-grads contradict each other; pick one";
+  }
+  // A model is planned for step in backward unless told otherwise: it is how emsa hides the
+  // host tier's copies under backward, and it frees each gradient once its update has it.
+  out->options.release_grads = out->step_in_backward || (!out->model.empty() && !out->keep_grads);
   return "";
 }
 
@@ -148,10 +263,29 @@ emsa::Result<emsa::DeviceProfile> ChooseProfile(const PlanArgs& args,
   return emsa::MeasureDeviceProfile();
 }
 
-int RunPlan(Args* args) {
-  PlanArgs plan_args;
-  if (std::string error = ParsePlanArgs(args, &plan_args); !error.empty()) return Usage(error);
+// Prints the plan as the options ask: its JSON alone on stdout, or its table (and the JSON to a
+// file). `preamble` (the model summary) goes before the table.
+int EmitPlan(const emsa::Plan& plan, const PlanArgs& args, const std::string& preamble) {
+  const std::string json = emsa::PlanToJson(plan);
+  if (args.json_path == "-") {
+    std::fputs(json.c_str(), stdout);
+    return kExitOk;
+  }
+  const std::string table = args.summary ? emsa::PlanSummaryToTable(plan) : emsa::PlanToTable(plan);
+  std::fputs((preamble + table).c_str(), stdout);
+  if (!args.json_path.empty()) {
+    if (emsa::Status s = emsa::json::WriteFile(args.json_path, json); !s.ok()) {
+      return Fail(kExitFailure, s.message());
+    }
+  }
+  return kExitOk;
+}
 
+int PlanFailure(const emsa::Status& s) {
+  return Fail(s.code() == emsa::StatusCode::kInternal ? kExitFailure : kExitUsage, s.message());
+}
+
+int RunProbePlan(const PlanArgs& plan_args) {
   auto record = emsa::LoadProbeRecord(plan_args.probe_path);
   if (!record.ok()) {
     const bool io = record.status().code() == emsa::StatusCode::kIoError;
@@ -175,23 +309,134 @@ int RunPlan(Args* args) {
                    static_cast<unsigned long long>(min_budget));
       return kExitInfeasible;
     }
-    return Fail(s.code() == emsa::StatusCode::kInternal ? kExitFailure : kExitUsage, s.message());
+    return PlanFailure(s);
   }
+  return EmitPlan(*plan, plan_args, "");
+}
 
-  const std::string json = emsa::PlanToJson(*plan);
-  if (plan_args.json_path == "-") {
-    std::fputs(json.c_str(), stdout);
-    return kExitOk;
-  }
-  const std::string table =
-      plan_args.summary ? emsa::PlanSummaryToTable(*plan) : emsa::PlanToTable(*plan);
-  std::fputs(table.c_str(), stdout);
-  if (!plan_args.json_path.empty()) {
-    if (emsa::Status s = emsa::json::WriteFile(plan_args.json_path, json); !s.ok()) {
-      return Fail(kExitFailure, s.message());
+// --device NAME, --device this, or --profile FILE (which may carry matmul_flops as presets do).
+struct ChosenDevice {
+  emsa::DevicePreset preset;
+  std::string label;  // how the summary names it
+};
+
+emsa::Result<ChosenDevice> ChooseDevice(const PlanArgs& args) {
+  ChosenDevice out;
+  if (!args.profile_path.empty()) {
+    EMSA_ASSIGN_OR_RETURN(std::string text, emsa::json::ReadFile(args.profile_path));
+    auto preset = emsa::DevicePresetFromJson(text);
+    if (!preset.ok()) return preset.status().Annotate(args.profile_path);
+    out.preset = std::move(preset).value();
+    out.label = "profile " + args.profile_path;
+  } else if (args.device == "this") {
+    EMSA_ASSIGN_OR_RETURN(out.preset.profile, emsa::MeasureDeviceProfile());
+    out.label = "this machine, measured";
+  } else {
+    const std::string name = args.device.empty() ? kDefaultDevice : args.device;
+    auto preset = emsa::LoadDevicePreset(name);
+    if (!preset.ok()) {
+      return preset.status().code() == emsa::StatusCode::kNotFound
+                 ? emsa::Status::NotFound(preset.status().message() +
+                                          ", or 'this' to measure this machine")
+                 : preset.status();
     }
+    out.preset = std::move(preset).value();
+    out.label = "preset " + name;
   }
-  return kExitOk;
+  return out;
+}
+
+std::string DeviceLine(const ChosenDevice& device) {
+  const emsa::GpuProfile& gpu = device.preset.profile.gpu;
+  if (!gpu.present)
+    return "device     no GPU (" + device.label + "): no device limit unless --gpu-mem\n";
+  return "device     " + gpu.name + " (" + device.label + "), " +
+         emsa::FormatBytes(gpu.total_memory) + "\n";
+}
+
+std::string OptimizerLine(const emsa::PlanOptions& o) {
+  return std::string("optimizer  ") + emsa::OptimizerName(o.optimizer) + ", " +
+         emsa::DTypeName(o.state_dtype) + " state, " +
+         (o.release_grads ? "step in backward (each gradient freed once its update has it)"
+                          : "step() after backward (every gradient held at once)") +
+         "\n";
+}
+
+// The budget cannot be met: say the smallest one that works, with and without the host tier,
+// and what would shrink the need.
+int ModelInfeasible(const PlanArgs& args, const emsa::DecoderConfig& config,
+                    const emsa::ProbeRecord& record, const emsa::DeviceProfile& profile,
+                    uint64_t budget, uint64_t min_budget, const std::string& detail) {
+  emsa::PlanOptions other = args.options;
+  other.allow_host_tier = !args.options.allow_host_tier;
+  other.force_all_host = false;
+  uint64_t other_min = 0;
+  (void)emsa::MakePlan(record, profile, other, &other_min);
+  const std::string need = emsa::FormatBytes(min_budget);
+  std::string message = config.name + " needs at least " + need + " of device memory ";
+  if (args.options.allow_host_tier) {
+    message += "with the host tier (optimizer state and fp32 master weights on the host); " +
+               emsa::FormatBytes(other_min) + " with everything on the device";
+  } else {
+    message += "with everything on the device (--no-host-tier); with the host tier, " +
+               emsa::FormatBytes(other_min);
+  }
+  message += "; the budget is " + emsa::FormatBytes(budget) + ".";
+  std::vector<std::string> shrink;
+  if (!args.options.allow_host_tier) shrink.push_back("allow the host tier");
+  if (!args.options.release_grads) shrink.push_back("--step-in-backward");
+  if (!config.activation_checkpointing) shrink.push_back("--checkpointing");
+  if (config.dtype == emsa::DType::kFloat32) shrink.push_back("--param-dtype bf16");
+  if (!args.options.allow_host_tier && args.options.state_dtype == emsa::DType::kFloat32) {
+    shrink.push_back("--state-dtype bf16");
+  }
+  shrink.push_back("a smaller --batch or --seq");
+  std::string hint;
+  for (size_t i = 0; i < shrink.size(); ++i) {
+    hint += (i == 0 ? "" : i + 1 == shrink.size() ? " or " : ", ") + shrink[i];
+  }
+  std::fprintf(
+      stderr, "emsa: %s\n  to need less: %s\n  %s\nsmallest feasible budget: %s (--gpu-mem %llu)\n",
+      message.c_str(), hint.c_str(), detail.c_str(), need.c_str(),
+      static_cast<unsigned long long>(min_budget));
+  return kExitInfeasible;
+}
+
+int RunModelPlan(PlanArgs plan_args) {
+  auto device = ChooseDevice(plan_args);
+  if (!device.ok()) {
+    const bool measured = plan_args.device == "this";
+    return Fail(measured ? kExitFailure : kExitUsage, device.status().message());
+  }
+  plan_args.model_options.matmul_flops = device->preset.matmul_flops;
+  emsa::DecoderConfig config;
+  auto record = emsa::ModelProbe(plan_args.model, plan_args.model_options, &config);
+  if (!record.ok()) return PlanFailure(record.status());
+  const emsa::DeviceProfile& profile = device->preset.profile;
+  uint64_t min_budget = 0;
+  auto plan = emsa::MakePlan(*record, profile, plan_args.options, &min_budget);
+  if (!plan.ok()) {
+    if (plan.status().code() != emsa::StatusCode::kInfeasible) return PlanFailure(plan.status());
+    uint64_t budget = plan_args.options.budget_bytes;
+    if (budget == 0) {
+      const uint64_t memory =
+          profile.gpu.free_memory != 0 ? profile.gpu.free_memory : profile.gpu.total_memory;
+      budget = memory > plan_args.options.safety_margin_bytes
+                   ? memory - plan_args.options.safety_margin_bytes
+                   : 0;
+    }
+    return ModelInfeasible(plan_args, config, *record, profile, budget, min_budget,
+                           plan.status().message());
+  }
+  const std::string preamble = emsa::ModelSummary(config, *record) + DeviceLine(*device) +
+                               OptimizerLine(plan_args.options) + "\n";
+  return EmitPlan(*plan, plan_args, preamble);
+}
+
+int RunPlan(Args* args) {
+  PlanArgs plan_args;
+  if (std::string error = ParsePlanArgs(args, &plan_args); !error.empty()) return Usage(error);
+  return plan_args.model.empty() ? RunProbePlan(plan_args) : RunModelPlan(plan_args);
 }
 
 int RunProfile(Args* args) {
@@ -218,12 +463,12 @@ int main(int argc, char** argv) {
   Args args;
   for (int i = 1; i < argc; ++i) args.items.emplace_back(argv[i]);
   if (args.Done()) {
-    std::fputs(kUsage, stderr);
+    std::fputs(UsageText().c_str(), stderr);
     return kExitUsage;
   }
   const std::string command = args.items[args.next++];
   if (command == "--help" || command == "-h" || command == "help") {
-    std::fputs(kUsage, stdout);
+    std::fputs(UsageText().c_str(), stdout);
     return kExitOk;
   }
   if (command == "--version") {

@@ -322,11 +322,86 @@ static void test_dlpack_exports(void) {
   CHECK(emsa_device_scalars_set_hyper(NULL, 0, NULL, NULL) == EMSA_INVALID_ARGUMENT);
 }
 
+/* A model known by its config: preset and text, a device preset, planned, and the errors. */
+static void test_model_probe(void) {
+  emsa_model_options mo;
+  emsa_model_options_init(&mo);
+  CHECK(mo.struct_size == sizeof mo && mo.batch == 1 && mo.seq_len == 0);
+  CHECK(mo.param_dtype == EMSA_DTYPE_FLOAT32 && mo.activation_checkpointing == 0);
+  mo.seq_len = 2048;
+  mo.activation_checkpointing = 1;
+  mo.param_dtype = EMSA_DTYPE_BFLOAT16;
+  char* probe = NULL;
+  char* summary = NULL;
+  CHECK(emsa_model_probe("llama-2-7b", &mo, &probe, &summary) == EMSA_OK);
+  CHECK(probe != NULL && strstr(probe, "\"emsa.probe\"") != NULL);
+  CHECK(probe != NULL && strstr(probe, "\"bfloat16\"") != NULL);
+  CHECK(summary != NULL && strstr(summary, "6,738,415,616 parameters") != NULL);
+  char* profile = NULL;
+  CHECK(emsa_device_preset("h200", &profile) == EMSA_OK);
+  CHECK(profile != NULL && strstr(profile, "\"matmul_flops\"") != NULL);
+
+  emsa_plan_options o;
+  emsa_plan_options_init(&o);
+  emsa_plan* plan = NULL;
+  uint64_t min_budget = 0;
+  CHECK(emsa_plan_create(probe, profile, &o, &plan, &min_budget) == EMSA_OK);
+  char* table = NULL;
+  CHECK(emsa_plan_to_summary(plan, &table) == EMSA_OK);
+  CHECK(table != NULL && strstr(table, "prediction") != NULL);
+  CHECK(table != NULL && strstr(table, "model.layers.0.mlp.up_proj.weight") == NULL);
+  emsa_free(table);
+  emsa_plan_destroy(plan);
+  emsa_free(probe);
+  emsa_free(summary);
+  emsa_free(profile);
+
+  /* config.json text works the same; the summary is optional. */
+  const char* gpt2 =
+      "{\"model_type\": \"gpt2\", \"n_embd\": 64, \"n_layer\": 2, \"n_head\": 4, "
+      "\"n_positions\": 128, \"vocab_size\": 1000}";
+  emsa_model_options_init(&mo);
+  probe = NULL;
+  CHECK(emsa_model_probe(gpt2, &mo, &probe, NULL) == EMSA_OK);
+  CHECK(probe != NULL && strstr(probe, "transformer.h.1.mlp.c_fc.bias") != NULL);
+  emsa_free(probe);
+  CHECK(emsa_model_probe(gpt2, NULL, &probe, NULL) == EMSA_OK); /* NULL options: defaults */
+  emsa_free(probe);
+
+  /* Errors leave the outputs alone and say what was wrong. */
+  char* untouched = (char*)&g_passed;
+  probe = untouched;
+  summary = untouched;
+  CHECK(emsa_model_probe("llama-9", &mo, &probe, &summary) == EMSA_NOT_FOUND);
+  CHECK(strstr(emsa_last_error(), "llama-2-7b") != NULL);
+  CHECK(emsa_model_probe("{\"model_type\": \"llama\", \"hidden_size\": 64}", &mo, &probe,
+                         &summary) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "intermediate_size") != NULL);
+  mo.param_dtype = 7;
+  CHECK(emsa_model_probe("gpt2-xl", &mo, &probe, &summary) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "param_dtype") != NULL);
+  emsa_model_options_init(&mo);
+  mo.batch = 0;
+  CHECK(emsa_model_probe("gpt2-xl", &mo, &probe, &summary) == EMSA_INVALID_ARGUMENT);
+  mo.struct_size = 3;
+  CHECK(emsa_model_probe("gpt2-xl", &mo, &probe, &summary) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "emsa_model_options_init") != NULL);
+  CHECK(emsa_model_probe(NULL, NULL, &probe, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(probe == untouched && summary == untouched);
+  profile = untouched;
+  CHECK(emsa_device_preset("tpu", &profile) == EMSA_NOT_FOUND);
+  CHECK(strstr(emsa_last_error(), "rtx-4090") != NULL);
+  CHECK(emsa_device_preset(NULL, &profile) == EMSA_INVALID_ARGUMENT);
+  CHECK(profile == untouched);
+  CHECK(emsa_plan_to_summary(NULL, &table) == EMSA_INVALID_ARGUMENT);
+}
+
 int main(void) {
   test_library();
   test_cpu_step();
   test_plan_and_arena();
   test_dlpack_exports();
+  test_model_probe();
   printf("capi_test: %d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

@@ -582,6 +582,7 @@ TEST(PlanSchedule, TimelineMatchesHandComputation) {
 
   o.force_all_host = true;
   o.bucket_bytes = 4000000;  // one param per bucket
+  o.release_grads = true;    // each bucket's gradients go down as soon as it is ready
   const Plan host = MustPlan(r, profile, o);
   ASSERT_EQ(host.buckets.size(), 2u);
   const double down = 4e6 / 10e9, cpu = 28e6 / 20e9, up = 4e6 / 10e9;
@@ -603,6 +604,16 @@ TEST(PlanSchedule, TimelineMatchesHandComputation) {
   const double a_done = b_cpu_done + slow_cpu + up;
   EXPECT_NEAR(queued.prediction.stall_time, a_done - 0.03, 1e-12);
   EXPECT_NEAR(queued.prediction.step_time, 0.03 + a_done - 0.03, 1e-12);
+
+  // Gradients kept until step(): every bucket goes down at the end of backward, in forward
+  // order (a, then b), and the CPU takes a first: a done at P + down + cpu + up; b lands at
+  // P + 2 down, its CPU update follows a's.
+  o.release_grads = false;
+  const Plan at_step = MustPlan(r, slow, o);
+  const double a_at_step = 0.03 + down + slow_cpu + up;
+  const double b_at_step = 0.03 + down + 2 * slow_cpu + up;
+  EXPECT_NEAR(at_step.prediction.stall_time, std::max(a_at_step - 0.03, b_at_step - (0.03 + 0.005)),
+              1e-12);
 }
 
 TEST(PlanSchedule, PeakIsBasePlusDeviceArena) {
@@ -612,6 +623,46 @@ TEST(PlanSchedule, PeakIsBasePlusDeviceArena) {
   uint64_t state = 0;
   for (const ParamPlan& p : plan.params) state += p.state_bytes;
   EXPECT_GE(plan.prediction.device_state_bytes, state);
+}
+
+// Gradients freed in backward: each sample loses the gradients final by its time; two buckets
+// stay in flight. A hand-made record makes the arithmetic exact.
+TEST(PlanSchedule, ReleasedGradientsLeaveThePeak) {
+  ProbeRecord r;
+  r.forward_time = 0.01;
+  r.backward_time = 0.02;
+  r.params.push_back(Param("a.w", "a", 1 << 20, 0, 0.0, 1, 0.03));    // 4 MiB, last ready
+  r.params.push_back(Param("b.w", "b", 2 << 20, 1, 0.005, 0, 0.02));  // 8 MiB, first ready
+  const uint64_t mib = 1 << 20;
+  // Params 12 MiB; at 0.01 s (backward starts) activations 20 MiB; at 0.025 s b's gradient
+  // (8 MiB) exists and 5 MiB of activations.
+  r.memory.push_back({"a", "forward_post", 0.01, 32 * mib});
+  r.memory.push_back({"b", "backward_post", 0.025, 25 * mib});
+  r.peak_device_bytes = 36 * mib;  // a transient next to the largest sample (no gradient yet)
+  r.activation_peak_bytes = 24 * mib;
+  PlanOptions o;
+  o.budget_bytes = 0;
+  o.bucket_bytes = 1 * mib;  // two in flight: 2 MiB
+  const Plan kept = MustPlan(r, DeviceProfile{}, o);
+  o.release_grads = true;
+  const Plan released = MustPlan(r, DeviceProfile{}, o);
+  const uint64_t kept_base = kept.prediction.peak_device_bytes - kept.prediction.device_state_bytes;
+  const uint64_t released_base =
+      released.prediction.peak_device_bytes - released.prediction.device_state_bytes;
+  EXPECT_EQ(kept_base, 36 * mib);
+  // max(36 - 0 (the peak, at 0.01 s: no gradient final), 32 - 0, 25 - 8) + 2 = 38 MiB: the
+  // in-flight buckets now sit on top of the peak.
+  EXPECT_EQ(released_base, 38 * mib);
+  // Later samples lose their gradients: with the peak at the last sample, 8 MiB are gone.
+  r.memory[1].device_bytes = 40 * mib;
+  r.peak_device_bytes = 41 * mib;
+  const Plan late = MustPlan(r, DeviceProfile{}, o);
+  EXPECT_EQ(late.prediction.peak_device_bytes - late.prediction.device_state_bytes,
+            (41 - 8 + 2) * mib);
+  o.bucket_bytes = 64 * mib;  // in flight never exceeds all gradients (12 MiB)
+  const Plan big = MustPlan(r, DeviceProfile{}, o);
+  EXPECT_EQ(big.prediction.peak_device_bytes - big.prediction.device_state_bytes,
+            (41 - 8 + 12) * mib);
 }
 
 // ---- options and input ----------------------------------------------------------------------

@@ -1,0 +1,118 @@
+// emsa/host_tier.h — the host tier's step for CUDA parameters: gradients down, CPU update,
+// parameters up, each stage overlapped with the others and with the GPU's own work.
+//
+// The state of a host-tier parameter lives in the pinned host arena (moments, an fp32 master,
+// a staging buffer for its gradient and, for bf16/fp16 parameters, one for the rounded
+// parameter). Per step and per bucket (the plan's unit, in gradient-ready order):
+//
+//   Submit(b, grads, compute)   an event on the compute stream; the D2H stream waits on it and
+//                               copies the bucket's gradients into their staging buffers, then
+//                               records grads_copied[b]; b joins the worker's queue.
+//   worker thread               takes, of the submitted buckets whose gradients have landed,
+//                               the one with the highest index (buckets are numbered in
+//                               gradient-ready order, so that is what the next forward needs
+//                               first), waits for the previous step's upload of it (no DMA may
+//                               still read what it is about to write), runs its CPU update on
+//                               the CpuUpdater's pool, enqueues the uploads of its parameters on
+//                               the H2D stream and records params_copied[b].
+//   Wait(b, stream)             the next forward's module pre-hook: waits on the host until b's
+//                               upload is enqueued (usually already), then makes `stream` wait
+//                               on params_copied[b]; the compute stream never waits for the
+//                               whole step, only for what it is about to read.
+//
+// Nothing is allocated after Create() (queue, events, per-bucket update tables are made there);
+// copies are pinned-to-device only; the compute stream is never synchronized with the host.
+// The worker is the only caller of the CpuUpdater while the tier exists (it is not thread-safe).
+//
+// Failures in the worker (a CUDA error) are kept and returned by the next call that would
+// depend on them (Wait, BeginStep, Synchronize); the buckets after it are not updated.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "emsa/status.h"
+#include "emsa/types.h"
+#include "emsa/update.h"
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace emsa {
+
+class CpuUpdater;
+
+struct HostTierTensor {
+  // Host pointers for the CPU update: param is what the update writes in place (the fp32 master
+  // for fp32 parameters, with master null; the bf16/fp16 staging buffer otherwise, with master
+  // the fp32 master); grad is the staging buffer the D2H copy fills. step and hyper are set per
+  // step by BeginStep.
+  TensorUpdate update;
+  int32_t group = 0;             // param group: whose hyperparameters and step count apply
+  int64_t bucket = 0;            // 0 <= bucket < bucket_count; tensors of a bucket update together
+  void* device_param = nullptr;  // where the updated parameter goes (device memory)
+};
+
+struct HostTierOptions {
+  OptimizerKind optimizer = OptimizerKind::kAdamW;
+  Rounding rounding = Rounding::kStochastic;
+  uint64_t seed = 0;
+  int device = 0;         // CUDA device of the parameters and streams
+  size_t history = 4096;  // steps whose measurements are kept (ring)
+};
+
+// What one step took on each engine, measured (CUDA events for copies, a steady clock for the
+// CPU and for waits). Busy times are sums over buckets, not spans.
+struct HostTierStepStats {
+  int64_t step = 0;       // BeginStep count, 1-based
+  double d2h_s = 0.0;     // gradient copies
+  double cpu_s = 0.0;     // CPU updates
+  double h2d_s = 0.0;     // parameter copies
+  double wait_s = 0.0;    // host time Wait() blocked because an upload was not yet enqueued
+  int64_t buckets = 0;    // buckets submitted
+  bool complete = false;  // every submitted bucket's copies have finished and been timed
+};
+
+class HostTier {
+ public:
+  // Validates the tensors (CpuUpdater::Validate with step 1 and default hyperparameters),
+  // creates the events and starts the worker. The streams belong to the caller and must outlive
+  // the tier. Errors: kInvalidArgument naming the tensor; kUnsupported without CUDA.
+  static Result<std::unique_ptr<HostTier>> Create(CpuUpdater* updater,
+                                                  const HostTierTensor* tensors, size_t count,
+                                                  size_t bucket_count, size_t group_count,
+                                                  cudaStream_t d2h_stream, cudaStream_t h2d_stream,
+                                                  const HostTierOptions& options);
+  ~HostTier();  // waits for the worker's queue, then stops it
+  HostTier(const HostTier&) = delete;
+  HostTier& operator=(const HostTier&) = delete;
+
+  // Starts a step: waits until the worker has finished the previous one, then takes each
+  // group's hyperparameters and step number (group_count of each).
+  Status BeginStep(const HyperParams* hypers, const int64_t* steps, size_t group_count);
+  // Bucket b's gradients are final on `compute` (device pointers, one per tensor of b in
+  // creation order, dtype as given at Create). Once per bucket per step.
+  Status Submit(size_t bucket, const void* const* grads, size_t count, cudaStream_t compute);
+  // Makes `stream` wait for bucket b's new parameters (nothing when b was not submitted since
+  // its last upload began: the stream then sees the values it would see anyway).
+  Status Wait(size_t bucket, cudaStream_t stream);
+  // Makes `stream` wait until every gradient submitted this step has been copied down (before
+  // anything on it may overwrite those gradients in place).
+  Status WaitGradsCopied(cudaStream_t stream);
+  // Waits on the host until every submitted bucket is updated and uploaded.
+  Status Synchronize();
+  // Measurements of steps [first, BeginStep count], oldest first, at most `capacity`; steps
+  // older than the history are gone. Call Synchronize() first for the last step to be complete.
+  size_t Stats(int64_t first, HostTierStepStats* out, size_t capacity) const;
+
+  size_t bucket_count() const;
+  size_t bucket_size(size_t bucket) const;
+
+ private:
+  struct Impl;
+  explicit HostTier(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace emsa

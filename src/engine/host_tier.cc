@@ -1,0 +1,470 @@
+// host_tier.cc — HostTier: the D2H -> CPU -> H2D pipeline of the host tier (emsa/host_tier.h).
+//
+// Threads: the caller's thread (Submit, Wait, BeginStep, ...) and one worker. Everything the two
+// share is under mu_: the queue, each bucket's submitted/uploaded step, the error, the stats.
+// A bucket's events and staging buffers are touched by one side at a time: the caller records
+// the D2H events in Submit, the worker reads them and records the H2D events; BeginStep waits
+// for the worker to drain before a bucket can be submitted again.
+#include "emsa/host_tier.h"
+
+#include <string>
+
+#include "emsa/cpu_update.h"
+
+#if EMSA_HAVE_CUDA
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "common/cuda_util.h"
+
+namespace emsa {
+
+namespace {
+
+double Seconds(std::chrono::steady_clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+Status ElapsedSeconds(cudaEvent_t start, cudaEvent_t end, double* out) {
+  float ms = 0.0f;
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start, end));
+  *out = ms * 1e-3;
+  return Status::Ok();
+}
+
+}  // namespace
+
+struct HostTier::Impl {
+  struct Bucket {
+    std::vector<TensorUpdate> updates;
+    std::vector<void*> device_params;
+    std::vector<int32_t> groups;
+    cudaEvent_t ready = nullptr;  // on the compute stream: the gradients are final
+    cudaEvent_t d2h_start = nullptr, d2h_end = nullptr;
+    cudaEvent_t h2d_start = nullptr, h2d_end = nullptr;
+    int64_t submitted = 0;  // step of the last Submit
+    int64_t uploaded = 0;   // step whose upload was last enqueued
+    bool h2d_timed = true;  // the last upload's time is in the stats
+  };
+
+  CpuUpdater* updater = nullptr;
+  HostTierOptions options;
+  StepOptions step_options;
+  cudaStream_t d2h = nullptr, h2d = nullptr;
+  std::vector<Bucket> buckets;
+  std::vector<HyperParams> hypers;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  // Submitted buckets the worker has not taken, oldest first (capacity reserved at Create).
+  std::vector<size_t> waiting;
+  std::vector<size_t> candidates;  // the worker's copy of `waiting`, also reserved
+  int64_t pending = 0;             // submitted, upload not yet enqueued
+  int64_t step = 0;
+  bool stop = false;
+  Status error;
+  std::vector<HostTierStepStats> stats;  // ring, indexed by step % history
+  std::thread worker;
+
+  HostTierStepStats& StatsOf(int64_t s) { return stats[static_cast<size_t>(s) % stats.size()]; }
+
+  // Under mu: an H2D time for step s, and whether that completes its stats.
+  void AddUpload(int64_t s, double seconds) {
+    if (s <= step - static_cast<int64_t>(stats.size())) return;  // fell out of the history
+    HostTierStepStats& st = StatsOf(s);
+    st.h2d_s += seconds;
+    ++uploads_timed[static_cast<size_t>(s) % stats.size()];
+    st.complete = uploads_timed[static_cast<size_t>(s) % stats.size()] == st.buckets;
+  }
+  std::vector<int64_t> uploads_timed;
+
+  // Times bucket b's last upload once it has finished (waits for it). Caller holds no lock.
+  Status TimeUpload(Bucket& b) {
+    int64_t s;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (b.h2d_timed || b.uploaded == 0) return Status::Ok();
+      s = b.uploaded;
+    }
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(b.h2d_end));
+    double seconds = 0.0;
+    EMSA_RETURN_IF_ERROR(ElapsedSeconds(b.h2d_start, b.h2d_end, &seconds));
+    std::lock_guard<std::mutex> lock(mu);
+    if (!b.h2d_timed) {
+      b.h2d_timed = true;
+      AddUpload(s, seconds);
+    }
+    return Status::Ok();
+  }
+
+  // The worker's part for one bucket submitted in step s.
+  Status Process(size_t index, int64_t s) {
+    Bucket& b = buckets[index];
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(b.d2h_end));
+    double d2h_seconds = 0.0;
+    EMSA_RETURN_IF_ERROR(ElapsedSeconds(b.d2h_start, b.d2h_end, &d2h_seconds));
+    // The previous upload reads what the update is about to write: it must be done.
+    EMSA_RETURN_IF_ERROR(TimeUpload(b));
+    auto t0 = std::chrono::steady_clock::now();
+    EMSA_RETURN_IF_ERROR(updater->Step(b.updates.data(), b.updates.size(), step_options));
+    double cpu_seconds = Seconds(std::chrono::steady_clock::now() - t0);
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.h2d_start, h2d));
+    for (size_t k = 0; k < b.updates.size(); ++k) {
+      const TensorUpdate& u = b.updates[k];
+      if (u.numel == 0) continue;
+      EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+          b.device_params[k], u.param, static_cast<size_t>(u.numel) * DTypeSize(u.param_dtype),
+          cudaMemcpyHostToDevice, h2d));
+    }
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.h2d_end, h2d));
+    std::lock_guard<std::mutex> lock(mu);
+    HostTierStepStats& st = StatsOf(s);
+    st.d2h_s += d2h_seconds;
+    st.cpu_s += cpu_seconds;
+    b.uploaded = s;
+    b.h2d_timed = false;
+    return Status::Ok();
+  }
+
+  // Which waiting bucket to update next: of those whose gradients are already on the host, the
+  // one the next forward needs first (the highest index: buckets are in gradient-ready order,
+  // the reverse of the forward's). None landed yet: wait for the oldest copy (copies finish in
+  // submission order) and choose again. Updating in arrival order instead would leave the
+  // embedding, which the next forward needs first, for last, and forbid any overlap of CPU
+  // updates with the next forward.
+  Result<size_t> Choose(std::unique_lock<std::mutex>& lock) {
+    for (;;) {
+      candidates.assign(waiting.begin(), waiting.end());
+      lock.unlock();
+      const size_t oldest = candidates.front();
+      std::sort(candidates.begin(), candidates.end(), std::greater<size_t>());
+      size_t pick = candidates.size();
+      Status st;
+      for (size_t k = 0; k < candidates.size() && pick == candidates.size(); ++k) {
+        const cudaError_t q = cudaEventQuery(buckets[candidates[k]].d2h_end);
+        if (q == cudaSuccess) {
+          pick = k;
+        } else if (q != cudaErrorNotReady) {
+          st = CudaStatus(q, "cudaEventQuery (gradient copy)");
+          break;
+        }
+      }
+      if (st.ok() && pick == candidates.size()) {
+        st = CudaStatus(cudaEventSynchronize(buckets[oldest].d2h_end),
+                        "cudaEventSynchronize (gradient copy)");
+      }
+      lock.lock();
+      if (!st.ok()) return st;
+      if (pick < candidates.size()) {
+        const size_t index = candidates[pick];
+        waiting.erase(std::find(waiting.begin(), waiting.end(), index));
+        return index;
+      }
+    }
+  }
+
+  void Run() {
+    Status set = CudaStatus(cudaSetDevice(options.device), "cudaSetDevice (host tier worker)");
+    std::unique_lock<std::mutex> lock(mu);
+    if (!set.ok() && error.ok()) error = set;
+    for (;;) {
+      cv.wait(lock, [&] { return stop || !waiting.empty(); });
+      if (waiting.empty()) return;  // stop, and nothing left
+      size_t index = waiting.front();
+      int64_t s = step;
+      bool failed = !error.ok();
+      if (!failed) {
+        Result<size_t> chosen = Choose(lock);
+        if (chosen.ok()) {
+          index = *chosen;
+        } else {
+          error = chosen.status();
+          failed = true;
+        }
+      }
+      if (failed) waiting.erase(std::find(waiting.begin(), waiting.end(), index));
+      lock.unlock();
+      Status st = failed ? Status::Ok() : Process(index, s);
+      lock.lock();
+      if (!st.ok() && error.ok()) error = st;
+      if (!error.ok()) buckets[index].uploaded = s;  // so no Wait() blocks on it forever
+      --pending;
+      cv.notify_all();
+    }
+  }
+
+  // Under mu: blocks until the worker has no bucket left, or failed.
+  void Drain(std::unique_lock<std::mutex>& lock) {
+    cv.wait(lock, [&] { return pending == 0 || !error.ok(); });
+  }
+
+  ~Impl() {
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return pending == 0; });
+      stop = true;
+    }
+    cv.notify_all();
+    if (worker.joinable()) worker.join();
+    for (Bucket& b : buckets) {
+      for (cudaEvent_t e : {b.ready, b.d2h_start, b.d2h_end, b.h2d_start, b.h2d_end}) {
+        if (e != nullptr) (void)cudaEventDestroy(e);
+      }
+    }
+  }
+};
+
+Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
+                                                   const HostTierTensor* tensors, size_t count,
+                                                   size_t bucket_count, size_t group_count,
+                                                   cudaStream_t d2h_stream, cudaStream_t h2d_stream,
+                                                   const HostTierOptions& options) {
+  if (updater == nullptr) return Status::InvalidArgument("updater is null");
+  if (tensors == nullptr && count > 0) return Status::InvalidArgument("tensors is null");
+  if (bucket_count == 0 || group_count == 0) {
+    return Status::InvalidArgument("bucket_count and group_count must be at least 1");
+  }
+  if (options.history == 0) return Status::InvalidArgument("options.history must be >= 1");
+  auto impl = std::make_unique<Impl>();
+  impl->updater = updater;
+  impl->options = options;
+  impl->step_options.optimizer = options.optimizer;
+  impl->step_options.rounding = options.rounding;
+  impl->step_options.seed = options.seed;
+  impl->d2h = d2h_stream;
+  impl->h2d = h2d_stream;
+  impl->hypers.assign(group_count, HyperParams{});
+  impl->buckets.resize(bucket_count);
+  for (size_t i = 0; i < count; ++i) {
+    const HostTierTensor& t = tensors[i];
+    const std::string where = "tensors[" + std::to_string(i) + "]";
+    if (t.bucket < 0 || static_cast<size_t>(t.bucket) >= bucket_count) {
+      return Status::InvalidArgument(where + ".bucket is " + std::to_string(t.bucket) +
+                                     "; it must be in [0, " + std::to_string(bucket_count) + ")");
+    }
+    if (t.group < 0 || static_cast<size_t>(t.group) >= group_count) {
+      return Status::InvalidArgument(where + ".group is " + std::to_string(t.group) +
+                                     "; it must be in [0, " + std::to_string(group_count) + ")");
+    }
+    if (t.update.numel > 0 && t.device_param == nullptr) {
+      return Status::InvalidArgument(where + ".device_param is null");
+    }
+    TensorUpdate u = t.update;
+    u.step = 1;
+    u.hyper = &impl->hypers[static_cast<size_t>(t.group)];
+    Status valid = updater->Validate(&u, 1, impl->step_options);
+    if (!valid.ok()) return valid.Annotate(where);
+    Impl::Bucket& b = impl->buckets[static_cast<size_t>(t.bucket)];
+    b.updates.push_back(u);
+    b.device_params.push_back(t.device_param);
+    b.groups.push_back(t.group);
+  }
+  for (size_t i = 0; i < bucket_count; ++i) {
+    if (impl->buckets[i].updates.empty()) {
+      return Status::InvalidArgument("bucket " + std::to_string(i) + " has no tensors");
+    }
+  }
+  EMSA_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  for (Impl::Bucket& b : impl->buckets) {
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&b.ready, cudaEventDisableTiming));
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&b.d2h_start));
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&b.h2d_start));
+    // The worker waits on these: blocking sync lets it sleep instead of spinning on a core the
+    // CPU pool and the Python thread launching the forward both need.
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&b.d2h_end, cudaEventBlockingSync));
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&b.h2d_end, cudaEventBlockingSync));
+  }
+  impl->waiting.reserve(bucket_count);
+  impl->candidates.reserve(bucket_count);
+  impl->stats.assign(options.history, HostTierStepStats{});
+  impl->uploads_timed.assign(options.history, 0);
+  Impl* raw = impl.get();
+  impl->worker = std::thread([raw] { raw->Run(); });
+  return std::unique_ptr<HostTier>(new HostTier(std::move(impl)));
+}
+
+HostTier::HostTier(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+HostTier::~HostTier() = default;
+
+size_t HostTier::bucket_count() const { return impl_->buckets.size(); }
+size_t HostTier::bucket_size(size_t bucket) const {
+  return bucket < impl_->buckets.size() ? impl_->buckets[bucket].updates.size() : 0;
+}
+
+Status HostTier::BeginStep(const HyperParams* hypers, const int64_t* steps, size_t group_count) {
+  Impl& m = *impl_;
+  if (group_count != m.hypers.size() || hypers == nullptr || steps == nullptr) {
+    return Status::InvalidArgument("BeginStep needs " + std::to_string(m.hypers.size()) +
+                                   " groups' hyperparameters and steps, got " +
+                                   std::to_string(group_count));
+  }
+  for (size_t g = 0; g < group_count; ++g) {
+    if (steps[g] < 1) {
+      return Status::InvalidArgument("steps[" + std::to_string(g) + "] is " +
+                                     std::to_string(steps[g]) + "; it must be >= 1");
+    }
+  }
+  std::unique_lock<std::mutex> lock(m.mu);
+  m.Drain(lock);
+  EMSA_RETURN_IF_ERROR(m.error);
+  for (size_t g = 0; g < group_count; ++g) m.hypers[g] = hypers[g];
+  for (Impl::Bucket& b : m.buckets) {
+    for (size_t k = 0; k < b.updates.size(); ++k) {
+      b.updates[k].step = steps[static_cast<size_t>(b.groups[k])];
+    }
+  }
+  ++m.step;
+  HostTierStepStats& st = m.StatsOf(m.step);
+  st = HostTierStepStats{};
+  st.step = m.step;
+  m.uploads_timed[static_cast<size_t>(m.step) % m.stats.size()] = 0;
+  return Status::Ok();
+}
+
+Status HostTier::Submit(size_t bucket, const void* const* grads, size_t count,
+                        cudaStream_t compute) {
+  Impl& m = *impl_;
+  if (bucket >= m.buckets.size()) {
+    return Status::InvalidArgument("bucket " + std::to_string(bucket) + " does not exist (" +
+                                   std::to_string(m.buckets.size()) + " buckets)");
+  }
+  Impl::Bucket& b = m.buckets[bucket];
+  if (count != b.updates.size() || (grads == nullptr && count > 0)) {
+    return Status::InvalidArgument("bucket " + std::to_string(bucket) + " holds " +
+                                   std::to_string(b.updates.size()) + " tensors; got " +
+                                   std::to_string(count) + " gradients");
+  }
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    EMSA_RETURN_IF_ERROR(m.error);
+    if (m.step == 0) return Status::InvalidArgument("Submit before the first BeginStep");
+    if (b.submitted == m.step) {
+      return Status::InvalidArgument("bucket " + std::to_string(bucket) +
+                                     " was submitted already in this step");
+    }
+  }
+  for (size_t k = 0; k < count; ++k) {
+    if (grads[k] == nullptr && b.updates[k].numel > 0) {
+      return Status::InvalidArgument("bucket " + std::to_string(bucket) + ": gradient " +
+                                     std::to_string(k) + " is null");
+    }
+  }
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ready, compute));
+  EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(m.d2h, b.ready, 0));
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.d2h_start, m.d2h));
+  for (size_t k = 0; k < count; ++k) {
+    const TensorUpdate& u = b.updates[k];
+    if (u.numel == 0) continue;
+    EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        const_cast<void*>(u.grad), grads[k], static_cast<size_t>(u.numel) * DTypeSize(u.grad_dtype),
+        cudaMemcpyDeviceToHost, m.d2h));
+  }
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.d2h_end, m.d2h));
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    b.submitted = m.step;
+    m.waiting.push_back(bucket);
+    ++m.pending;
+    ++m.StatsOf(m.step).buckets;
+    m.StatsOf(m.step).complete = false;
+  }
+  m.cv.notify_all();
+  return Status::Ok();
+}
+
+Status HostTier::Wait(size_t bucket, cudaStream_t stream) {
+  Impl& m = *impl_;
+  if (bucket >= m.buckets.size()) {
+    return Status::InvalidArgument("bucket " + std::to_string(bucket) + " does not exist");
+  }
+  Impl::Bucket& b = m.buckets[bucket];
+  {
+    std::unique_lock<std::mutex> lock(m.mu);
+    auto ready = [&] { return !m.error.ok() || b.uploaded >= b.submitted; };
+    if (!ready()) {
+      auto t0 = std::chrono::steady_clock::now();
+      m.cv.wait(lock, ready);
+      m.StatsOf(m.step).wait_s += Seconds(std::chrono::steady_clock::now() - t0);
+    }
+    EMSA_RETURN_IF_ERROR(m.error);
+    if (b.uploaded == 0) return Status::Ok();
+  }
+  EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, b.h2d_end, 0));
+  return Status::Ok();
+}
+
+Status HostTier::WaitGradsCopied(cudaStream_t stream) {
+  Impl& m = *impl_;
+  int64_t s;
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    s = m.step;
+  }
+  for (Impl::Bucket& b : m.buckets) {
+    if (b.submitted == s && s > 0) {
+      EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, b.d2h_end, 0));
+    }
+  }
+  return Status::Ok();
+}
+
+Status HostTier::Synchronize() {
+  Impl& m = *impl_;
+  {
+    std::unique_lock<std::mutex> lock(m.mu);
+    m.Drain(lock);
+    EMSA_RETURN_IF_ERROR(m.error);
+  }
+  for (Impl::Bucket& b : m.buckets) EMSA_RETURN_IF_ERROR(m.TimeUpload(b));
+  return Status::Ok();
+}
+
+size_t HostTier::Stats(int64_t first, HostTierStepStats* out, size_t capacity) const {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  int64_t oldest = m.step - static_cast<int64_t>(m.stats.size()) + 1;
+  if (first < oldest) first = oldest;
+  if (first < 1) first = 1;
+  size_t n = 0;
+  for (int64_t s = first; s <= m.step && n < capacity; ++s) out[n++] = m.StatsOf(s);
+  return n;
+}
+
+}  // namespace emsa
+
+#else  // !EMSA_HAVE_CUDA
+
+namespace emsa {
+
+struct HostTier::Impl {};
+
+Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater*, const HostTierTensor*, size_t,
+                                                   size_t, size_t, cudaStream_t, cudaStream_t,
+                                                   const HostTierOptions&) {
+  return Status::Unsupported(
+      "the host tier for CUDA parameters needs a CUDA build of emsa (nvcc was not found when "
+      "it was built)");
+}
+HostTier::HostTier(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+HostTier::~HostTier() = default;
+Status HostTier::BeginStep(const HyperParams*, const int64_t*, size_t) {
+  return Status::Unsupported("no CUDA");
+}
+Status HostTier::Submit(size_t, const void* const*, size_t, cudaStream_t) {
+  return Status::Unsupported("no CUDA");
+}
+Status HostTier::Wait(size_t, cudaStream_t) { return Status::Unsupported("no CUDA"); }
+Status HostTier::WaitGradsCopied(cudaStream_t) { return Status::Unsupported("no CUDA"); }
+Status HostTier::Synchronize() { return Status::Unsupported("no CUDA"); }
+size_t HostTier::Stats(int64_t, HostTierStepStats*, size_t) const { return 0; }
+size_t HostTier::bucket_count() const { return 0; }
+size_t HostTier::bucket_size(size_t) const { return 0; }
+
+}  // namespace emsa
+
+#endif  // EMSA_HAVE_CUDA

@@ -1,0 +1,350 @@
+// Tests for include/emsa/host_tier.h: validation everywhere; on a device, the D2H -> CPU -> H2D
+// pipeline against the CpuUpdater run directly on the same inputs (bitwise: the host tier is the
+// CPU kernels plus copies), over several steps, buckets submitted out of order, two param groups,
+// fp32 and bf16 parameters, odd sizes; the call-order errors; the measurements.
+#include "emsa/host_tier.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/cuda_util.h"
+#include "emsa/cpu_update.h"
+#if EMSA_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace emsa {
+namespace {
+
+void ExpectError(const Status& s, StatusCode code, const std::string& needle) {
+  EXPECT_EQ(s.code(), code) << s.ToString();
+  EXPECT_NE(s.message().find(needle), std::string::npos)
+      << "message \"" << s.message() << "\" lacks \"" << needle << "\"";
+}
+
+std::unique_ptr<CpuUpdater> Updater() {
+  CpuUpdaterOptions o;
+  o.threads = 2;
+  auto u = CpuUpdater::Create(o);
+  EXPECT_TRUE(u.ok()) << u.status().ToString();
+  return std::move(u).value();
+}
+
+TEST(HostTierValidation, NamesTheBadField) {
+  auto updater = Updater();
+  std::vector<float> buf(4 * 8);
+  HostTierTensor t;
+  t.update.param = buf.data();
+  t.update.grad = buf.data() + 8;
+  t.update.exp_avg = buf.data() + 16;
+  t.update.exp_avg_sq = buf.data() + 24;
+  t.update.numel = 8;
+  t.device_param = buf.data();  // never dereferenced: validation fails or no device is used
+  HostTierOptions o;
+  const auto create = [&](size_t buckets = 1, size_t groups = 1) {
+    return HostTier::Create(updater.get(), &t, 1, buckets, groups, nullptr, nullptr, o).status();
+  };
+#if EMSA_HAVE_CUDA
+  t.bucket = 3;
+  ExpectError(create(), StatusCode::kInvalidArgument, "tensors[0].bucket is 3");
+  t.bucket = 0;
+  t.group = 1;
+  ExpectError(create(), StatusCode::kInvalidArgument, "tensors[0].group is 1");
+  t.group = 0;
+  t.update.exp_avg = nullptr;
+  ExpectError(create(), StatusCode::kInvalidArgument, "tensors[0]");
+  t.update.exp_avg = buf.data() + 16;
+  t.device_param = nullptr;
+  ExpectError(create(), StatusCode::kInvalidArgument, "tensors[0].device_param");
+  t.device_param = buf.data();
+  ExpectError(create(2), StatusCode::kInvalidArgument, "bucket 1 has no tensors");
+  ExpectError(create(0), StatusCode::kInvalidArgument, "bucket_count");
+  ExpectError(HostTier::Create(nullptr, &t, 1, 1, 1, nullptr, nullptr, o).status(),
+              StatusCode::kInvalidArgument, "updater");
+#else
+  ExpectError(create(), StatusCode::kUnsupported, "CUDA build");
+#endif
+}
+
+#if EMSA_HAVE_CUDA
+
+#define SKIP_WITHOUT_DEVICE() \
+  if (!CudaDeviceUsable()) GTEST_SKIP() << "no usable CUDA device"
+
+#define ASSERT_OK(expr)                                     \
+  do {                                                      \
+    const ::emsa::Status s_ = (expr);                       \
+    ASSERT_TRUE(s_.ok()) << #expr << ": " << s_.ToString(); \
+  } while (0)
+
+#define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+uint32_t Hash(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  return x ^ (x >> 16);
+}
+
+float Random(uint32_t seed, int64_t i) {  // in (-1, 1), never zero
+  const uint32_t h = Hash(seed * 2654435761U + static_cast<uint32_t>(i));
+  return (static_cast<float>(h >> 8) + 0.5f) / 8388608.0f - 1.0f;
+}
+
+uint16_t Bf16(float x) {  // round to nearest even; inputs are finite
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// One tensor of the test: pinned host state for the tier, plain host state for the reference.
+struct Case {
+  int64_t numel;
+  DType dtype;
+  int32_t group;
+  int64_t bucket;
+};
+
+class HostTierPipeline : public ::testing::Test {
+ protected:
+  struct Side {  // one copy of every buffer
+    std::vector<float*> master, m, v;
+    std::vector<void*> param_host, grad_host;
+  };
+
+  void SetUp() override {
+    SKIP_WITHOUT_DEVICE();
+    ASSERT_CUDA(cudaSetDevice(0));
+    ASSERT_CUDA(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
+    ASSERT_CUDA(cudaStreamCreateWithFlags(&d2h_, cudaStreamNonBlocking));
+    ASSERT_CUDA(cudaStreamCreateWithFlags(&h2d_, cudaStreamNonBlocking));
+  }
+
+  void TearDown() override {
+    tier_.reset();
+    for (void* p : pinned_) (void)cudaFreeHost(p);
+    for (void* p : device_) (void)cudaFree(p);
+    for (cudaStream_t s : {compute_, d2h_, h2d_}) {
+      if (s != nullptr) (void)cudaStreamDestroy(s);
+    }
+  }
+
+  void* Pinned(size_t bytes) {
+    void* p = nullptr;
+    EXPECT_EQ(cudaHostAlloc(&p, bytes, cudaHostAllocPortable), cudaSuccess);
+    std::memset(p, 0, bytes);
+    pinned_.push_back(p);
+    return p;
+  }
+  void* Device(size_t bytes) {
+    void* p = nullptr;
+    EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess);
+    device_.push_back(p);
+    return p;
+  }
+
+  // Builds both sides with the same initial parameters; the tier gets the pinned side.
+  void Build(const std::vector<Case>& cases, size_t buckets, size_t groups) {
+    cases_ = cases;
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const Case& c = cases[i];
+      const size_t n = static_cast<size_t>(c.numel);
+      const size_t pbytes = n * DTypeSize(c.dtype);
+      std::vector<float> init(n);
+      for (size_t k = 0; k < n; ++k) init[k] = Random(100 + static_cast<uint32_t>(i), k);
+      std::vector<uint8_t> param_bytes(pbytes);
+      for (size_t k = 0; k < n; ++k) {
+        if (c.dtype == DType::kFloat32) {
+          std::memcpy(param_bytes.data() + 4 * k, &init[k], 4);
+        } else {
+          init[k] = [&] {  // the master starts at the rounded parameter, as torch's copy does
+            uint16_t h = Bf16(init[k]);
+            uint32_t u = static_cast<uint32_t>(h) << 16;
+            float f;
+            std::memcpy(&f, &u, 4);
+            return f;
+          }();
+          const uint16_t h = Bf16(init[k]);
+          std::memcpy(param_bytes.data() + 2 * k, &h, 2);
+        }
+      }
+      for (Side* side : {&tier_side_, &ref_side_}) {
+        const bool pinned = side == &tier_side_;
+        auto alloc = [&](size_t bytes) {
+          if (pinned) return Pinned(bytes);
+          owned_.emplace_back(bytes, 0);
+          return static_cast<void*>(owned_.back().data());
+        };
+        float* master = static_cast<float*>(alloc(n * 4));
+        std::memcpy(master, init.data(), n * 4);
+        side->master.push_back(master);
+        side->m.push_back(static_cast<float*>(alloc(n * 4)));
+        side->v.push_back(static_cast<float*>(alloc(n * 4)));
+        side->grad_host.push_back(alloc(pbytes));
+        side->param_host.push_back(c.dtype == DType::kFloat32 ? master : alloc(pbytes));
+      }
+      void* dparam = Device(pbytes);
+      ASSERT_CUDA(cudaMemcpy(dparam, param_bytes.data(), pbytes, cudaMemcpyHostToDevice));
+      device_params_.push_back(dparam);
+      device_grads_.push_back(Device(pbytes));
+    }
+    std::vector<HostTierTensor> tensors(cases.size());
+    for (size_t i = 0; i < cases.size(); ++i) {
+      tensors[i].update = Update(tier_side_, i);
+      tensors[i].group = cases[i].group;
+      tensors[i].bucket = cases[i].bucket;
+      tensors[i].device_param = device_params_[i];
+    }
+    auto tier = HostTier::Create(tier_updater_.get(), tensors.data(), tensors.size(), buckets,
+                                 groups, d2h_, h2d_, HostTierOptions{});
+    ASSERT_TRUE(tier.ok()) << tier.status().ToString();
+    tier_ = std::move(tier).value();
+  }
+
+  TensorUpdate Update(const Side& side, size_t i) const {
+    const Case& c = cases_[i];
+    TensorUpdate u;
+    u.param = side.param_host[i];
+    u.grad = side.grad_host[i];
+    u.exp_avg = side.m[i];
+    u.exp_avg_sq = side.v[i];
+    u.master = c.dtype == DType::kFloat32 ? nullptr : side.master[i];
+    u.numel = c.numel;
+    u.param_dtype = u.grad_dtype = c.dtype;
+    return u;
+  }
+
+  // Fresh gradients on the device and in the reference's host buffers.
+  void NewGrads(uint32_t step) {
+    for (size_t i = 0; i < cases_.size(); ++i) {
+      const Case& c = cases_[i];
+      const size_t n = static_cast<size_t>(c.numel);
+      std::vector<uint8_t> g(n * DTypeSize(c.dtype));
+      for (size_t k = 0; k < n; ++k) {
+        const float x = Random(1000 * step + static_cast<uint32_t>(i), k) * 0.1f;
+        if (c.dtype == DType::kFloat32) {
+          std::memcpy(g.data() + 4 * k, &x, 4);
+        } else {
+          const uint16_t h = Bf16(x);
+          std::memcpy(g.data() + 2 * k, &h, 2);
+        }
+      }
+      ASSERT_CUDA(cudaMemcpy(device_grads_[i], g.data(), g.size(), cudaMemcpyHostToDevice));
+      std::memcpy(ref_side_.grad_host[i], g.data(), g.size());
+    }
+  }
+
+  void ReferenceStep(const HyperParams* hypers, const int64_t* steps) {
+    std::vector<TensorUpdate> u;
+    for (size_t i = 0; i < cases_.size(); ++i) {
+      u.push_back(Update(ref_side_, i));
+      u.back().step = steps[cases_[i].group];
+      u.back().hyper = &hypers[cases_[i].group];
+    }
+    ASSERT_OK(ref_updater_->Step(u.data(), u.size(), StepOptions{}));
+  }
+
+  void ExpectDeviceEqualsReference(int step) {
+    for (size_t i = 0; i < cases_.size(); ++i) {
+      const size_t bytes = static_cast<size_t>(cases_[i].numel) * DTypeSize(cases_[i].dtype);
+      std::vector<uint8_t> got(bytes);
+      ASSERT_CUDA(cudaMemcpy(got.data(), device_params_[i], bytes, cudaMemcpyDeviceToHost));
+      ASSERT_EQ(std::memcmp(got.data(), ref_side_.param_host[i], bytes), 0)
+          << "tensor " << i << " differs from the CPU updater after step " << step;
+      ASSERT_EQ(
+          std::memcmp(tier_side_.m[i], ref_side_.m[i], bytes / DTypeSize(cases_[i].dtype) * 4), 0)
+          << "exp_avg of tensor " << i << " after step " << step;
+    }
+  }
+
+  std::unique_ptr<CpuUpdater> tier_updater_ = Updater();
+  std::unique_ptr<CpuUpdater> ref_updater_ = Updater();
+  std::vector<Case> cases_;
+  Side tier_side_, ref_side_;
+  std::vector<std::vector<uint8_t>> owned_;
+  std::vector<void*> pinned_, device_, device_params_, device_grads_;
+  cudaStream_t compute_ = nullptr, d2h_ = nullptr, h2d_ = nullptr;
+  std::unique_ptr<HostTier> tier_;
+};
+
+TEST_F(HostTierPipeline, MatchesTheCpuUpdaterBitwiseOverSteps) {
+  Build({{1, DType::kFloat32, 0, 2},
+         {3, DType::kFloat32, 1, 2},
+         {4097, DType::kBFloat16, 0, 1},
+         {100003, DType::kFloat32, 1, 1},
+         {1 << 20, DType::kFloat32, 0, 0}},
+        3, 2);
+  HyperParams hypers[2];
+  hypers[1].weight_decay = 0.0;
+  hypers[1].lr = 3e-3;
+  int64_t steps[2] = {0, 4};  // group 1 resumes from a loaded state
+  for (int s = 1; s <= 4; ++s) {
+    ++steps[0];
+    ++steps[1];
+    hypers[0].lr = 1e-3 * s;  // a scheduler
+    NewGrads(static_cast<uint32_t>(s));
+    ReferenceStep(hypers, steps);
+    ASSERT_OK(tier_->BeginStep(hypers, steps, 2));
+    // Gradient-ready order is the reverse of the forward's: submit 2, 1, 0; wait 0, 1, 2.
+    for (size_t b : {2u, 1u, 0u}) {
+      std::vector<const void*> grads;
+      for (size_t i = 0; i < cases_.size(); ++i) {
+        if (static_cast<size_t>(cases_[i].bucket) == b) grads.push_back(device_grads_[i]);
+      }
+      ASSERT_OK(tier_->Submit(b, grads.data(), grads.size(), compute_));
+    }
+    ASSERT_OK(tier_->WaitGradsCopied(compute_));
+    for (size_t b : {0u, 1u, 2u}) ASSERT_OK(tier_->Wait(b, compute_));
+    ASSERT_CUDA(cudaStreamSynchronize(compute_));  // only the waits order the uploads before it
+    ExpectDeviceEqualsReference(s);
+  }
+  ASSERT_OK(tier_->Synchronize());
+  HostTierStepStats stats[8];
+  const size_t n = tier_->Stats(1, stats, 8);
+  ASSERT_EQ(n, 4u);
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_EQ(stats[i].step, static_cast<int64_t>(i + 1));
+    EXPECT_EQ(stats[i].buckets, 3);
+    EXPECT_TRUE(stats[i].complete) << "step " << i + 1;
+    EXPECT_GT(stats[i].d2h_s, 0.0);
+    EXPECT_GT(stats[i].cpu_s, 0.0);
+    EXPECT_GT(stats[i].h2d_s, 0.0);
+  }
+  EXPECT_EQ(tier_->Stats(3, stats, 8), 2u);
+}
+
+TEST_F(HostTierPipeline, RefusesCallsOutOfOrder) {
+  Build({{64, DType::kFloat32, 0, 0}, {64, DType::kFloat32, 0, 1}}, 2, 1);
+  const void* grads[1] = {device_grads_[0]};
+  ExpectError(tier_->Submit(0, grads, 1, compute_), StatusCode::kInvalidArgument,
+              "before the first BeginStep");
+  HyperParams h;
+  int64_t step = 0;
+  ExpectError(tier_->BeginStep(&h, &step, 1), StatusCode::kInvalidArgument, "steps[0] is 0");
+  step = 1;
+  ExpectError(tier_->BeginStep(&h, &step, 2), StatusCode::kInvalidArgument, "needs 1 groups");
+  ASSERT_OK(tier_->BeginStep(&h, &step, 1));
+  ExpectError(tier_->Submit(0, grads, 2, compute_), StatusCode::kInvalidArgument,
+              "holds 1 tensors; got 2");
+  ExpectError(tier_->Submit(5, grads, 1, compute_), StatusCode::kInvalidArgument,
+              "bucket 5 does not exist");
+  ASSERT_OK(tier_->Submit(0, grads, 1, compute_));
+  ExpectError(tier_->Submit(0, grads, 1, compute_), StatusCode::kInvalidArgument,
+              "submitted already");
+  // A bucket never submitted: Wait has nothing to wait for.
+  ASSERT_OK(tier_->Wait(1, compute_));
+  ASSERT_OK(tier_->Wait(0, compute_));
+  ASSERT_OK(tier_->Synchronize());
+}
+
+#endif  // EMSA_HAVE_CUDA
+
+}  // namespace
+}  // namespace emsa

@@ -1,0 +1,203 @@
+// Tests for `emsa plan --model`: exit codes (0 ok, 2 bad input, 3 infeasible with the smallest
+// budget named), that the plan printed is the library's, and the 7B-on-24-GiB expectation. The
+// binary sits next to the tests directory (build/emsa); skipped when it has not been built.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "common/json.h"
+#include "emsa/model_config.h"
+#include "emsa/plan.h"
+
+namespace emsa {
+namespace {
+
+struct Outcome {
+  int code = -1;
+  std::string out, err;
+};
+
+class PlanModelCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char buf[4096];
+    const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+    ASSERT_GT(n, 0);
+    const std::string self(buf, static_cast<size_t>(n));
+    cli_ = self.substr(0, self.rfind('/')) + "/../emsa";
+    if (access(cli_.c_str(), X_OK) != 0) GTEST_SKIP() << "the emsa binary is not built at " << cli_;
+    dir_ = ::testing::TempDir() + "emsa_plan_model_" + std::to_string(getpid()) + "_" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    ASSERT_EQ(std::system(("mkdir -p '" + dir_ + "'").c_str()), 0);
+  }
+  void TearDown() override {
+    if (!dir_.empty()) (void)std::system(("rm -rf '" + dir_ + "'").c_str());
+  }
+
+  std::string Path(const std::string& name) const { return dir_ + "/" + name; }
+
+  Outcome Emsa(const std::string& args) const {
+    Outcome run;
+    const std::string cmd =
+        "'" + cli_ + "' " + args + " >'" + Path("out.txt") + "' 2>'" + Path("err.txt") + "'";
+    const int status = std::system(cmd.c_str());
+    run.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    run.out = json::ReadFile(Path("out.txt")).value();
+    run.err = json::ReadFile(Path("err.txt")).value();
+    return run;
+  }
+
+  std::string cli_, dir_;
+};
+
+// What the CLI should compute for `--model NAME` on the h200 preset, step in backward.
+Result<Plan> LibraryPlan(const std::string& model, const ModelProbeOptions& probe_options,
+                         PlanOptions options, uint64_t* min_budget) {
+  EMSA_ASSIGN_OR_RETURN(DevicePreset device, LoadDevicePreset("h200"));
+  ModelProbeOptions o = probe_options;
+  o.matmul_flops = device.matmul_flops;
+  EMSA_ASSIGN_OR_RETURN(ProbeRecord record, ModelProbe(model, o));
+  options.release_grads = true;
+  return MakePlan(record, device.profile, options, min_budget);
+}
+
+TEST_F(PlanModelCli, FitsAndPrintsTheModelAndThePlan) {
+  Outcome r = Emsa("plan --model tinyllama-1.1b --gpu-mem 80GiB --seq 1024 --summary");
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (const char* part : {"tinyllama-1.1b: llama family, 1,100,048,384 parameters (float32",
+                           "batch 1 x seq 1024", "NVIDIA H200 (preset h200)", "L1 (device)",
+                           "L2 (host)", "peak device memory", "step  ", "(budget 80.00 GiB)"}) {
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << "\n" << r.out;
+  }
+  // --summary leaves out the per-parameter rows; without it they are there.
+  EXPECT_EQ(r.out.find("model.layers.0.mlp.up_proj.weight"), std::string::npos);
+  Outcome full = Emsa("plan --model tinyllama-1.1b --gpu-mem 80GiB --seq 1024");
+  ASSERT_EQ(full.code, 0) << full.err;
+  EXPECT_NE(full.out.find("model.layers.0.mlp.up_proj.weight"), std::string::npos);
+}
+
+TEST_F(PlanModelCli, JsonIsTheLibrarysPlan) {
+  ModelProbeOptions o;
+  o.batch = 2;
+  o.seq_len = 512;
+  o.activation_checkpointing = true;
+  o.param_dtype = DType::kBFloat16;
+  PlanOptions options;
+  options.budget_bytes = 20ull << 30;
+  options.state_dtype = DType::kBFloat16;
+  Result<Plan> want = LibraryPlan("mistral-7b", o, options, nullptr);
+  ASSERT_TRUE(want.ok()) << want.status().ToString();
+  Outcome r = Emsa(
+      "plan --model mistral-7b --gpu-mem 20GiB --batch 2 --seq 512 --checkpointing "
+      "--param-dtype bf16 --state-dtype bf16 --json -");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(r.out == PlanToJson(*want)) << "the CLI's plan differs from MakePlan's";
+}
+
+TEST_F(PlanModelCli, Llama7BOn24GiBFitsOnlyWithTheHostTier) {
+  const std::string args =
+      "plan --model llama-2-7b --gpu-mem 24GiB --batch 1 --seq 2048 --checkpointing "
+      "--param-dtype bf16";
+  Outcome r = Emsa(args + " --json '" + Path("plan.json") + "'");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json::Value plan = json::Parse(json::ReadFile(Path("plan.json")).value()).value();
+  const json::Value& prediction = *plan.Find("prediction");
+  EXPECT_LE(prediction.Find("peak_device_bytes")->as_int(), int64_t{24} << 30);
+  EXPECT_GT(prediction.Find("host_state_bytes")->as_int(), 0);
+  // The bf16 parameters (13.5 GB) stay on the device; most state and masters go to the host.
+  size_t host = 0, params = 0;
+  for (const json::Value& p : plan.Find("params")->as_array()) {
+    ++params;
+    if (p.Find("tier")->as_string() == "L2") ++host;
+  }
+  EXPECT_GT(host, params / 2);
+
+  Outcome device_only = Emsa(args + " --no-host-tier");
+  EXPECT_EQ(device_only.code, 3) << device_only.err;
+  EXPECT_NE(device_only.err.find("llama-2-7b needs at least"), std::string::npos)
+      << device_only.err;
+  EXPECT_NE(device_only.err.find("with everything on the device (--no-host-tier)"),
+            std::string::npos)
+      << device_only.err;
+}
+
+TEST_F(PlanModelCli, InfeasibleExitsThreeNamingTheSmallestBudget) {
+  ModelProbeOptions o;
+  o.param_dtype = DType::kBFloat16;
+  o.activation_checkpointing = true;
+  PlanOptions options;
+  options.budget_bytes = 4ull << 30;
+  uint64_t min_budget = 0;
+  Result<Plan> want = LibraryPlan("llama-2-7b", o, options, &min_budget);
+  ASSERT_FALSE(want.ok());
+  ASSERT_EQ(want.status().code(), StatusCode::kInfeasible);
+  ASSERT_GT(min_budget, 4ull << 30);
+
+  const std::string model = "plan --model llama-2-7b --checkpointing --param-dtype bf16";
+  Outcome r = Emsa(model + " --gpu-mem 4GiB");
+  EXPECT_EQ(r.code, 3);
+  EXPECT_TRUE(r.out.empty()) << r.out;
+  const std::string need = "needs at least " + FormatBytes(min_budget);
+  EXPECT_NE(r.err.find(need + " of device memory with the host tier"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("the budget is 4.00 GiB"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("--gpu-mem " + std::to_string(min_budget)), std::string::npos) << r.err;
+  // Checkpointing and bf16 are in use, so only the shape is left to shrink.
+  EXPECT_NE(r.err.find("to need less: a smaller --batch or --seq"), std::string::npos) << r.err;
+  // The budget named is exactly the smallest that works.
+  EXPECT_EQ(Emsa(model + " --summary --gpu-mem " + std::to_string(min_budget)).code, 0);
+  EXPECT_EQ(Emsa(model + " --summary --gpu-mem " + std::to_string(min_budget - 1)).code, 3);
+  // Without the default step in backward every gradient stays: it needs more.
+  Outcome keep = Emsa(model + " --gpu-mem 4GiB --keep-grads");
+  EXPECT_EQ(keep.code, 3);
+  EXPECT_NE(keep.err.find("--step-in-backward"), std::string::npos) << keep.err;
+}
+
+TEST_F(PlanModelCli, BadInputExitsTwoWithAMessage) {
+  ASSERT_TRUE(json::WriteFile(Path("gemma.json"), R"({"model_type": "gemma"})").ok());
+  ASSERT_TRUE(json::WriteFile(Path("nolayers.json"),
+                              R"({"model_type": "llama", "hidden_size": 64,
+                                  "intermediate_size": 128, "num_attention_heads": 4,
+                                  "vocab_size": 100})")
+                  .ok());
+  struct Case {
+    std::string args, says;
+  } cases[] = {
+      {"plan --model llama-9", "not a preset (gpt2-xl, llama-2-7b"},
+      {"plan --model '" + Path("gemma.json") + "'", "model_type: \"gemma\" is not supported"},
+      {"plan --model '" + Path("nolayers.json") + "'", "num_hidden_layers: missing"},
+      {"plan --model '" + Path("absent.json") + "'", "absent.json"},
+      {"plan --model llama-2-7b --batch 0", "--batch '0' is not a positive whole number"},
+      {"plan --model llama-2-7b --seq 1e3", "--seq '1e3' is not a positive whole number"},
+      {"plan --model gpt2-xl --seq 4096", "exceeds gpt2-xl's n_positions 1024"},
+      {"plan --model llama-2-7b --param-dtype int8", "--param-dtype 'int8' is not supported"},
+      {"plan --model llama-2-7b --device tpu", "a100-40gb, h200, rtx-4090, or 'this'"},
+      {"plan --model llama-2-7b --gpu-mem lots", "--gpu-mem"},
+      {"plan --model llama-2-7b --gpu-mem 24GiB --budget 24GiB", "give one"},
+      {"plan --model llama-2-7b --device h200 --profile x.json", "give one"},
+      {"plan --model llama-2-7b --keep-grads --step-in-backward", "contradict"},
+      {"plan --model llama-2-7b probe.json", "not both"},
+      {"plan probe.json --batch 2", "--batch goes with --model"},
+      {"plan probe.json --gpu-mem 2GiB", "--gpu-mem goes with --model"},
+      {"plan --checkpointing", "--checkpointing goes with --model"},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.args);
+    Outcome r = Emsa(k.args);
+    EXPECT_EQ(r.code, 2) << r.err;
+    EXPECT_NE(r.err.find(k.says), std::string::npos) << r.err;
+  }
+}
+
+TEST_F(PlanModelCli, HelpListsThePresets) {
+  Outcome r = Emsa("--help");
+  ASSERT_EQ(r.code, 0);
+  EXPECT_NE(r.out.find("emsa plan --model NAME|PATH"), std::string::npos);
+  EXPECT_NE(r.out.find("model presets:  gpt2-xl, llama-2-7b, llama-3-8b"), std::string::npos);
+  EXPECT_NE(r.out.find("device presets: a100-40gb, h200, rtx-4090, this"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace emsa
