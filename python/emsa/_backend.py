@@ -3,8 +3,8 @@
 A Backend is made once per optimizer, at planning time, from the plan and the parameters. It
 owns the state memory (arenas) and runs steps; the optimizer class owns torch's API (param
 groups, state_dict, closures). Two exist: the CPU backend (host arenas, the SIMD worker pool)
-and the CUDA backend (a device arena, fused kernels on torch's current stream; the host tier
-for CUDA parameters is not built yet, so its plans keep all state on the device).
+and the CUDA backend (a device arena, fused kernels on torch's current stream; host-tier state in
+a pinned arena, updated by the CPU while the GPU runs, through emsa._host_tier).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class Backend:
     check_finite = True
 
     @staticmethod
-    def planning_profile(device: torch.device) -> str:
+    def planning_profile(device: torch.device, measure_bandwidth: bool = False) -> str:
         """The profile to plan with when neither the user nor the probe record gave one and
         wants_bandwidths is False: this machine, without the timed measurements."""
         from .plan import quick_profile_json

@@ -19,6 +19,7 @@ __all__ = [
     "StepOptions",
     "StepReport",
     "PlanOptions",
+    "ModelOptions",
     "DeviceTableOptions",
     "DeviceStepReport",
     "DeviceStepHeader",
@@ -152,6 +153,39 @@ class DeviceStepHeader(ctypes.Structure):
 assert ctypes.sizeof(DeviceStepHeader) == 56, "emsa_device_step_header is 56 bytes"
 
 
+class HostTierTensor(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("update", TensorUpdate),
+        ("group", ctypes.c_int32),
+        ("bucket", ctypes.c_int64),
+        ("device_param", ctypes.c_void_p),
+    ]
+
+
+class HostTierOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("optimizer", ctypes.c_int32),
+        ("rounding", ctypes.c_int32),
+        ("seed", ctypes.c_uint64),
+        ("device", ctypes.c_int32),
+    ]
+
+
+class HostTierStepStats(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("step", ctypes.c_int64),
+        ("d2h_s", ctypes.c_double),
+        ("cpu_s", ctypes.c_double),
+        ("h2d_s", ctypes.c_double),
+        ("wait_s", ctypes.c_double),
+        ("buckets", ctypes.c_int64),
+        ("complete", ctypes.c_int32),
+    ]
+
+
 class PlanOptions(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
@@ -162,6 +196,18 @@ class PlanOptions(ctypes.Structure):
         ("budget_bytes", ctypes.c_uint64),
         ("safety_margin_bytes", ctypes.c_uint64),
         ("bucket_bytes", ctypes.c_uint64),
+        ("release_grads", ctypes.c_int32),
+    ]
+
+
+class ModelOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("activation_checkpointing", ctypes.c_int32),
+        ("batch", ctypes.c_int64),
+        ("seq_len", ctypes.c_int64),
+        ("param_dtype", ctypes.c_int32),
+        ("matmul_flops", ctypes.c_double),
     ]
 
 
@@ -187,6 +233,12 @@ _TABLE = {
     "emsa_plan_to_table": (_S, [_P, ctypes.POINTER(_P)]),
     "emsa_plan_arena_bytes": (
         _S, [_P, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]),
+    "emsa_plan_to_summary": (_S, [_P, ctypes.POINTER(_P)]),
+    "emsa_model_options_init": (None, [ctypes.POINTER(ModelOptions)]),
+    "emsa_model_probe": (
+        _S, [ctypes.c_char_p, ctypes.POINTER(ModelOptions), ctypes.POINTER(_P),
+             ctypes.POINTER(_P)]),
+    "emsa_device_preset": (_S, [ctypes.c_char_p, ctypes.POINTER(_P)]),
     "emsa_host_arena_create": (_S, [ctypes.c_uint64, ctypes.c_int32, ctypes.POINTER(_P)]),
     "emsa_host_arena_destroy": (None, [_P]),
     "emsa_host_arena_info": (
@@ -242,6 +294,22 @@ _TABLE = {
         _S, [_P, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int64), ctypes.c_int32, ctypes.c_int32,
              ctypes.POINTER(_P)]),
     "emsa_dlpack_delete": (None, [_P]),
+    "emsa_host_tier_tensor_init": (None, [ctypes.POINTER(HostTierTensor)]),
+    "emsa_host_tier_options_init": (None, [ctypes.POINTER(HostTierOptions)]),
+    "emsa_host_tier_step_stats_init": (None, [ctypes.POINTER(HostTierStepStats)]),
+    "emsa_host_tier_create": (
+        _S, [_P, ctypes.POINTER(HostTierTensor), ctypes.c_size_t, ctypes.c_size_t,
+             ctypes.c_size_t, _P, _P, ctypes.POINTER(HostTierOptions), ctypes.POINTER(_P)]),
+    "emsa_host_tier_destroy": (None, [_P]),
+    "emsa_host_tier_begin_step": (
+        _S, [_P, ctypes.POINTER(Hyperparams), ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t]),
+    "emsa_host_tier_submit": (_S, [_P, ctypes.c_size_t, ctypes.POINTER(_P), ctypes.c_size_t, _P]),
+    "emsa_host_tier_wait": (_S, [_P, ctypes.c_size_t, _P]),
+    "emsa_host_tier_wait_grads_copied": (_S, [_P, _P]),
+    "emsa_host_tier_synchronize": (_S, [_P]),
+    "emsa_host_tier_stats": (
+        _S, [_P, ctypes.c_int64, ctypes.POINTER(HostTierStepStats), ctypes.c_size_t,
+             ctypes.POINTER(ctypes.c_size_t)]),
 }
 
 

@@ -31,9 +31,20 @@ What this engine requires, each checked with an error that says what to do:
     per group): load_state_dict refuses a state whose steps differ within a group.
   - Parameters stay at the addresses they had when planned (the tables record them): copy new
     values in (model.load_state_dict does); replacing the storage (p.data = ..., .to()) raises.
-  - All state lives on the device: the host tier is not built for CUDA parameters yet, so the
-    plan is made without it, and a budget too small for the state fails at planning with the
-    smallest budget that works.
+
+The host tier. State the plan puts on L2 (exp_avg, exp_avg_sq, an fp32 master, staging for the
+gradient and, for bf16/fp16 parameters, for the rounded parameter) lives in one pinned host
+arena; its buckets run on libemsa's HostTier (emsa._host_tier): gradients down on a D2H stream
+when the bucket is submitted, the CPU update on a worker pool, parameters up on an H2D stream,
+the next forward waiting per module. Buckets are submitted at step() (after backward, in
+gradient-ready order) or, with step_in_backward=True, from the gradient hooks as each bucket
+becomes ready, which hides the copies under backward and frees each gradient once its copy has
+read it. A host-tier step cannot be skipped on a non-finite gradient (the decision would need
+every gradient before the first bucket's update): the optimizer turns skip_nonfinite off for
+such plans (GradScaler still skips, before step() is called), and refuses an explicit True.
+The "master" of an fp32 host-tier parameter is internal (equal to the parameter after each
+step) and not in the state; after step() a parameter is current on the device once a module
+forward reading it has run, or after synchronize().
 """
 
 from __future__ import annotations
@@ -48,9 +59,11 @@ import torch
 from . import _capi
 from ._backend import DTYPE_NAMES, Backend, StepResult, kernel_grad
 from ._binding import Slot
-from ._capi import (DeviceStepHeader, DeviceTableOptions, EmsaError, Hyperparams, TensorUpdate,
-                    check, lib)
+from ._capi import (DeviceStepHeader, DeviceTableOptions, EmsaError, HostTierTensor, Hyperparams,
+                    TensorUpdate, check, lib)
+from ._arena import HostArena
 from ._device_arena import DeviceArena
+from ._host_tier import HostTier
 from .plan import Plan, measure_profile
 
 _RING = 8  # checked steps whose headers may be in flight before step() waits for the oldest
@@ -72,15 +85,17 @@ def _on(index: int):
 
 class CudaBackend(Backend):
     name = "cuda"
-    # Bandwidths rank which state leaves the device; with the host tier off, none does.
     wants_bandwidths = False
-    host_tier = False
+    host_tier = True
     deferred = True
 
     @staticmethod
-    def planning_profile(device: torch.device) -> str:
-        # Measured now, not cached: the default budget is the device's free memory.
-        return json.dumps(measure_profile(measure_bandwidth=False, gpu_device=_index(device)))
+    def planning_profile(device: torch.device, measure_bandwidth: bool = False) -> str:
+        # Measured now, not cached: the default budget is the device's free memory. Bandwidths
+        # (about a second) only when the plan may use the host tier: they decide what leaves
+        # the device and predict the step.
+        return json.dumps(measure_profile(measure_bandwidth=measure_bandwidth,
+                                          gpu_device=_index(device)))
 
     def __init__(self, slots: list[Slot], plan: Plan, optimizer: str,
                  state_dtype: torch.dtype, group_count: int):
@@ -99,27 +114,36 @@ class CudaBackend(Backend):
         self.index = _index(slots[0].param.device)
         self.device = torch.device("cuda", self.index)
         entries = [plan.json["params"][s.record_index] for s in slots]
-        for s, pp in zip(slots, entries):
-            if pp["tier"] != "L1":
-                raise RuntimeError(f"emsa internal error: the plan puts {s.name} on tier "
-                                   f"{pp['tier']}, but the CUDA path plans without the host "
-                                   "tier; please report it")
+        self.on_host = [pp["tier"] == "L2" for pp in entries]
         # Step counts as torch keeps them (float32 CPU scalars), one storage for all: "step" in
         # state is a 0-d view of it.
         self.steps = torch.zeros(len(slots), dtype=torch.float32)
         self.tables: list[ctypes.c_void_p] = []
         self.scalars = ctypes.c_void_p()
         self.arena: DeviceArena | None = None
+        self.host_arena: HostArena | None = None
+        self.host: HostTier | None = None
+        self.step_times = _StepClock()
         try:
             with _on(self.index):
-                self.arena = DeviceArena(plan.device_arena_bytes, self.index)
+                if plan.device_arena_bytes:
+                    self.arena = DeviceArena(plan.device_arena_bytes, self.index)
+                if plan.host_arena_bytes:
+                    self.host_arena = HostArena(plan.host_arena_bytes, pinned=True)
+                    if not self.host_arena.pinned:
+                        raise RuntimeError(
+                            "emsa could not pin the host arena (cudaHostAlloc failed), and "
+                            "the host tier copies only from pinned memory; free host memory, "
+                            "or raise the budget so less state goes to the host")
                 state_code = _capi.DTYPE[DTYPE_NAMES[state_dtype]]
+                self.hidden: list[dict] = [{} for _ in slots]  # host-tier staging and masters
                 self.views = [self._bind_views(i, s, pp, state_dtype)
                               for i, (s, pp) in enumerate(zip(slots, entries))]
-                self.masters = [i for i, v in enumerate(self.views) if "master" in v]
+                self.masters = [i for i in range(len(slots)) if self._master(i) is not None]
                 self.versions = [p._version for p in self.params]
                 self._make_scalars(group_count)
                 self._make_tables(slots, plan, state_code)
+                self._make_host_tier(slots, plan, entries, state_code, group_count)
                 stream = torch.cuda.current_stream(self.device)
                 check(lib.emsa_device_scalars_set_inputs(self.scalars, 1.0, 0.0, 0,
                                                          stream.cuda_stream))
@@ -143,15 +167,33 @@ class CudaBackend(Backend):
     # ---- binding ------------------------------------------------------------------------
     def _bind_views(self, i: int, s: Slot, pp: dict, state_dtype) -> dict:
         p = s.param
+        arena = self.host_arena if self.on_host[i] else self.arena
         views = {"step": self.steps[i],  # torch.optim's key order: step first
-                 "exp_avg": self.arena.view(pp["exp_avg_offset"], p, state_dtype)}
+                 "exp_avg": arena.view(pp["exp_avg_offset"], p, state_dtype)}
         if self.kind != "lion":
-            views["exp_avg_sq"] = self.arena.view(pp["exp_avg_sq_offset"], p, state_dtype)
-        if p.dtype != torch.float32:
-            views["master"] = self.arena.view(pp["master_offset"], p, torch.float32)
+            views["exp_avg_sq"] = arena.view(pp["exp_avg_sq_offset"], p, state_dtype)
+        if p.dtype != torch.float32 or self.on_host[i]:
+            master = arena.view(pp["master_offset"], p, torch.float32)
             with torch.no_grad():
-                views["master"].copy_(p)
+                master.copy_(p)
+            if p.dtype != torch.float32:
+                views["master"] = master
+            else:
+                self.hidden[i]["master"] = master
+        if self.on_host[i]:
+            self.hidden[i]["grad"] = arena.view(pp["grad_offset"], p, p.dtype)
+            if p.dtype != torch.float32:
+                self.hidden[i]["param_out"] = arena.view(pp["param_out_offset"], p, p.dtype)
         return views
+
+    def _master(self, i: int) -> torch.Tensor | None:
+        return self.views[i].get("master", self.hidden[i].get("master"))
+
+    def refresh_master(self, i: int) -> None:
+        p = self.params[i]
+        with torch.no_grad():
+            self._master(i).copy_(p)  # to pinned host memory: synchronous
+        self.versions[i] = p._version
 
     def _make_scalars(self, group_count: int) -> None:
         hypers = (Hyperparams * group_count)()
@@ -175,12 +217,21 @@ class CudaBackend(Backend):
         options = DeviceTableOptions()
         lib.emsa_device_table_options_init(ctypes.byref(options))
         options.optimizer = _capi.OPTIMIZER[self.kind]
-        self.table_slots: list[list[int]] = []
+        self.table_slots: list[list[int]] = []  # device-tier buckets
+        self.host_slots: list[list[int]] = []  # host-tier buckets
+        self.order: list[tuple[bool, int]] = []  # every bucket in plan order: (host?, index)
         for bucket in plan.json["buckets"]:
             members = [slot_of[r] for r in bucket["params"] if r in slot_of]
-            if members:
-                self.table_slots.append(members)
-        covered = sorted(i for m in self.table_slots for i in m)
+            if not members:
+                continue
+            host = bucket["tier"] == "L2"
+            if any(self.on_host[i] != host for i in members):
+                raise RuntimeError("emsa internal error: a plan bucket mixes tiers; please "
+                                   "report it")
+            into = self.host_slots if host else self.table_slots
+            self.order.append((host, len(into)))
+            into.append(members)
+        covered = sorted(i for m in self.table_slots + self.host_slots for i in m)
         if covered != list(range(len(slots))):
             missing = sorted(set(range(len(slots))) - set(covered))
             names = [self.names[i] for i in missing]
@@ -209,6 +260,36 @@ class CudaBackend(Backend):
         self.grad_arrays = [(ctypes.c_void_p * len(m))() for m in self.table_slots]
         self.sent_grads: list[list[int] | None] = [None] * len(self.tables)
 
+    def _make_host_tier(self, slots, plan: Plan, entries, state_code: int,
+                        group_count: int) -> None:
+        if not self.host_slots:
+            return
+        tensors, params = [], []
+        for b, members in enumerate(self.host_slots):
+            for i in members:
+                p, v, h = self.params[i], self.views[i], self.hidden[i]
+                t = HostTierTensor()
+                lib.emsa_host_tier_tensor_init(ctypes.byref(t))
+                u = t.update
+                u.param_dtype = u.grad_dtype = _capi.DTYPE[DTYPE_NAMES[p.dtype]]
+                u.state_dtype = state_code
+                if p.dtype == torch.float32:  # the master is the parameter the CPU updates
+                    u.param = h["master"].data_ptr()
+                else:
+                    u.param = h["param_out"].data_ptr()
+                    u.master = v["master"].data_ptr()
+                u.grad = h["grad"].data_ptr()
+                u.exp_avg = v["exp_avg"].data_ptr()
+                u.exp_avg_sq = v["exp_avg_sq"].data_ptr() if "exp_avg_sq" in v else None
+                u.numel = p.numel()
+                t.group = self.groups[i]
+                t.bucket = b
+                t.device_param = p.data_ptr()
+                tensors.append(t)
+                params.append(p)
+        self.host = HostTier(tensors, self.host_slots, group_count, self.kind, self.device,
+                             params)
+
     def state(self, i: int) -> dict[str, torch.Tensor]:
         return self.views[i]
 
@@ -227,10 +308,10 @@ class CudaBackend(Backend):
             "build a new optimizer after replacing it")
 
     def _gradients(self, param_groups: list[dict]):
-        """Each slot's gradient address, or None when no parameter has a gradient; raises
-        before anything is enqueued. Returns the temporaries that must live until the launch."""
+        """Each slot's gradient (as the kernels read it), or None when no parameter has a
+        gradient; raises before anything is enqueued."""
         expected, ptrs, shapes = self.params, self.ptrs, self.shapes
-        addresses, keep, missing = [], [], []
+        grads, missing = [], []
         i = 0
         for group in param_groups:
             for p in group["params"]:
@@ -243,16 +324,13 @@ class CudaBackend(Backend):
                 g = p.grad
                 if g is None:
                     missing.append(i)
-                    addresses.append(0)
                 else:
                     g = kernel_grad(self.names[i], g, p, self.strides[i])
-                    if g is not p.grad:
-                        keep.append(g)
-                    addresses.append(g.data_ptr())
+                grads.append(g)
                 i += 1
         if missing:
             if len(missing) == len(expected):
-                return None, keep
+                return None
             have = next(j for j in range(len(expected)) if j not in set(missing))
             raise ValueError(
                 f"{self.names[missing[0]]} has no gradient (.grad is None) but "
@@ -261,7 +339,7 @@ class CudaBackend(Backend):
                 "some as torch does: give the optimizer only parameters that get gradients "
                 "(e.g. [p for p in model.parameters() if p.requires_grad], after freezing the "
                 "others), or use torch.optim")
-        return addresses, keep
+        return grads
 
     def _send_hyper(self, param_groups: list[dict], stream: int) -> None:
         for g, group in enumerate(param_groups):
@@ -281,9 +359,9 @@ class CudaBackend(Backend):
             ctypes.memmove(ctypes.byref(self.hyper[g]), ctypes.byref(h), ctypes.sizeof(h))
             self.sent[g] = key
 
-    def _send_grads(self, addresses: list[int], stream: int) -> None:
+    def _send_grads(self, grads: list[torch.Tensor], stream: int) -> None:
         for t, members in enumerate(self.table_slots):
-            mine = [addresses[i] for i in members]
+            mine = [grads[i].data_ptr() for i in members]
             if mine == self.sent_grads[t]:
                 continue
             array = self.grad_arrays[t]
@@ -295,21 +373,34 @@ class CudaBackend(Backend):
         self._check_groups(param_groups)
         with _on(self.index):
             self._poll(wait=False)
-            addresses, keep = self._gradients(param_groups)
-            if addresses is None:
+            grads = self._gradients(param_groups)
+            if grads is None:
                 self.noop_last = True
                 return StepResult()
+            if self.host is not None and self.check_finite:
+                raise RuntimeError("emsa internal error: a non-finite check was asked of a "
+                                   "plan with host-tier state; please report it")
             stream = torch.cuda.current_stream(self.device)
             self._follow(stream)
+            self.step_times.tick(stream)
             handle = stream.cuda_stream
             self._send_hyper(param_groups, handle)
-            self._send_grads(addresses, handle)
+            self._send_grads(grads, handle)
+            if self.host is not None:
+                self.host.begin_step(self.hyper, [s + 1 for s in self.group_steps])
             for j in self.masters:
                 if self.params[j]._version != self.versions[j]:
                     self.refresh_master(j)
             check(lib.emsa_device_step(self.scalars, self.table_array, len(self.tables),
                                        int(self.check_finite), handle))
-            del keep  # freed in stream order: the caching allocator reuses it after the launch
+            if self.host is not None:
+                # In forward order: the copies land, and the CPU updates, first what the
+                # next forward needs first.
+                for b in reversed(range(len(self.host_slots))):
+                    self.host.submit(b, [grads[i] for i in self.host_slots[b]], stream)
+                # The caller may write gradients in place next (zero_grad(set_to_none=False)).
+                self.host.wait_grads_copied(stream)
+            del grads  # freed in stream order: the caching allocator reuses them after use
             self.calls += 1
             self.noop_last = False
             self.last_stream = stream
@@ -372,6 +463,7 @@ class CudaBackend(Backend):
             return
         with _on(self.index):
             self._poll(wait=True)
+            self.synchronize()
             stream = torch.cuda.current_stream(self.device)
             self._follow(stream)
             steps = (ctypes.c_int64 * len(self.group_steps))()
@@ -398,6 +490,10 @@ class CudaBackend(Backend):
         """The optimizer wrote the views (steps included): the device's counts follow."""
         with _on(self.index):
             self._poll(wait=True, count_steps=False)  # older skips: superseded by the load
+            self.synchronize()
+            for i in range(len(self.params)):  # an fp32 host master follows its parameter
+                if "master" in self.hidden[i]:
+                    self.refresh_master(i)
             stream = torch.cuda.current_stream(self.device)
             self._follow(stream)
             values = self.steps.tolist()
@@ -419,12 +515,42 @@ class CudaBackend(Backend):
             return
         self.closed = True
         try:  # nothing enqueued may still use the tables when they are freed
+            if self.host is not None:
+                self.host.synchronize()
             self.last_stream.synchronize()
         except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already
             pass
         self._release()
 
+    def synchronize(self) -> None:
+        """Every host-tier update done and its parameters on the device, seen by the current
+        stream (for reads outside a module's forward: model.state_dict(), functional use)."""
+        if self.host is not None:
+            with _on(self.index):
+                self.host.synchronize()
+
+    def step_stats(self) -> list[dict]:
+        """Per step since the last call, measured: time_s (from this step's start to the
+        next's, on the GPU; absent for the last step), d2h_s, cpu_s, h2d_s, wait_s (host-tier
+        busy times), peak_device_bytes (torch.cuda.max_memory_allocated when the step
+        started)."""
+        self.synchronize()
+        host = {s["step"]: s for s in self.host.stats()} if self.host is not None else {}
+        out = []
+        for n, (step, time_s, peak) in enumerate(self.step_times.read()):
+            row = {"step": step, "peak_device_bytes": peak}
+            if time_s is not None:
+                row["time_s"] = time_s
+            h = host.get(step)
+            if h is not None:
+                row.update({k: h[k] for k in ("d2h_s", "cpu_s", "h2d_s", "wait_s")})
+            out.append(row)
+        return out
+
     def _release(self) -> None:
+        if self.host is not None:
+            self.host.close()
+            self.host = None
         for table in self.tables:
             lib.emsa_device_table_destroy(table)
         self.tables = []
@@ -451,7 +577,7 @@ class CudaBackend(Backend):
                 f"{frozen[0]} does not require a gradient; emsa's CUDA tables update every "
                 "parameter they hold, so with step_in_backward=True give the optimizer only "
                 "trainable parameters ([p for p in model.parameters() if p.requires_grad])")
-        return self.table_slots
+        return [(self.host_slots if host else self.table_slots)[k] for host, k in self.order]
 
     def begin_pass(self, param_groups: list[dict]) -> None:
         self._check_groups(param_groups)
@@ -459,7 +585,10 @@ class CudaBackend(Backend):
             stream = torch.cuda.current_stream(self.device)
             self._follow(stream)
             handle = stream.cuda_stream
+            self.step_times.tick(stream)
             self._send_hyper(param_groups, handle)
+            if self.host is not None:
+                self.host.begin_step(self.hyper, [s + 1 for s in self.group_steps])
             check(lib.emsa_device_step(self.scalars, self.table_array, 0, 0, handle))
             self.calls += 1
             self.noop_last = False
@@ -467,7 +596,11 @@ class CudaBackend(Backend):
             self.steps.add_(1.0)
             self.group_steps = [s + 1 for s in self.group_steps]
 
-    def step_bucket(self, t: int) -> None:
+    def step_bucket(self, b: int) -> None:
+        host, t = self.order[b]
+        if host:
+            self._step_host_bucket(t)
+            return
         members = self.table_slots[t]
         keep, mine = [], []
         for i in members:
@@ -497,3 +630,60 @@ class CudaBackend(Backend):
             check(lib.emsa_device_table_update(self.tables[t], self.scalars, handle))
             self.last_stream = stream
         del keep  # freed in stream order, after the update that reads them
+
+    def _step_host_bucket(self, t: int) -> None:
+        members = self.host_slots[t]
+        grads = []
+        for i in members:
+            p = self.params[i]
+            if p.data_ptr() != self.ptrs[i] or p.shape != self.shapes[i]:
+                self._moved(i, p)
+            if p.grad is None:
+                raise RuntimeError(f"emsa internal error: {self.names[i]} has no gradient in "
+                                   "its hook; please report it")
+            grads.append(kernel_grad(self.names[i], p.grad, p, self.strides[i]))
+            if p._version != self.versions[i]:
+                self.refresh_master(i)  # the tier is idle: begin_step waited for it
+        with _on(self.index):
+            stream = torch.cuda.current_stream(self.device)
+            self._follow(stream)
+            self.host.submit(t, grads, stream)
+            self.last_stream = stream
+
+
+class _StepClock:
+    """GPU time from each step's start to the next's: an event per step, read once complete.
+    Events come from a small pool and are reused, so steps allocate none once it is warm."""
+
+    def __init__(self):
+        self.free: list[torch.cuda.Event] = []
+        self.pending: collections.deque = collections.deque()  # (step, event, peak bytes)
+        self.done: list[tuple[int, float | None, int]] = []
+        self.count = 0
+
+    def tick(self, stream: torch.cuda.Stream) -> None:
+        event = self.free.pop() if self.free else torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        self.count += 1
+        self.pending.append((self.count, event, torch.cuda.max_memory_allocated(stream.device)))
+        self._collect(wait=False)
+
+    def _collect(self, wait: bool) -> None:
+        # A step's time is known once the next step's start event has completed.
+        while len(self.pending) >= 2:
+            (step, start, peak), (_, end, _) = self.pending[0], self.pending[1]
+            if wait:
+                end.synchronize()
+            elif not end.query():
+                return
+            self.done.append((step, start.elapsed_time(end) * 1e-3, peak))
+            self.pending.popleft()
+            self.free.append(start)
+
+    def read(self) -> list[tuple[int, float | None, int]]:
+        self._collect(wait=True)
+        out, self.done = self.done, []
+        if self.pending:
+            step, _, peak = self.pending[-1]
+            out.append((step, None, peak))
+        return out

@@ -54,6 +54,17 @@ options of emsa's own:
                      disjoint parameters within a pass are fine; two that reach the same
                      parameter are not. opt.remove_hooks() ends the mode's updates.
   accumulate=      with step_in_backward: update every Nth backward (default 1).
+  tier=            None (default): the planner decides what state leaves the device, coldest
+                   first, as much as budget= requires. "device": all state on the device (a
+                   budget too small fails with the smallest that works). "host": all state
+                   (and an fp32 master of every parameter) in pinned host memory, updated by
+                   the CPU while the GPU runs, parameters copied back per bucket.
+                   On CUDA, state on the host turns skip_nonfinite off (a host-tier bucket
+                   updates before later gradients exist; GradScaler still skips bad steps
+                   before step() is called); an explicit skip_nonfinite=True then raises.
+                   step_in_backward=True is what hides the host tier's copies under backward
+                   and frees each gradient once copied: use it with tier="host" when nothing
+                   between backward and step() needs the gradients.
 
 state_dict() has torch.optim's layout ("step" float32 scalar, "exp_avg", "exp_avg_sq"), so a
 checkpoint moves between emsa.AdamW and torch.optim.AdamW in both directions. The state tensors
@@ -95,8 +106,14 @@ class _EmsaOptimizer(Optimizer):
     _kind = "adamw"
 
     def __init__(self, params, defaults: dict[str, Any], *, probe, budget, state_dtype,
-                 skip_nonfinite, profile, step_in_backward=False, accumulate=1):
+                 skip_nonfinite, profile, step_in_backward=False, accumulate=1, tier=None):
         require_library()
+        if tier not in (None, "device", "host"):
+            raise ValueError(f"tier={tier!r}; use None (the planner decides under budget=), "
+                             "'device' or 'host'")
+        self._tier = tier
+        self._skip_explicit = skip_nonfinite
+        self._stats: dict[int, dict] = {}
         skip_nonfinite = _in_backward_options(step_in_backward, accumulate, skip_nonfinite)
         self._in_backward = bool(step_in_backward)
         self._accumulate = int(accumulate)
@@ -207,9 +224,23 @@ class _EmsaOptimizer(Optimizer):
             planned = _binding.match(slots, record)
         profile = self._profile
         if profile is None and planned.profile is None and not backend_cls.wants_bandwidths:
-            profile = backend_cls.planning_profile(slots[0].param.device)
+            # Bandwidths decide what leaves the device and predict the step: measured when the
+            # plan may use the host tier for a reason (a budget, or tier="host").
+            may_offload = self._tier == "host" or (self._tier is None
+                                                   and self._budget is not None)
+            profile = backend_cls.planning_profile(slots[0].param.device, may_offload)
         plan = make_plan(planned, profile, optimizer=self._kind, state_dtype=self._state_dtype,
-                         budget=self._budget, allow_host_tier=backend_cls.host_tier)
+                         budget=self._budget,
+                         allow_host_tier=backend_cls.host_tier and self._tier != "device",
+                         force_all_host=self._tier == "host", release_grads=self._in_backward)
+        if backend_cls.name == "cuda" and any(pp["tier"] == "L2" for pp in plan.json["params"]):
+            if self._skip_explicit:
+                raise ValueError(
+                    "skip_nonfinite=True cannot hold with state on the host tier: a host-tier "
+                    "bucket is updated before later gradients exist. Pass skip_nonfinite=False "
+                    "(a GradScaler still skips inf/nan steps), or keep all state on the device "
+                    "(tier='device', a larger budget)")
+            self.skip_nonfinite = False
         backend = backend_cls(slots, plan, self._kind, self._state_dtype,
                               len(self.param_groups))
         for i, s in enumerate(slots):
@@ -279,6 +310,37 @@ class _EmsaOptimizer(Optimizer):
         if len(fired) == len(self._hooked):
             fired.clear()
             self._passes += 1
+
+    # ---- measurements ---------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Waits until every update is applied and visible to the current stream. Needed only
+        before reading host-tier parameters outside a module's forward (model.state_dict(),
+        a functional use): a module's forward waits for its own parameters by itself."""
+        if self._backend is not None and hasattr(self._backend, "synchronize"):
+            self._backend.synchronize()
+
+    def step_stats(self) -> list[dict]:
+        """Measured per step (CUDA): time_s (GPU time from this step's start to the next's),
+        d2h_s / cpu_s / h2d_s (host-tier busy times), wait_s (host time a forward waited for
+        an upload not yet enqueued), peak_device_bytes (torch.cuda.max_memory_allocated at the
+        step's start). Waits for the GPU. Empty on the CPU."""
+        if self._backend is not None and hasattr(self._backend, "step_stats"):
+            for row in self._backend.step_stats():
+                self._stats.setdefault(row["step"], {}).update(row)
+        return [self._stats[k] for k in sorted(self._stats)]
+
+    def report(self, run_dir: str | os.PathLike, losses: list[float] | None = None,
+               peer_losses: list[float] | None = None, meta: dict | None = None) -> str:
+        """Writes the plan, the probe record, the measured steps (with losses when given) and
+        meta into run_dir, then the Markdown report and its plots (emsa.report); returns the
+        report's path."""
+        from .report import write_run
+
+        if self._plan is None:
+            raise ValueError("the optimizer has not planned yet: report after the first step")
+        return write_run(run_dir, plan=self._plan, record=self._record,
+                         steps=self.step_stats(), losses=losses, peer_losses=peer_losses,
+                         meta=meta)
 
     def remove_hooks(self) -> None:
         """Step in backward: removes the gradient hooks; later backwards update nothing."""
@@ -475,7 +537,7 @@ class AdamW(_EmsaOptimizer):
                  differentiable: bool = False, fused: bool | None = None, probe=None,
                  budget: int | str | None = None, state_dtype: torch.dtype = torch.float32,
                  skip_nonfinite: bool | None = None, profile=None,
-                 step_in_backward: bool = False, accumulate: int = 1):
+                 step_in_backward: bool = False, accumulate: int = 1, tier: str | None = None):
         _refuse_amsgrad(amsgrad, "AdamW")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize,
@@ -483,7 +545,7 @@ class AdamW(_EmsaOptimizer):
                         decoupled_weight_decay=True)
         super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
                          skip_nonfinite=skip_nonfinite, profile=profile,
-                         step_in_backward=step_in_backward, accumulate=accumulate)
+                         step_in_backward=step_in_backward, accumulate=accumulate, tier=tier)
 
 
 class Adam(_EmsaOptimizer):
@@ -499,7 +561,7 @@ class Adam(_EmsaOptimizer):
                  decoupled_weight_decay: bool = False, probe=None,
                  budget: int | str | None = None, state_dtype: torch.dtype = torch.float32,
                  skip_nonfinite: bool | None = None, profile=None,
-                 step_in_backward: bool = False, accumulate: int = 1):
+                 step_in_backward: bool = False, accumulate: int = 1, tier: str | None = None):
         _refuse_amsgrad(amsgrad, "Adam")
         self._kind = "adamw" if decoupled_weight_decay else "adam"
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
@@ -508,7 +570,7 @@ class Adam(_EmsaOptimizer):
                         decoupled_weight_decay=bool(decoupled_weight_decay))
         super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
                          skip_nonfinite=skip_nonfinite, profile=profile,
-                         step_in_backward=step_in_backward, accumulate=accumulate)
+                         step_in_backward=step_in_backward, accumulate=accumulate, tier=tier)
 
     def _check_group(self, g: int) -> None:
         super()._check_group(g)
@@ -529,8 +591,8 @@ class Lion(_EmsaOptimizer):
                  weight_decay: float = 0.0, *, maximize: bool = False, probe=None,
                  budget: int | str | None = None, state_dtype: torch.dtype = torch.float32,
                  skip_nonfinite: bool | None = None, profile=None,
-                 step_in_backward: bool = False, accumulate: int = 1):
+                 step_in_backward: bool = False, accumulate: int = 1, tier: str | None = None):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
                          skip_nonfinite=skip_nonfinite, profile=profile,
-                         step_in_backward=step_in_backward, accumulate=accumulate)
+                         step_in_backward=step_in_backward, accumulate=accumulate, tier=tier)

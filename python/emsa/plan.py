@@ -133,7 +133,8 @@ def _create(probe_text: str, profile_text: str | None, options: PlanOptions) -> 
 
 def make_plan(record, profile: Any = None, *, optimizer: str = "adamw",
               state_dtype: torch.dtype = torch.float32, budget: int | str | None = None,
-              allow_host_tier: bool = True, force_all_host: bool = False) -> Plan:
+              allow_host_tier: bool = True, force_all_host: bool = False,
+              release_grads: bool = False) -> Plan:
     """Plans a ProbeRecord (or its JSON text) against a profile (dict, JSON text, path; None:
     the record's embedded profile, else this machine measured). budget: bytes or "20GiB"."""
     if optimizer not in _capi.OPTIMIZER:
@@ -147,6 +148,7 @@ def make_plan(record, profile: Any = None, *, optimizer: str = "adamw",
     options.state_dtype = _capi.DTYPE[STATE_DTYPES[state_dtype]]
     options.allow_host_tier = int(allow_host_tier)
     options.force_all_host = int(force_all_host)
+    options.release_grads = int(release_grads)
     if budget is not None:
         options.budget_bytes = parse_bytes(budget)
     text = record if isinstance(record, str) else record.to_json()

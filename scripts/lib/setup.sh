@@ -34,9 +34,10 @@ emsa_build() {
   cmake --build "$EMSA_ROOT/$dir" -j"$jobs"
 }
 
-# The Python environment for the front end's tests and the benchmarks: one venv outside the repo,
-# created once and reused by every clone ($EMSA_VENV to put it elsewhere). torch comes from PyPI
-# (a CUDA build; it runs on the CPU too).
+# The Python environment for the front end's tests, the demo and the benchmarks: one venv outside
+# the repo, created once and reused by every clone ($EMSA_VENV to put it elsewhere). torch comes
+# from PyPI (a CUDA build; it runs on the CPU too); matplotlib draws `emsa report`'s plots.
+# Installs only the packages the venv lacks.
 EMSA_VENV=${EMSA_VENV:-$HOME/.cache/emsa/venv}
 export EMSA_VENV
 emsa_python_env() {
@@ -44,9 +45,13 @@ emsa_python_env() {
     echo "emsa: creating $EMSA_VENV"
     python3 -m venv "$EMSA_VENV"
   fi
-  if ! "$EMSA_VENV/bin/python" -c "import torch, numpy, pytest" >/dev/null 2>&1; then
-    echo "emsa: installing torch, numpy, pytest into $EMSA_VENV (several GB, once)"
+  local missing
+  missing=$("$EMSA_VENV/bin/python" -c 'import importlib.util as u
+print(" ".join(m for m in ("torch", "numpy", "pytest", "matplotlib") if not u.find_spec(m)))')
+  if [ -n "$missing" ]; then
+    echo "emsa: installing $missing into $EMSA_VENV (torch is several GB, once)"
     "$EMSA_VENV/bin/python" -m pip install -q --upgrade pip
-    "$EMSA_VENV/bin/python" -m pip install -q torch numpy pytest
+    # shellcheck disable=SC2086 # one word per package
+    "$EMSA_VENV/bin/python" -m pip install -q $missing
   fi
 }

@@ -1,0 +1,154 @@
+"""The host tier for CUDA parameters, seen from torch: libemsa's HostTier (emsa/host_tier.h) fed
+from the CUDA backend, and the forward pre-hook that makes the next forward wait per module.
+
+For each host-tier bucket of a step: submit() enqueues its gradients' copy to pinned staging on
+a D2H stream after an event on the compute stream (record_stream keeps each gradient's memory
+until the copy has read it, so the caller may drop .grad at once); libemsa's worker updates the
+bucket on the CPU pool and enqueues the upload of its parameters on an H2D stream. The bucket is
+then pending: the first module forward that reads one of its parameters makes the compute stream
+wait for that upload (a global module forward pre-hook looks at the module's own parameters,
+not its children's, so a parent's forward does not wait for the whole model). Nothing here
+synchronizes the compute stream with the host; wait() may block the host only while the worker
+has not yet enqueued the upload that forward is about to need.
+
+A parameter read outside a module's forward (a functional use, model.state_dict()) is not seen
+by the hook: call synchronize() first (the optimizer's synchronize() does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import weakref
+
+import torch
+
+from . import _capi
+from ._capi import HostTierOptions, HostTierStepStats, HostTierTensor, check, lib
+
+
+class HostTier:
+    def __init__(self, tensors: list[HostTierTensor], buckets: list[list[int]],
+                 group_count: int, optimizer: str, device: torch.device,
+                 params: list[torch.Tensor]):
+        """tensors[k] belongs to bucket tensors[k].bucket; buckets[b] lists the backend slots
+        of bucket b in tensor order; params[k] is tensors[k]'s parameter."""
+        self.handle = ctypes.c_void_p()
+        self.updater = ctypes.c_void_p()
+        self.device = device
+        self.buckets = buckets
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+        # One core fewer than this process may use: the thread launching the forward must not
+        # wait for a core while the pool, memory-bound, gains nothing from the last one.
+        threads = max(1, len(os.sched_getaffinity(0)) - 1)
+        check(lib.emsa_cpu_updater_create(threads, _capi.SIMD["avx512"],
+                                          ctypes.byref(self.updater)))
+        options = HostTierOptions()
+        lib.emsa_host_tier_options_init(ctypes.byref(options))
+        options.optimizer = _capi.OPTIMIZER[optimizer]
+        options.device = device.index
+        array = (HostTierTensor * max(len(tensors), 1))(*tensors)
+        try:
+            check(lib.emsa_host_tier_create(self.updater, array, len(tensors), len(buckets),
+                                            group_count, self.d2h.cuda_stream,
+                                            self.h2d.cuda_stream, ctypes.byref(options),
+                                            ctypes.byref(self.handle)))
+        except BaseException:
+            self.close()
+            raise
+        self.grad_arrays = [(ctypes.c_void_p * len(m))() for m in buckets]
+        self.steps = (ctypes.c_int64 * group_count)()
+        self.pending: set[int] = set()  # uploads the next forward has not waited for yet
+        self.read = 0  # stats read so far (steps)
+        bucket_of = {}
+        for t, p in zip(tensors, params):
+            bucket_of[id(p)] = int(t.bucket)
+        self._bucket_of = bucket_of
+        self._module_buckets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        ref = weakref.ref(self)
+
+        def pre_hook(module, args):
+            tier = ref()
+            if tier is not None and tier.pending:
+                tier._module_forward(module)
+
+        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+
+    # ---- per step ---------------------------------------------------------------------------
+    def begin_step(self, hypers, group_steps: list[int]) -> None:
+        """Waits for the previous step's CPU updates (normally long done), then takes each
+        group's hyperparameters (a ctypes Hyperparams array) and step number."""
+        self.steps[:] = group_steps
+        check(lib.emsa_host_tier_begin_step(self.handle, hypers, self.steps, len(group_steps)))
+
+    def submit(self, b: int, grads: list[torch.Tensor], stream: torch.cuda.Stream) -> None:
+        array = self.grad_arrays[b]
+        for k, g in enumerate(grads):
+            array[k] = g.data_ptr()
+            g.record_stream(self.d2h)  # its memory is reused only after the copy has read it
+        check(lib.emsa_host_tier_submit(self.handle, b, array, len(grads), stream.cuda_stream))
+        self.pending.add(b)
+
+    def wait_grads_copied(self, stream: torch.cuda.Stream) -> None:
+        check(lib.emsa_host_tier_wait_grads_copied(self.handle, stream.cuda_stream))
+
+    def wait(self, b: int, stream: torch.cuda.Stream) -> None:
+        check(lib.emsa_host_tier_wait(self.handle, b, stream.cuda_stream))
+        self.pending.discard(b)
+
+    def wait_all(self, stream: torch.cuda.Stream) -> None:
+        for b in sorted(self.pending):
+            self.wait(b, stream)
+
+    def _module_forward(self, module: torch.nn.Module) -> None:
+        mine = self._module_buckets.get(module)
+        if mine is None:
+            found = {self._bucket_of.get(id(p)) for p in module._parameters.values()
+                     if p is not None}
+            found.discard(None)
+            mine = tuple(sorted(found))
+            self._module_buckets[module] = mine
+        if not mine:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        for b in mine:
+            if b in self.pending:
+                self.wait(b, stream)
+
+    def synchronize(self) -> None:
+        """The host waits until every update is done and its parameters are on the device;
+        the current stream then sees them too."""
+        check(lib.emsa_host_tier_synchronize(self.handle))
+        self.wait_all(torch.cuda.current_stream(self.device))
+
+    def stats(self) -> list[dict]:
+        """Measurements of the steps not read before (call synchronize() first)."""
+        out = []
+        while True:
+            chunk = (HostTierStepStats * 64)()
+            for s in chunk:
+                lib.emsa_host_tier_step_stats_init(ctypes.byref(s))
+            n = ctypes.c_size_t()
+            check(lib.emsa_host_tier_stats(self.handle, self.read + 1, chunk, 64,
+                                           ctypes.byref(n)))
+            for s in chunk[:n.value]:
+                if not s.complete and s.buckets:
+                    return out  # the rest is still running
+                out.append({"step": s.step, "d2h_s": s.d2h_s, "cpu_s": s.cpu_s,
+                            "h2d_s": s.h2d_s, "wait_s": s.wait_s, "buckets": s.buckets})
+                self.read = s.step
+            if n.value < 64:
+                return out
+
+    def close(self) -> None:
+        hook = getattr(self, "_hook", None)
+        if hook is not None:
+            hook.remove()
+            self._hook = None
+        handle, self.handle = self.handle, ctypes.c_void_p()
+        if handle:
+            lib.emsa_host_tier_destroy(handle)  # waits for the worker's queue
+        updater, self.updater = self.updater, ctypes.c_void_p()
+        if updater:
+            lib.emsa_cpu_updater_destroy(updater)

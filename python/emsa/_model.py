@@ -1,0 +1,67 @@
+"""Models known by their config (`python -m emsa plan --model`): an analytic probe record and
+the built-in device presets, computed by libemsa (emsa/model_config.h); nothing here but
+argument passing and text for a person."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from typing import Any
+
+from . import _capi
+from ._capi import ModelOptions, check, lib, take_string
+
+__all__ = ["model_probe", "device_preset", "plan_summary", "format_bytes", "matmul_flops_of"]
+
+PARAM_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16",
+                "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+
+
+def model_probe(model: str, *, batch: int = 1, seq_len: int = 0, checkpointing: bool = False,
+                param_dtype: str = "fp32", matmul_flops: float = 0.0) -> tuple[str, str]:
+    """(probe record JSON, summary text) for a preset name, config.json text or path.
+    seq_len 0: the model's context, at most 2048; matmul_flops 0: libemsa's default."""
+    if param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"param_dtype={param_dtype!r}; use one of fp32, bf16, fp16")
+    options = ModelOptions()
+    lib.emsa_model_options_init(ctypes.byref(options))
+    options.batch = int(batch)
+    options.seq_len = int(seq_len)
+    options.activation_checkpointing = int(bool(checkpointing))
+    options.param_dtype = _capi.DTYPE[PARAM_DTYPES[param_dtype]]
+    options.matmul_flops = float(matmul_flops)
+    probe, summary = ctypes.c_void_p(), ctypes.c_void_p()
+    check(lib.emsa_model_probe(model.encode(), ctypes.byref(options), ctypes.byref(probe),
+                               ctypes.byref(summary)))
+    probe_text = take_string(probe)
+    return probe_text, take_string(summary)
+
+
+def device_preset(name: str) -> str:
+    """A built-in device profile's JSON text ("h200", "a100-40gb", "rtx-4090")."""
+    out = ctypes.c_void_p()
+    check(lib.emsa_device_preset(name.encode(), ctypes.byref(out)))
+    return take_string(out)
+
+
+def plan_summary(plan: Any) -> str:
+    """The plan's totals and prediction, without per-parameter rows (PlanSummaryToTable)."""
+    out = ctypes.c_void_p()
+    check(lib.emsa_plan_to_summary(plan._handle, ctypes.byref(out)))
+    return take_string(out)
+
+
+def format_bytes(n: int) -> str:
+    """As the C++ FormatBytes: "24.00 GiB", "512.00 MiB", "12 B"."""
+    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{n} B"
+
+
+def matmul_flops_of(profile_text: str) -> float:
+    """The "matmul_flops" a preset (or a profile file written like one) carries; 0 if none."""
+    value = json.loads(profile_text).get("matmul_flops", 0.0)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"profile matmul_flops: expected a positive number, got {value!r}")
+    return float(value)
