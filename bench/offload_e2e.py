@@ -353,8 +353,30 @@ def run_emsa(args, shape, batches, device, profile, mode: str) -> dict:
                plan_table=str(plan).splitlines()[-14:])
     out["peak_device_bytes"] = out["torch_peak_bytes"] + plan.device_arena_bytes
     out["measured"] = engine_stats(opt, args.steps)
+    out["host_trace"] = host_trace(opt)
     del model, opt, record, plan
     return out
+
+
+def host_trace(opt) -> dict | None:
+    """The last step's host-tier timeline (seconds since the step began on the host): when the
+    last bucket was submitted (about the end of backward), how much CPU update ran before
+    that, and when the CPU first and last worked."""
+    host = getattr(getattr(opt, "_backend", None), "host", None)
+    if host is None:
+        return None
+    opt.synchronize()
+    rows = host.trace()
+    submitted = [s for s, _, _ in rows if s >= 0]
+    spans = [(a, b) for _, a, b in rows if a >= 0 and b >= 0]
+    if not submitted or not spans:
+        return None
+    last = max(submitted)
+    before = sum(max(0.0, min(b, last) - a) for a, b in spans)
+    return dict(buckets=len(rows), last_submit_s=last, first_cpu_start_s=min(a for a, _ in spans),
+                last_cpu_end_s=max(b for _, b in spans), cpu_busy_s=sum(b - a for a, b in spans),
+                cpu_busy_before_last_submit_s=before,
+                rows=[[round(x, 6) for x in r] for r in rows])
 
 
 def engine_stats(opt, timed: int) -> dict | None:
@@ -565,6 +587,14 @@ def table(result: dict) -> str:
             lines.append(f"  bound ({k}): {b['bound_s'] * 1e3:.1f} ms = max(fwd+bwd "
                          f"{b['fwd_bwd_s'] * 1e3:.1f}, host update {b['host_update_s'] * 1e3:.1f}, "
                          f"PCIe {b['pcie_s'] * 1e3:.1f})")
+        for k in "de":
+            t = s["configs"].get(k, {}).get("host_trace")
+            if t:
+                lines.append(f"  trace ({k}): last submit {t['last_submit_s'] * 1e3:.1f} ms, CPU "
+                             f"{t['first_cpu_start_s'] * 1e3:.1f}..{t['last_cpu_end_s'] * 1e3:.1f} "
+                             f"ms, busy {t['cpu_busy_s'] * 1e3:.1f} ms of which "
+                             f"{t['cpu_busy_before_last_submit_s'] * 1e3:.1f} before the last "
+                             "submit")
     n = result.get("numerics")
     if n:
         sh = n["shared_emsa_host_vs_torch"]

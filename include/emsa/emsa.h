@@ -408,6 +408,10 @@ EMSA_API emsa_status emsa_host_tier_wait(emsa_host_tier* tier, size_t bucket, vo
 EMSA_API emsa_status emsa_host_tier_wait_grads_copied(emsa_host_tier* tier, void* stream);
 /* The host waits until every submitted bucket is updated and its parameters are uploaded. */
 EMSA_API emsa_status emsa_host_tier_synchronize(emsa_host_tier* tier);
+/* The current step's host timeline, one entry per bucket (count = bucket_count), seconds since
+ * its begin_step, -1 where not reached yet: submitted, CPU update started and ended. */
+EMSA_API emsa_status emsa_host_tier_trace(const emsa_host_tier* tier, double* submit, double* start,
+                                          double* end, size_t count);
 /* Steps >= first (oldest kept first), at most capacity; *count_out receives how many. */
 EMSA_API emsa_status emsa_host_tier_stats(const emsa_host_tier* tier, int64_t first,
                                           emsa_host_tier_step_stats* out, size_t capacity,

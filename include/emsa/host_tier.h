@@ -106,6 +106,10 @@ class HostTier {
   // older than the history are gone. Call Synchronize() first for the last step to be complete.
   size_t Stats(int64_t first, HostTierStepStats* out, size_t capacity) const;
 
+  // The current step's host timeline per bucket, seconds since its BeginStep (-1: not yet):
+  // submitted, CPU update started, CPU update ended. For reports and for finding stalls.
+  size_t Trace(double* submit, double* start, double* end, size_t count) const;
+
   size_t bucket_count() const;
   size_t bucket_size(size_t bucket) const;
 

@@ -307,6 +307,9 @@ _TABLE = {
     "emsa_host_tier_wait": (_S, [_P, ctypes.c_size_t, _P]),
     "emsa_host_tier_wait_grads_copied": (_S, [_P, _P]),
     "emsa_host_tier_synchronize": (_S, [_P]),
+    "emsa_host_tier_trace": (
+        _S, [_P, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double),
+             ctypes.POINTER(ctypes.c_double), ctypes.c_size_t]),
     "emsa_host_tier_stats": (
         _S, [_P, ctypes.c_int64, ctypes.POINTER(HostTierStepStats), ctypes.c_size_t,
              ctypes.POINTER(ctypes.c_size_t)]),

@@ -141,6 +141,14 @@ class HostTier:
             if n.value < 64:
                 return out
 
+    def trace(self) -> list[tuple[float, float, float]]:
+        """The current step per bucket: (submitted, CPU start, CPU end), seconds since the
+        step began on the host, -1 where not reached."""
+        n = len(self.buckets)
+        arrays = [(ctypes.c_double * n)() for _ in range(3)]
+        check(lib.emsa_host_tier_trace(self.handle, *arrays, n))
+        return list(zip(*[list(a) for a in arrays]))
+
     def close(self) -> None:
         hook = getattr(self, "_hook", None)
         if hook is not None:

@@ -179,6 +179,10 @@ def _unobserved_pass(model, loss_fn, args, kwargs, targets: list[torch.Tensor]) 
     del loss
     for p in targets:
         p.grad = None
+    # Under the caller's autocast, the casts of the weights are cached for the whole context:
+    # the observed pass would reuse this pass's cast nodes, and the order in which gradients
+    # become final would be wrong (the casts' leaves all at once). Make it cast anew.
+    torch.clear_autocast_cache()
 
 
 class _Observer:

@@ -1021,6 +1021,19 @@ emsa_status emsa_host_tier_synchronize(emsa_host_tier* tier) {
   });
 }
 
+emsa_status emsa_host_tier_trace(const emsa_host_tier* tier, double* submit, double* start,
+                                 double* end, size_t count) {
+  if (tier == nullptr || submit == nullptr || start == nullptr || end == nullptr) {
+    return Fail(EMSA_INVALID_ARGUMENT, "tier and the three output arrays must not be NULL");
+  }
+  if (count != tier->tier->bucket_count()) {
+    return Fail(EMSA_INVALID_ARGUMENT, "count must be the tier's bucket count, " +
+                                           std::to_string(tier->tier->bucket_count()));
+  }
+  tier->tier->Trace(submit, start, end, count);
+  return Report(emsa::Status::Ok());
+}
+
 emsa_status emsa_host_tier_stats(const emsa_host_tier* tier, int64_t first,
                                  emsa_host_tier_step_stats* out, size_t capacity,
                                  size_t* count_out) {

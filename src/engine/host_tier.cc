@@ -50,6 +50,8 @@ struct HostTier::Impl {
     int64_t submitted = 0;  // step of the last Submit
     int64_t uploaded = 0;   // step whose upload was last enqueued
     bool h2d_timed = true;  // the last upload's time is in the stats
+    // This step's host times, seconds since its BeginStep (-1: not yet): Trace().
+    double t_submit = -1, t_start = -1, t_end = -1;
   };
 
   CpuUpdater* updater = nullptr;
@@ -70,6 +72,9 @@ struct HostTier::Impl {
   Status error;
   std::vector<HostTierStepStats> stats;  // ring, indexed by step % history
   std::thread worker;
+  std::chrono::steady_clock::time_point step_start;
+
+  double Since() const { return Seconds(std::chrono::steady_clock::now() - step_start); }
 
   HostTierStepStats& StatsOf(int64_t s) { return stats[static_cast<size_t>(s) % stats.size()]; }
 
@@ -111,8 +116,10 @@ struct HostTier::Impl {
     // The previous upload reads what the update is about to write: it must be done.
     EMSA_RETURN_IF_ERROR(TimeUpload(b));
     auto t0 = std::chrono::steady_clock::now();
+    b.t_start = Since();
     EMSA_RETURN_IF_ERROR(updater->Step(b.updates.data(), b.updates.size(), step_options));
     double cpu_seconds = Seconds(std::chrono::steady_clock::now() - t0);
+    b.t_end = Since();
     EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.h2d_start, h2d));
     for (size_t k = 0; k < b.updates.size(); ++k) {
       const TensorUpdate& u = b.updates[k];
@@ -319,6 +326,8 @@ Status HostTier::BeginStep(const HyperParams* hypers, const int64_t* steps, size
     }
   }
   ++m.step;
+  m.step_start = std::chrono::steady_clock::now();
+  for (Impl::Bucket& b : m.buckets) b.t_submit = b.t_start = b.t_end = -1;
   HostTierStepStats& st = m.StatsOf(m.step);
   st = HostTierStepStats{};
   st.step = m.step;
@@ -368,6 +377,7 @@ Status HostTier::Submit(size_t bucket, const void* const* grads, size_t count,
   {
     std::lock_guard<std::mutex> lock(m.mu);
     b.submitted = m.step;
+    b.t_submit = m.Since();
     m.waiting.push_back(bucket);
     ++m.pending;
     ++m.StatsOf(m.step).buckets;
@@ -424,6 +434,18 @@ Status HostTier::Synchronize() {
   return Status::Ok();
 }
 
+size_t HostTier::Trace(double* submit, double* start, double* end, size_t count) const {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  const size_t n = std::min(count, m.buckets.size());
+  for (size_t b = 0; b < n; ++b) {
+    submit[b] = m.buckets[b].t_submit;
+    start[b] = m.buckets[b].t_start;
+    end[b] = m.buckets[b].t_end;
+  }
+  return n;
+}
+
 size_t HostTier::Stats(int64_t first, HostTierStepStats* out, size_t capacity) const {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
@@ -462,6 +484,7 @@ Status HostTier::Wait(size_t, cudaStream_t) { return Status::Unsupported("no CUD
 Status HostTier::WaitGradsCopied(cudaStream_t) { return Status::Unsupported("no CUDA"); }
 Status HostTier::Synchronize() { return Status::Unsupported("no CUDA"); }
 size_t HostTier::Stats(int64_t, HostTierStepStats*, size_t) const { return 0; }
+size_t HostTier::Trace(double*, double*, double*, size_t) const { return 0; }
 size_t HostTier::bucket_count() const { return 0; }
 size_t HostTier::bucket_size(size_t) const { return 0; }
 

@@ -113,6 +113,27 @@ def test_orders_follow_forward_and_backward():
     assert events == {"forward_pre", "forward_post", "backward_post"}
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gradient_order_under_cuda_autocast_with_the_warmup_pass():
+    """The warm-up pass runs inside the caller's autocast: its cached weight casts must not be
+    reused by the observed pass (the order in which gradients become final broke: the
+    embedding's came first, the planner put it in the first bucket, and the host tier updated it
+    last although the next forward needs it first)."""
+    torch.manual_seed(0)
+    model = TinyGPT().cuda()
+    idx, targets = (t.cuda() for t in gpt_batches(1)[0])
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        record = emsa.probe(model, idx, targets, profile=CPU_PROFILE, trace=False)
+    by_name = {p.name: p for p in record.params}
+    order = sorted(record.params, key=lambda p: p.grad_ready_order)
+    assert {p.name for p in order[-2:]} == {"wte.weight", "wpe.weight"}, \
+        f"gradient order: {[p.name for p in order]}"
+    assert by_name["head.bias"].grad_ready_order == 0
+    assert (by_name["ln_f.weight"].grad_ready_order
+            < by_name["blocks.1.qkv.weight"].grad_ready_order
+            < by_name["blocks.0.qkv.weight"].grad_ready_order)
+
+
 def test_shared_module_use_count():
     class Shared(nn.Module):
         def __init__(self):
