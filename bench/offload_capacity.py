@@ -219,7 +219,7 @@ def sweep(args) -> dict:
         raise SystemExit(f"--sizes: unknown {unknown}; choose from {list(sizes)}")
     deadline = time.perf_counter() + args.time_limit
     runs = []
-    for opt in ("torch", "emsa"):
+    for opt in [o for o in args.optimizers.split(",") if o]:
         failed = None
         for size in names:
             n = llama_params(sizes[size])
@@ -358,6 +358,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--gpu-mem", type=parse_bytes, default=24 << 30, help="e.g. 24GiB")
     ap.add_argument("--sizes", default="", help="comma-separated subset of the sizes")
+    ap.add_argument("--optimizers", default="torch,emsa", help="torch, emsa or both")
     ap.add_argument("--state-dtype", choices=["fp32", "bf16"], default="fp32",
                     help="emsa's Adam state precision (bf16: 12 instead of 16 B/param pinned)")
     ap.add_argument("--no-step-in-backward", dest="step_in_backward", action="store_false",

@@ -2,12 +2,11 @@
 // what MakePlan + PlanToJson give. The binary sits next to the tests directory (build/emsa);
 // these tests are skipped when it has not been built (e.g. `--target emsa_tests` alone).
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <cstdlib>
 #include <string>
 
+#include "cli_fixture.h"
 #include "common/json.h"
 #include "emsa/analytic_probe.h"
 #include "emsa/plan.h"
@@ -17,30 +16,13 @@
 namespace emsa {
 namespace {
 
-std::string CliPath() {
-  char buf[4096];
-  const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
-  if (n <= 0) return "";
-  std::string self(buf, static_cast<size_t>(n));
-  return self.substr(0, self.rfind('/')) + "/../emsa";
-}
+using Outcome = CliOutcome;
 
-struct Outcome {
-  int code = -1;
-  std::string out, err;
-};
-
-class CliTest : public ::testing::Test {
+class CliTest : public CliFixture {
  protected:
   void SetUp() override {
-    cli_ = CliPath();
-    if (cli_.empty() || access(cli_.c_str(), X_OK) != 0) {
-      GTEST_SKIP() << "the emsa binary is not built at " << cli_;
-    }
-    dir_ = ::testing::TempDir() + "emsa_cli_" + std::to_string(getpid()) + "_" +
-           ::testing::UnitTest::GetInstance()->current_test_info()->name();
-    ASSERT_EQ(std::system(("mkdir -p '" + dir_ + "'").c_str()), 0);
-
+    CliFixture::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
     DecoderConfig c;
     c.vocab_size = 4000;
     c.hidden_size = 256;
@@ -68,24 +50,6 @@ class CliTest : public ::testing::Test {
     ASSERT_TRUE(SaveProbeRecord(record_, Path("probe.json")).ok());
     ASSERT_TRUE(json::WriteFile(Path("profile.json"), DeviceProfileToJson(profile_)).ok());
   }
-  void TearDown() override {
-    if (!dir_.empty()) (void)std::system(("rm -rf '" + dir_ + "'").c_str());
-  }
-
-  std::string Path(const std::string& name) const { return dir_ + "/" + name; }
-
-  Outcome Emsa(const std::string& args) const {
-    Outcome run;
-    const std::string cmd =
-        "'" + cli_ + "' " + args + " >'" + Path("out.txt") + "' 2>'" + Path("err.txt") + "'";
-    const int status = std::system(cmd.c_str());
-    run.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    run.out = json::ReadFile(Path("out.txt")).value();
-    run.err = json::ReadFile(Path("err.txt")).value();
-    return run;
-  }
-
-  std::string cli_, dir_;
   ProbeRecord record_;
   DeviceProfile profile_;
 };

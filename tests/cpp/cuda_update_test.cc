@@ -25,6 +25,7 @@
 #if EMSA_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "gpu_test_support.h"
 #include "kernels/cuda/update_math.cuh"
 #endif
 
@@ -139,17 +140,6 @@ TEST(CudaUpdateValidation, ValidInputNeedsADeviceAndDevicePointers) {
 #if EMSA_HAVE_CUDA
 
 // ---- helpers  ------------------------------------------------------------------------------
-
-#define SKIP_WITHOUT_DEVICE() \
-  if (!CudaDeviceUsable()) GTEST_SKIP() << "no usable CUDA device"
-
-#define ASSERT_OK(expr)                                     \
-  do {                                                      \
-    const ::emsa::Status s_ = (expr);                       \
-    ASSERT_TRUE(s_.ok()) << #expr << ": " << s_.ToString(); \
-  } while (0)
-
-#define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
 // splitmix64, a fresh seed per check.
 class Rng {

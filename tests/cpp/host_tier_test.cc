@@ -16,6 +16,8 @@
 #include "emsa/cpu_update.h"
 #if EMSA_HAVE_CUDA
 #include <cuda_runtime.h>
+
+#include "gpu_test_support.h"
 #endif
 
 namespace emsa {
@@ -72,17 +74,6 @@ TEST(HostTierValidation, NamesTheBadField) {
 }
 
 #if EMSA_HAVE_CUDA
-
-#define SKIP_WITHOUT_DEVICE() \
-  if (!CudaDeviceUsable()) GTEST_SKIP() << "no usable CUDA device"
-
-#define ASSERT_OK(expr)                                     \
-  do {                                                      \
-    const ::emsa::Status s_ = (expr);                       \
-    ASSERT_TRUE(s_.ok()) << #expr << ": " << s_.ToString(); \
-  } while (0)
-
-#define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
 uint32_t Hash(uint32_t x) {
   x ^= x >> 16;

@@ -2,12 +2,10 @@
 // budget named), that the plan printed is the library's, and the 7B-on-24-GiB expectation. The
 // binary sits next to the tests directory (build/emsa); skipped when it has not been built.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <cstdlib>
 #include <string>
 
+#include "cli_fixture.h"
 #include "common/json.h"
 #include "emsa/model_config.h"
 #include "emsa/plan.h"
@@ -15,43 +13,8 @@
 namespace emsa {
 namespace {
 
-struct Outcome {
-  int code = -1;
-  std::string out, err;
-};
-
-class PlanModelCli : public ::testing::Test {
- protected:
-  void SetUp() override {
-    char buf[4096];
-    const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
-    ASSERT_GT(n, 0);
-    const std::string self(buf, static_cast<size_t>(n));
-    cli_ = self.substr(0, self.rfind('/')) + "/../emsa";
-    if (access(cli_.c_str(), X_OK) != 0) GTEST_SKIP() << "the emsa binary is not built at " << cli_;
-    dir_ = ::testing::TempDir() + "emsa_plan_model_" + std::to_string(getpid()) + "_" +
-           ::testing::UnitTest::GetInstance()->current_test_info()->name();
-    ASSERT_EQ(std::system(("mkdir -p '" + dir_ + "'").c_str()), 0);
-  }
-  void TearDown() override {
-    if (!dir_.empty()) (void)std::system(("rm -rf '" + dir_ + "'").c_str());
-  }
-
-  std::string Path(const std::string& name) const { return dir_ + "/" + name; }
-
-  Outcome Emsa(const std::string& args) const {
-    Outcome run;
-    const std::string cmd =
-        "'" + cli_ + "' " + args + " >'" + Path("out.txt") + "' 2>'" + Path("err.txt") + "'";
-    const int status = std::system(cmd.c_str());
-    run.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    run.out = json::ReadFile(Path("out.txt")).value();
-    run.err = json::ReadFile(Path("err.txt")).value();
-    return run;
-  }
-
-  std::string cli_, dir_;
-};
+using Outcome = CliOutcome;
+using PlanModelCli = CliFixture;
 
 // What the CLI should compute for `--model NAME` on the h200 preset, step in backward.
 Result<Plan> LibraryPlan(const std::string& model, const ModelProbeOptions& probe_options,
