@@ -134,6 +134,31 @@ def test_gradient_order_under_cuda_autocast_with_the_warmup_pass():
             < by_name["blocks.0.qkv.weight"].grad_ready_order)
 
 
+def test_rescale_maps_observed_times_onto_unobserved_durations():
+    """The hooks stretch a fast GPU's step; the probe rescales forward and backward times to an
+    unobserved pass's durations, never lengthening them, keeping every order."""
+    import importlib
+
+    probe_module = importlib.import_module("emsa.probe")
+    _, record = probe_gpt()
+    f0, b0 = record.forward_time, record.backward_time
+    before = [(p.forward_time, p.grad_ready_time) for p in record.params]
+    samples = [m.time for m in record.memory]
+    probe_module._rescale(record, f0 / 4, b0 / 2)
+    assert record.forward_time == pytest.approx(f0 / 4)
+    assert record.backward_time == pytest.approx(b0 / 2)
+    for p, (fwd, ready) in zip(record.params, before):
+        assert p.forward_time == pytest.approx(fwd / 4)
+        assert p.grad_ready_time == pytest.approx(f0 / 4 + (ready - f0) / 2)
+    for m, t in zip(record.memory, samples):
+        want = t / 4 if t <= f0 else f0 / 4 + (t - f0) / 2
+        assert m.time == pytest.approx(want)
+    # A slower unobserved pass is noise: nothing lengthens.
+    f1, b1 = record.forward_time, record.backward_time
+    probe_module._rescale(record, f1 * 3, b1 * 3)
+    assert (record.forward_time, record.backward_time) == (f1, b1)
+
+
 def test_shared_module_use_count():
     class Shared(nn.Module):
         def __init__(self):
