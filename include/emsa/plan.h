@@ -109,7 +109,8 @@ struct Prediction {
   double hbm_time = 0.0;            // s, device-tier update traffic / HBM bandwidth
   double d2h_time = 0.0;            // s, host-tier gradients down / d2h bandwidth
   double h2d_time = 0.0;            // s, host-tier parameters up / h2d bandwidth
-  double cpu_time = 0.0;            // s, host-tier update traffic / host update bandwidth
+  double cpu_time = 0.0;            // s, host-tier update traffic plus the DMA's gradient and
+                                    // parameter bytes (they share DRAM) / host update bandwidth
   double stall_time = 0.0;          // s, how long the next forward waits (timeline simulation)
   double step_time = 0.0;           // s, period + stall
   uint64_t device_state_bytes = 0;  // device arena size

@@ -61,4 +61,8 @@ uint64_t HostUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions& 
   return param + 2 * n * 4 + 2 * moments + param_out;
 }
 
+uint64_t HostMemoryTraffic(int64_t numel, DType param_dtype, const PlanOptions& options) {
+  return HostUpdateTraffic(numel, param_dtype, options) + 2 * U(numel) * DTypeSize(param_dtype);
+}
+
 }  // namespace emsa::plan_internal

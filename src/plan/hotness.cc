@@ -11,7 +11,7 @@ namespace emsa::plan_internal {
 
 double ElementCost(DType param_dtype, const PlanOptions& options, const Bandwidths& bw) {
   const double param = static_cast<double>(DTypeSize(param_dtype));
-  const double host = static_cast<double>(HostUpdateTraffic(1, param_dtype, options));
+  const double host = static_cast<double>(HostMemoryTraffic(1, param_dtype, options));
   return param / bw.d2h + host / bw.host_update + param / bw.h2d;
 }
 

@@ -43,7 +43,7 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
       const ParamRecord& rec = record.params[static_cast<size_t>(i)];
       const double bytes = static_cast<double>(rec.bytes);
       if (plan->buckets[b].tier == Tier::kL2) {
-        const double host = static_cast<double>(HostUpdateTraffic(rec.numel, rec.dtype, options));
+        const double host = static_cast<double>(HostMemoryTraffic(rec.numel, rec.dtype, options));
         work[b].d2h += bytes / bw.d2h;
         work[b].cpu += host / bw.host_update;
         work[b].h2d += bytes / bw.h2d;
