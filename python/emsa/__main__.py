@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--checkpointing", action="store_true",
                        help="activation checkpointing (each layer keeps only its input)")
     model.add_argument("--param-dtype", choices=PARAM_DTYPES,
-                       help="the parameters on the device (default fp32; bf16 autocast)")
+                       help="the parameters on the device (default bf16, their fp32 master in "
+                            "the optimizer state; bf16 autocast)")
     model.add_argument("--device", help="h200 (default), a100-40gb, rtx-4090, or 'this'")
     model.add_argument("--keep-grads", action="store_true",
                        help="plan for step() after backward, every gradient held at once")
@@ -151,7 +152,7 @@ def _infeasible(args, name, plan_kwargs, probe, profile_text, profile, error) ->
         shrink.append("--step-in-backward")
     if not args.checkpointing:
         shrink.append("--checkpointing")
-    if (args.param_dtype or "fp32") in ("fp32", "float32"):
+    if (args.param_dtype or "bf16") in ("fp32", "float32"):
         shrink.append("--param-dtype bf16")
     if not plan_kwargs["allow_host_tier"] and args.state_dtype in ("fp32", "float32"):
         shrink.append("--state-dtype bf16")
@@ -171,7 +172,7 @@ def _plan_model(args) -> tuple[object, str]:
     profile_text, label = _choose_device(args)
     probe, summary = model_probe(
         args.model, batch=args.batch or 1, seq_len=args.seq or 0,
-        checkpointing=args.checkpointing, param_dtype=args.param_dtype or "fp32",
+        checkpointing=args.checkpointing, param_dtype=args.param_dtype or "bf16",
         matmul_flops=matmul_flops_of(profile_text))
     release_grads = not args.keep_grads
     plan_kwargs = dict(optimizer=args.optimizer, state_dtype=STATE_DTYPES[args.state_dtype],

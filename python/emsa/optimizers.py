@@ -74,6 +74,7 @@ are views into emsa's arenas, as torch's are its live tensors.
 from __future__ import annotations
 
 import os
+import time
 import warnings
 import weakref
 from typing import Any
@@ -114,6 +115,7 @@ class _EmsaOptimizer(Optimizer):
         self._tier = tier
         self._skip_explicit = skip_nonfinite
         self._stats: dict[int, dict] = {}
+        self._wall: list[tuple[float, float]] = []  # (start, end) of each step() (CPU engine)
         skip_nonfinite = _in_backward_options(step_in_backward, accumulate, skip_nonfinite)
         self._in_backward = bool(step_in_backward)
         self._accumulate = int(accumulate)
@@ -320,13 +322,19 @@ class _EmsaOptimizer(Optimizer):
             self._backend.synchronize()
 
     def step_stats(self) -> list[dict]:
-        """Measured per step (CUDA): time_s (GPU time from this step's start to the next's),
+        """Measured per step. CUDA: time_s (GPU time from this step's start to the next's),
         d2h_s / cpu_s / h2d_s (host-tier busy times), wait_s (host time a forward waited for
         an upload not yet enqueued), peak_device_bytes (torch.cuda.max_memory_allocated at the
-        step's start). Waits for the GPU. Empty on the CPU."""
+        step's start); waits for the GPU. CPU: time_s (wall clock from one step() to the next)
+        and opt_s (step() itself). The last step has no time_s until the next one starts."""
         if self._backend is not None and hasattr(self._backend, "step_stats"):
             for row in self._backend.step_stats():
                 self._stats.setdefault(row["step"], {}).update(row)
+        for k, (start, end) in enumerate(self._wall):  # the CPU engine: wall clock
+            row = self._stats.setdefault(k + 1, {"step": k + 1})
+            row["opt_s"] = end - start
+            if k + 1 < len(self._wall):
+                row["time_s"] = self._wall[k + 1][0] - start
         return [self._stats[k] for k in sorted(self._stats)]
 
     def report(self, run_dir: str | os.PathLike, losses: list[float] | None = None,
@@ -364,7 +372,10 @@ class _EmsaOptimizer(Optimizer):
             self._bind(None)
         backend = self._backend
         backend.check_finite = self.skip_nonfinite
+        start = time.perf_counter()
         result = backend.step(self.param_groups)
+        if not hasattr(backend, "step_stats"):
+            self._wall.append((start, time.perf_counter()))
         if backend.deferred:
             self._warn_skipped(backend.finished_skips(), stacklevel=3)
         else:

@@ -30,7 +30,7 @@ Result<Plan> LibraryPlan(const std::string& model, const ModelProbeOptions& prob
 TEST_F(PlanModelCli, FitsAndPrintsTheModelAndThePlan) {
   Outcome r = Emsa("plan --model tinyllama-1.1b --gpu-mem 80GiB --seq 1024 --summary");
   ASSERT_EQ(r.code, 0) << r.err;
-  for (const char* part : {"tinyllama-1.1b: llama family, 1,100,048,384 parameters (float32",
+  for (const char* part : {"tinyllama-1.1b: llama family, 1,100,048,384 parameters (bfloat16",
                            "batch 1 x seq 1024", "NVIDIA H200 (preset h200)", "L1 (device)",
                            "L2 (host)", "peak device memory", "step  ", "(budget 80.00 GiB)"}) {
     EXPECT_NE(r.out.find(part), std::string::npos) << part << "\n" << r.out;
@@ -61,10 +61,13 @@ TEST_F(PlanModelCli, JsonIsTheLibrarysPlan) {
 }
 
 TEST_F(PlanModelCli, Llama7BOn24GiBFitsOnlyWithTheHostTier) {
+  // The question as a user asks it: bf16 parameters on the device are the default.
   const std::string args =
-      "plan --model llama-2-7b --gpu-mem 24GiB --batch 1 --seq 2048 --checkpointing "
-      "--param-dtype bf16";
+      "plan --model llama-2-7b --gpu-mem 24GiB --batch 1 --seq 2048 --checkpointing";
+  Outcome explicit_dtype = Emsa(args + " --param-dtype bf16 --json -");
+  ASSERT_EQ(explicit_dtype.code, 0) << explicit_dtype.err;
   Outcome r = Emsa(args + " --json '" + Path("plan.json") + "'");
+  EXPECT_EQ(json::ReadFile(Path("plan.json")).value(), explicit_dtype.out);
   ASSERT_EQ(r.code, 0) << r.err;
   const json::Value plan = json::Parse(json::ReadFile(Path("plan.json")).value()).value();
   const json::Value& prediction = *plan.Find("prediction");

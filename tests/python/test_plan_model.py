@@ -48,14 +48,16 @@ def test_parameter_counts_match_the_real_models(name, params):
 
 
 def test_probe_options_reach_the_record():
-    fp32 = json.loads(model_probe("tinyllama-1.1b", seq_len=512)[0])
+    fp32 = json.loads(model_probe("tinyllama-1.1b", seq_len=512, param_dtype="fp32")[0])
     bf16 = json.loads(model_probe("tinyllama-1.1b", seq_len=512, param_dtype="bf16")[0])
     assert {p["dtype"] for p in bf16["params"]} == {"bfloat16"}
     assert [p["bytes"] * 2 for p in bf16["params"]] == [p["bytes"] for p in fp32["params"]]
-    peaks = [json.loads(model_probe("tinyllama-1.1b", batch=b, seq_len=512)[0])
-             ["peak_device_bytes"] for b in (1, 2, 4)]
+    peaks = [json.loads(model_probe("tinyllama-1.1b", batch=b, seq_len=512,
+                                    param_dtype="fp32")[0])["peak_device_bytes"]
+             for b in (1, 2, 4)]
     assert peaks[0] < peaks[1] < peaks[2]
-    ckpt = json.loads(model_probe("tinyllama-1.1b", seq_len=512, checkpointing=True)[0])
+    ckpt = json.loads(model_probe("tinyllama-1.1b", seq_len=512, checkpointing=True,
+                                  param_dtype="fp32")[0])
     assert ckpt["peak_device_bytes"] < fp32["peak_device_bytes"]
     assert ckpt["backward_time"] > fp32["backward_time"]  # each layer's forward again
 

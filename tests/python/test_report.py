@@ -213,3 +213,38 @@ def test_bad_run_dir_exits_2_saying_what_is_wrong(tmp_path, capsys, setup, expec
     assert err.startswith("emsa report: ") and expect in err, err
     if before is not None:  # bad input changes nothing
         assert sorted(p.name for p in run.iterdir()) == before
+
+
+def test_optimizer_report_writes_a_run_directory_and_its_report(tmp_path):
+    """opt.report(): the plan, the probe record, the measured steps (wall clock on the CPU)
+    with the losses given, meta; then report.md with its plots."""
+    import torch
+
+    import emsa
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = emsa.AdamW(model.parameters(), lr=1e-2, profile=CPU_PROFILE)
+    with pytest.raises(ValueError, match="has not planned yet"):
+        opt.report(tmp_path / "early")
+    losses = []
+    for _ in range(5):
+        loss = model(torch.randn(8, 16)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    stats = opt.step_stats()
+    assert [r["step"] for r in stats] == [1, 2, 3, 4, 5]
+    assert all(r["time_s"] > 0 for r in stats[:-1]) and "time_s" not in stats[-1]
+    assert all(r["opt_s"] > 0 for r in stats)
+    path = opt.report(tmp_path / "run", losses=losses, meta={"title": "tiny"})
+    run = tmp_path / "run"
+    assert path == run / "report.md" and path.read_text().startswith("# tiny")
+    assert json.loads((run / "plan.json").read_text())["params"]
+    assert (run / "probe.json").exists()
+    rows = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # the last has no time yet
+    assert [r["loss"] for r in rows] == pytest.approx(losses[:4])
+    for png in ("tier_map.png", "loss.png", "step_time.png"):
+        assert (run / png).read_bytes()[:8] == PNG_MAGIC, png
