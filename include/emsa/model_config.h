@@ -56,7 +56,7 @@ struct ModelProbeOptions {
   // The parameters on the device: bf16 (default: what fine-tuning a 7 B model on one card uses;
   // emsa keeps their fp32 master in the optimizer state), fp32 or fp16.
   DType param_dtype = DType::kBFloat16;
-  double matmul_flops = 0.0;            // FLOP/s; 0: DecoderConfig's default (400e12)
+  double matmul_flops = 0.0;  // FLOP/s; 0: DecoderConfig's default (400e12)
 };
 
 // ResolveModel, then the options applied, then AnalyticDecoderProbe. *config_out (when given)
