@@ -118,8 +118,9 @@ typedef struct emsa_model_options {
   int64_t batch;                    /* sequences per step; default 1 */
   int64_t seq_len;                  /* tokens per sequence; 0 (default): the model's context,
                                        at most 2048 */
-  int32_t param_dtype;              /* EMSA_DTYPE_*: the parameters on the device; default FLOAT32
-                                       (training runs under bf16 autocast either way) */
+  int32_t param_dtype;              /* EMSA_DTYPE_*: the parameters on the device; default
+                                       BFLOAT16 (fp32 master in the optimizer state); training
+                                       runs under bf16 autocast either way */
   double matmul_flops;              /* FLOP/s forward/backward reach; 0 (default): 400e12, or
                                        take "matmul_flops" from emsa_device_preset's JSON */
 } emsa_model_options;

@@ -327,7 +327,7 @@ static void test_model_probe(void) {
   emsa_model_options mo;
   emsa_model_options_init(&mo);
   CHECK(mo.struct_size == sizeof mo && mo.batch == 1 && mo.seq_len == 0);
-  CHECK(mo.param_dtype == EMSA_DTYPE_FLOAT32 && mo.activation_checkpointing == 0);
+  CHECK(mo.param_dtype == EMSA_DTYPE_BFLOAT16 && mo.activation_checkpointing == 0);
   mo.seq_len = 2048;
   mo.activation_checkpointing = 1;
   mo.param_dtype = EMSA_DTYPE_BFLOAT16;
@@ -396,12 +396,64 @@ static void test_model_probe(void) {
   CHECK(emsa_plan_to_summary(NULL, &table) == EMSA_INVALID_ARGUMENT);
 }
 
+/* The host tier's C entry points: what is checked before any device is touched. With a usable
+ * GPU the valid call succeeds (the pipeline itself is tested in tests/cpp/host_tier_test.cc). */
+static void test_host_tier(void) {
+  emsa_cpu_updater* up = NULL;
+  CHECK(emsa_cpu_updater_create(1, EMSA_SIMD_AVX512, &up) == EMSA_OK);
+  float buf[4][8];
+  memset(buf, 0, sizeof buf);
+  emsa_host_tier_tensor t;
+  emsa_host_tier_tensor_init(&t);
+  CHECK(t.struct_size == sizeof t && t.update.struct_size == sizeof t.update);
+  t.update.param = buf[0];
+  t.update.grad = buf[1];
+  t.update.exp_avg = buf[2];
+  t.update.exp_avg_sq = buf[3];
+  t.update.numel = 8;
+  t.device_param = buf[0];
+  emsa_host_tier_options o;
+  emsa_host_tier_options_init(&o);
+  CHECK(o.struct_size == sizeof o && o.optimizer == EMSA_OPTIMIZER_ADAMW);
+  emsa_host_tier* tier = NULL;
+  CHECK(emsa_host_tier_create(NULL, &t, 1, 1, 1, NULL, NULL, &o, &tier) == EMSA_INVALID_ARGUMENT);
+  CHECK(tier == NULL);
+  o.struct_size = 3;
+  CHECK(emsa_host_tier_create(up, &t, 1, 1, 1, NULL, NULL, &o, &tier) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "emsa_host_tier_options_init") != NULL);
+  emsa_host_tier_options_init(&o);
+  t.struct_size = 5;
+  CHECK(emsa_host_tier_create(up, &t, 1, 1, 1, NULL, NULL, &o, &tier) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "tensors[0].struct_size") != NULL);
+  emsa_host_tier_tensor_init(&t);
+  t.update.param = buf[0];
+  t.update.grad = buf[1];
+  t.update.exp_avg = buf[2];
+  t.update.exp_avg_sq = buf[3];
+  t.update.numel = 8;
+  t.device_param = buf[0];
+  t.bucket = 2;
+  CHECK(emsa_host_tier_create(up, &t, 1, 1, 1, NULL, NULL, &o, &tier) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "tensors[0].bucket is 2") != NULL);
+  CHECK(tier == NULL);
+  CHECK(emsa_host_tier_begin_step(NULL, NULL, NULL, 0) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_host_tier_submit(NULL, 0, NULL, 0, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_host_tier_wait(NULL, 0, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_host_tier_synchronize(NULL) == EMSA_INVALID_ARGUMENT);
+  size_t n = 7;
+  CHECK(emsa_host_tier_stats(NULL, 1, NULL, 0, &n) == EMSA_INVALID_ARGUMENT);
+  CHECK(n == 7);
+  emsa_host_tier_destroy(NULL); /* a no-op */
+  emsa_cpu_updater_destroy(up);
+}
+
 int main(void) {
   test_library();
   test_cpu_step();
   test_plan_and_arena();
   test_dlpack_exports();
   test_model_probe();
+  test_host_tier();
   printf("capi_test: %d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }
