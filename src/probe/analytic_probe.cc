@@ -284,7 +284,8 @@ void Builder::Memory() {
   const uint64_t h = static_cast<uint64_t>(c_.hidden_size);
   const uint64_t a = static_cast<uint64_t>(c_.num_heads);
   const uint64_t layers = static_cast<uint64_t>(c_.num_layers);
-  const uint64_t full_layer = (34 * h + 5 * a * s) * b * s;
+  const uint64_t scores = c_.attention_scores_saved ? 5 * a * s : 0;
+  const uint64_t full_layer = (34 * h + scores) * b * s;
   const uint64_t kept_layer = c_.activation_checkpointing ? 2 * h * b * s : full_layer;
   const uint64_t logits = b * s * static_cast<uint64_t>(c_.vocab_size) * 4;
   const uint64_t layers_peak =

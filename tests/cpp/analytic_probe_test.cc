@@ -251,14 +251,18 @@ TEST(AnalyticProbe, CheckpointingAddsOneForwardOfEachLayerToBackward) {
 // --------------------------------------------------------------------------------------
 
 TEST(AnalyticProbe, PeakMemoryModel) {
-  for (bool checkpointing : {false, true}) {
-    SCOPED_TRACE(checkpointing ? "checkpointing" : "no checkpointing");
+  for (int variant = 0; variant < 4; ++variant) {
+    const bool checkpointing = variant & 1, eager = variant & 2;
+    SCOPED_TRACE(std::string(checkpointing ? "checkpointing" : "no checkpointing") +
+                 (eager ? ", eager attention" : ", fused attention"));
     DecoderConfig c = Llama1B();
     c.activation_checkpointing = checkpointing;
+    c.attention_scores_saved = eager;
     const ProbeRecord r = ProbeOrDie(c);
     const uint64_t params = 4ull * 1100048384;
     const uint64_t b = 4, s = 512, h = 2048, a = 32, v = 32000, l = 22;
-    const uint64_t full_layer = (34 * h + 5 * a * s) * b * s;  // Korthikanti et al., bytes
+    // Korthikanti et al., bytes; the scores' 5*a*s only where eager attention saves them.
+    const uint64_t full_layer = (34 * h + (eager ? 5 * a * s : 0)) * b * s;
     const uint64_t layers = checkpointing ? l * 2 * h * b * s + full_layer : l * full_layer;
     const uint64_t logits = b * s * v * 4;
     EXPECT_EQ(r.peak_device_bytes, params + params + layers + 2 * logits);
@@ -270,7 +274,7 @@ TEST(AnalyticProbe, MemorySamplesFollowTheModel) {
   const DecoderConfig c = Llama1B();
   const ProbeRecord r = ProbeOrDie(c);
   const uint64_t params = 4ull * 1100048384;
-  const uint64_t full_layer = (34ull * 2048 + 5 * 32 * 512) * 4 * 512;
+  const uint64_t full_layer = 34ull * 2048 * 4 * 512;  // fused attention: no scores saved
   const uint64_t logits = 4ull * 512 * 32000 * 4;
   // Embedding, 22 layers, norm, head: pre and post forward, post backward.
   ASSERT_EQ(r.memory.size(), 3u * 25);
