@@ -53,6 +53,7 @@ import collections
 import contextlib
 import ctypes
 import json
+import warnings
 
 import torch
 
@@ -124,6 +125,7 @@ class CudaBackend(Backend):
         self.host_arena: HostArena | None = None
         self.host: HostTier | None = None
         self.step_times = _StepClock()
+        self.warned_unwaited = False
         try:
             with _on(self.index):
                 if plan.device_arena_bytes:
@@ -387,6 +389,7 @@ class CudaBackend(Backend):
             self._send_hyper(param_groups, handle)
             self._send_grads(grads, handle)
             if self.host is not None:
+                self._claim_unwaited(stream)
                 self.host.begin_step(self.hyper, [s + 1 for s in self.group_steps])
             for j in self.masters:
                 if self.params[j]._version != self.versions[j]:
@@ -588,6 +591,7 @@ class CudaBackend(Backend):
             self.step_times.tick(stream)
             self._send_hyper(param_groups, handle)
             if self.host is not None:
+                self._claim_unwaited(stream)
                 self.host.begin_step(self.hyper, [s + 1 for s in self.group_steps])
             check(lib.emsa_device_step(self.scalars, self.table_array, 0, 0, handle))
             self.calls += 1
@@ -630,6 +634,28 @@ class CudaBackend(Backend):
             check(lib.emsa_device_table_update(self.tables[t], self.scalars, handle))
             self.last_stream = stream
         del keep  # freed in stream order, after the update that reads them
+
+    def _claim_unwaited(self, stream: torch.cuda.Stream) -> None:
+        """Before a new step: every upload of the last one should have been waited for by a
+        module forward reading it. One that was not means its parameters were read outside
+        their own module's forward (a functional use, compiled code that skips module hooks),
+        possibly before the update landed: warn once, then wait, so nothing later races."""
+        missed = sorted(self.host.pending)
+        if not missed:
+            return
+        if not self.warned_unwaited:
+            self.warned_unwaited = True
+            names = [self.names[i] for b in missed for i in self.host_slots[b]]
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4
+                                            else "")
+            warnings.warn(
+                f"emsa: the host-tier parameters {shown} were updated at the last step but no "
+                "module forward waited for them before this one: they are read outside their "
+                "own module's forward (a functional use, or code that skips module hooks), "
+                "and such a read may have seen the values from before the update. Call "
+                "opt.synchronize() before reading them there. emsa waits for them now.",
+                RuntimeWarning, stacklevel=4)
+        self.host.wait_all(stream)
 
     def _step_host_bucket(self, t: int) -> None:
         members = self.host_slots[t]

@@ -275,3 +275,33 @@ def test_state_dict_equals_torch_and_round_trips(tier, profile):
     assert_params_close(to_emsa, ref, what="torch's checkpoint continued by emsa: ")
     steps = {st["step"].item() for st in emsa_opt.state_dict()["state"].values()}
     assert steps == {10}, f"step counts after loading 5 and taking 5: {steps}"
+
+
+class _FunctionalUse(nn.Module):
+    """b's parameters are read by F.linear in the parent's forward: b's own forward never runs,
+    so no module pre-hook waits for their upload."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH)
+        self.b = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return F.linear(torch.tanh(self.a(x)), self.b.weight, self.b.bias)
+
+
+def test_reads_outside_a_module_forward_warn_once_unless_synchronized():
+    torch.manual_seed(0)
+    model = _FunctionalUse().to(DEVICE)
+    data = batches(4)
+    opt = emsa.AdamW(model.parameters(), **HYPER, tier="host")
+    with pytest.warns(RuntimeWarning, match=r"b\.weight.*opt\.synchronize\(\)"):
+        for batch in data[:3]:
+            train_step(model, opt, batch)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once is enough; and synchronize() before reads is quiet
+        train_step(model, opt, data[3])
+        opt.synchronize()
+        train_step(model, opt, data[0])
