@@ -123,6 +123,8 @@ typedef struct emsa_model_options {
                                        runs under bf16 autocast either way */
   double matmul_flops;              /* FLOP/s forward/backward reach; 0 (default): 400e12, or
                                        take "matmul_flops" from emsa_device_preset's JSON */
+  int32_t eager_attention;          /* 1: attention saves its s x s scores for backward;
+                                       default 0 (fused attention: SDPA, FlashAttention) */
 } emsa_model_options;
 
 EMSA_API void emsa_model_options_init(emsa_model_options* options);

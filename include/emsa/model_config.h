@@ -53,6 +53,7 @@ struct ModelProbeOptions {
   int64_t batch = 1;
   int64_t seq_len = 0;  // 0: the model's context (max_position_embeddings), at most 2048
   bool activation_checkpointing = false;
+  bool eager_attention = false;  // the attention scores saved for backward (default: fused)
   // The parameters on the device: bf16 (default: what fine-tuning a 7 B model on one card uses;
   // emsa keeps their fp32 master in the optimizer state), fp32 or fp16.
   DType param_dtype = DType::kBFloat16;

@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="tokens per sequence (default: the model's context, at most 2048)")
     model.add_argument("--checkpointing", action="store_true",
                        help="activation checkpointing (each layer keeps only its input)")
+    model.add_argument("--eager-attention", action="store_true",
+                       help="attention saves its scores (default: fused attention, SDPA)")
     model.add_argument("--param-dtype", choices=PARAM_DTYPES,
                        help="the parameters on the device (default bf16, their fp32 master in "
                             "the optimizer state; bf16 autocast)")
@@ -67,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-MODEL_ONLY = ["gpu_mem", "batch", "seq", "checkpointing", "param_dtype", "device", "keep_grads"]
+MODEL_ONLY = ["gpu_mem", "batch", "seq", "checkpointing", "eager_attention", "param_dtype",
+              "device", "keep_grads"]
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -172,7 +175,8 @@ def _plan_model(args) -> tuple[object, str]:
     profile_text, label = _choose_device(args)
     probe, summary = model_probe(
         args.model, batch=args.batch or 1, seq_len=args.seq or 0,
-        checkpointing=args.checkpointing, param_dtype=args.param_dtype or "bf16",
+        checkpointing=args.checkpointing, eager_attention=args.eager_attention,
+        param_dtype=args.param_dtype or "bf16",
         matmul_flops=matmul_flops_of(profile_text))
     release_grads = not args.keep_grads
     plan_kwargs = dict(optimizer=args.optimizer, state_dtype=STATE_DTYPES[args.state_dtype],

@@ -208,6 +208,7 @@ class ModelOptions(ctypes.Structure):
         ("seq_len", ctypes.c_int64),
         ("param_dtype", ctypes.c_int32),
         ("matmul_flops", ctypes.c_double),
+        ("eager_attention", ctypes.c_int32),
     ]
 
 

@@ -18,7 +18,8 @@ PARAM_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16",
 
 
 def model_probe(model: str, *, batch: int = 1, seq_len: int = 0, checkpointing: bool = False,
-                param_dtype: str = "bf16", matmul_flops: float = 0.0) -> tuple[str, str]:
+                param_dtype: str = "bf16", matmul_flops: float = 0.0,
+                eager_attention: bool = False) -> tuple[str, str]:
     """(probe record JSON, summary text) for a preset name, config.json text or path.
     seq_len 0: the model's context, at most 2048; matmul_flops 0: libemsa's default."""
     if param_dtype not in PARAM_DTYPES:
@@ -28,6 +29,7 @@ def model_probe(model: str, *, batch: int = 1, seq_len: int = 0, checkpointing: 
     options.batch = int(batch)
     options.seq_len = int(seq_len)
     options.activation_checkpointing = int(bool(checkpointing))
+    options.eager_attention = int(bool(eager_attention))
     options.param_dtype = _capi.DTYPE[PARAM_DTYPES[param_dtype]]
     options.matmul_flops = float(matmul_flops)
     probe, summary = ctypes.c_void_p(), ctypes.c_void_p()

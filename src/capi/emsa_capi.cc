@@ -386,6 +386,7 @@ void emsa_model_options_init(emsa_model_options* o) {
   o->seq_len = d.seq_len;
   o->param_dtype = static_cast<int32_t>(d.param_dtype);
   o->matmul_flops = d.matmul_flops;
+  o->eager_attention = d.eager_attention ? 1 : 0;
 }
 
 emsa_status emsa_model_probe(const char* model, const emsa_model_options* options,
@@ -406,6 +407,7 @@ emsa_status emsa_model_probe(const char* model, const emsa_model_options* option
       mo.seq_len = options->seq_len;
       mo.param_dtype = *dtype;
       mo.matmul_flops = options->matmul_flops;
+      mo.eager_attention = options->eager_attention != 0;
     }
     emsa::DecoderConfig config;
     auto record = emsa::ModelProbe(model, mo, &config);

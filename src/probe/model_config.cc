@@ -279,6 +279,7 @@ Result<ProbeRecord> ModelProbe(const std::string& spec, const ModelProbeOptions&
                                    std::to_string(config.max_position_embeddings) + " or less");
   }
   config.activation_checkpointing = options.activation_checkpointing;
+  config.attention_scores_saved = options.eager_attention;
   config.dtype = options.param_dtype;
   if (options.matmul_flops > 0.0) config.matmul_flops = options.matmul_flops;
   auto record = AnalyticDecoderProbe(config);
@@ -307,6 +308,7 @@ std::string ModelSummary(const DecoderConfig& c, const ProbeRecord& r) {
          (c.tie_embeddings ? ", head tied to the embedding\n" : ", untied head\n");
   out += "training   batch " + std::to_string(c.batch) + " x seq " + std::to_string(c.seq_len) +
          (c.activation_checkpointing ? ", activation checkpointing" : "") +
+         (c.attention_scores_saved ? ", eager attention (scores saved)" : "") +
          ", bf16 autocast (16-bit activations)\n";
   out += "probe      analytic at " + std::string(flops) + ": forward " + Ms(r.forward_time) +
          ", backward " + Ms(r.backward_time) + "\n";

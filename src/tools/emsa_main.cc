@@ -56,6 +56,8 @@ constexpr const char* kUsage =
     "  --batch B              sequences per step (default 1)\n"
     "  --seq T                tokens per sequence (default: the model's context, at most 2048)\n"
     "  --checkpointing        activation checkpointing (each layer keeps only its input)\n"
+    "  --eager-attention      attention saves its scores for backward (default: fused\n"
+    "                         attention, PyTorch SDPA or FlashAttention, which does not)\n"
     "  --param-dtype DTYPE    the parameters on the device: bf16 (default; their fp32 master\n"
     "                         lives in the optimizer state), fp32 or fp16; training runs\n"
     "                         under bf16 autocast either way\n"
@@ -204,6 +206,9 @@ std::string ParsePlanArgs(Args* args, PlanArgs* out) {
       out->model_only.push_back(arg);
     } else if (arg == "--checkpointing") {
       out->model_options.activation_checkpointing = true;
+      out->model_only.push_back(arg);
+    } else if (arg == "--eager-attention") {
+      out->model_options.eager_attention = true;
       out->model_only.push_back(arg);
     } else if (TakesValue(name)) {
       if (eq == std::string::npos && args->Done()) return name + " needs a value";

@@ -516,6 +516,21 @@ TEST(ModelMemory, CheckpointingKeepsEachLayersInputPlusOneLayer) {
             2 * params + layers * 2 * b * s * h + full_layer + 2 * logits);
 }
 
+TEST(ModelMemory, EagerAttentionSavesTheScoresOfOneLayerWithCheckpointing) {
+  ModelProbeOptions o;
+  o.seq_len = 2048;
+  o.activation_checkpointing = true;
+  const uint64_t fused = ProbeOrDie("llama-2-7b", o).peak_device_bytes;
+  o.eager_attention = true;
+  const uint64_t eager = ProbeOrDie("llama-2-7b", o).peak_device_bytes;
+  EXPECT_EQ(eager - fused, 5ull * 32 * 2048 * 1 * 2048);  // 5*a*s * b*s, one layer
+  o.activation_checkpointing = false;
+  const uint64_t all_layers = ProbeOrDie("llama-2-7b", o).peak_device_bytes;
+  o.eager_attention = false;
+  EXPECT_EQ(all_layers - ProbeOrDie("llama-2-7b", o).peak_device_bytes,
+            32ull * 5 * 32 * 2048 * 2048);  // every layer's scores
+}
+
 TEST(ModelMemory, ParamDtypeSizesParametersAndGradientsOnly) {
   const uint64_t n = 6738415616;
   const uint64_t bf16 = Peak("llama-2-7b", 1, 2048, true, DType::kBFloat16);

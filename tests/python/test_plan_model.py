@@ -135,9 +135,22 @@ def test_config_files_name_the_missing_field(tmp_path):
     ["--model", "qwen2.5-7b", "--device", "a100-40gb", "--keep-grads", "--state-dtype", "bf16"],
     ["--model", "mistral-7b", "--gpu-mem", "30GiB", "--all-host", "--optimizer", "lion",
      "--json", "-"],
+    ["--model", "llama-2-7b", "--gpu-mem", "24GiB", "--seq", "4096", "--checkpointing",
+     "--eager-attention", "--summary"],
 ])
 def test_same_output_as_the_cxx_binary(args):
     binary = cxx_binary()
     py = emsa_cli(*args)
     cxx = subprocess.run([str(binary), "plan", *args], capture_output=True, text=True)
     assert (py.returncode, py.stdout, py.stderr) == (cxx.returncode, cxx.stdout, cxx.stderr)
+
+
+def test_eager_attention_adds_the_saved_scores():
+    """Fused attention (the default) saves no s x s scores; eager attention saves 5*a*s*b*s
+    bytes per layer (Korthikanti et al.): with checkpointing, one layer's worth at a time."""
+    fused = json.loads(model_probe("llama-2-7b", seq_len=2048, checkpointing=True)[0])
+    eager, summary = model_probe("llama-2-7b", seq_len=2048, checkpointing=True,
+                                 eager_attention=True)
+    scores = 5 * 32 * 2048 * 1 * 2048
+    assert json.loads(eager)["peak_device_bytes"] - fused["peak_device_bytes"] == scores
+    assert "eager attention (scores saved)" in summary
