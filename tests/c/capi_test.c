@@ -398,6 +398,15 @@ static void test_model_probe(void) {
 
 /* The host tier's C entry points: what is checked before any device is touched. With a usable
  * GPU the valid call succeeds (the pipeline itself is tested in tests/cpp/host_tier_test.cc). */
+static void host_tier_tensor(emsa_host_tier_tensor* t, float buf[4][8]) {
+  t->update.param = buf[0];
+  t->update.grad = buf[1];
+  t->update.exp_avg = buf[2];
+  t->update.exp_avg_sq = buf[3];
+  t->update.numel = 8;
+  t->device_param = buf[0];
+}
+
 static void test_host_tier(void) {
   emsa_cpu_updater* up = NULL;
   CHECK(emsa_cpu_updater_create(1, EMSA_SIMD_AVX512, &up) == EMSA_OK);
@@ -406,12 +415,7 @@ static void test_host_tier(void) {
   emsa_host_tier_tensor t;
   emsa_host_tier_tensor_init(&t);
   CHECK(t.struct_size == sizeof t && t.update.struct_size == sizeof t.update);
-  t.update.param = buf[0];
-  t.update.grad = buf[1];
-  t.update.exp_avg = buf[2];
-  t.update.exp_avg_sq = buf[3];
-  t.update.numel = 8;
-  t.device_param = buf[0];
+  host_tier_tensor(&t, buf);
   emsa_host_tier_options o;
   emsa_host_tier_options_init(&o);
   CHECK(o.struct_size == sizeof o && o.optimizer == EMSA_OPTIMIZER_ADAMW);
@@ -426,12 +430,7 @@ static void test_host_tier(void) {
   CHECK(emsa_host_tier_create(up, &t, 1, 1, 1, NULL, NULL, &o, &tier) == EMSA_INVALID_ARGUMENT);
   CHECK(strstr(emsa_last_error(), "tensors[0].struct_size") != NULL);
   emsa_host_tier_tensor_init(&t);
-  t.update.param = buf[0];
-  t.update.grad = buf[1];
-  t.update.exp_avg = buf[2];
-  t.update.exp_avg_sq = buf[3];
-  t.update.numel = 8;
-  t.device_param = buf[0];
+  host_tier_tensor(&t, buf);
   t.bucket = 2;
   CHECK(emsa_host_tier_create(up, &t, 1, 1, 1, NULL, NULL, &o, &tier) == EMSA_INVALID_ARGUMENT);
   CHECK(strstr(emsa_last_error(), "tensors[0].bucket is 2") != NULL);
