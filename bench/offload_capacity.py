@@ -135,8 +135,13 @@ def worker(args) -> dict:
         enable_checkpointing(model)
         out["phase"] = "optimizer"
         if emsa_run:
-            opt = emsa_adamw(list(model.parameters()), "host", budget=cap,
-                             step_in_backward=args.step_in_backward,
+            record = model_record(shape, args) if args.emsa_plan == "model" else None
+            # Named: the analytic record's order is not the model's, its names are.
+            params = (list(model.named_parameters()) if record is not None
+                      else list(model.parameters()))
+            opt = emsa_adamw(params,
+                             "host" if args.emsa_plan == "host" else None, budget=cap,
+                             probe=record, step_in_backward=args.step_in_backward,
                              state_dtype=torch.bfloat16 if args.state_dtype == "bf16"
                              else torch.float32, _dry_run=args.dry_run)
             out.update(device_arena_bytes=opt.plan.device_arena_bytes,
@@ -145,7 +150,7 @@ def worker(args) -> dict:
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
         g = torch.Generator(device=device).manual_seed(0)
-        ids = torch.randint(0, shape["vocab_size"], (1, TOKENS if not args.dry_run else 64),
+        ids = torch.randint(0, shape["vocab_size"], (1, args.tokens if not args.dry_run else 64),
                             generator=g, device=device)
         autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
                     if not emsa_run and device.type == "cuda" else contextlib.nullcontext())
@@ -178,6 +183,20 @@ def worker(args) -> dict:
     return out
 
 
+def model_record(shape: dict, args):
+    """The analytic probe `emsa plan --model` makes for this shape (a Hugging Face config built
+    from it), so the run uses the planner's own split of the state under the budget: the
+    configuration whose predicted peak `emsa plan --model ... --gpu-mem` prints."""
+    import emsa
+    from emsa._model import model_probe
+
+    config = json.dumps({"model_type": "llama", "tie_word_embeddings": False,
+                         "max_position_embeddings": 4096, **shape})
+    text, _ = model_probe(config, seq_len=args.tokens if not args.dry_run else 64,
+                          checkpointing=True, param_dtype="bf16")
+    return emsa.ProbeRecord.from_json(text)
+
+
 def _sync(device) -> None:
     import torch
 
@@ -191,7 +210,8 @@ def run_one(args, opt: str, size: str, timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "result.json"
         cmd = [sys.executable, __file__, "--worker", opt, size, "--worker-out", str(path),
-               "--gpu-mem", str(args.gpu_mem), "--state-dtype", args.state_dtype]
+               "--gpu-mem", str(args.gpu_mem), "--state-dtype", args.state_dtype,
+               "--tokens", str(args.tokens), "--emsa-plan", args.emsa_plan]
         cmd += [] if args.step_in_backward else ["--no-step-in-backward"]
         cmd += ["--dry-run"] if args.dry_run else []
         t0 = time.perf_counter()
@@ -258,12 +278,13 @@ def planner_prediction(args) -> dict:
                               text=True, timeout=120, env=env, cwd=REPO)
 
     base = ["plan", "--model", "llama-2-7b", "--gpu-mem", size_text(args.gpu_mem), "--batch",
-            "1", "--seq", str(TOKENS), "--checkpointing", "--param-dtype", "bf16", "--json", "-"]
+            "1", "--seq", str(args.tokens), "--checkpointing", "--param-dtype", "bf16", "--json",
+            "-"]
     try:
         usage = emsa_cli(["plan", "--help"]).stdout
     except subprocess.TimeoutExpired:
         usage = ""
-    matching = ["--all-host"]
+    matching = ["--all-host"] if args.emsa_plan == "host" else []
     matching += ["--step-in-backward"] if args.step_in_backward else ["--keep-grads"]
     matching += ["--state-dtype", "bf16"] if args.state_dtype == "bf16" else []
     out = {}
@@ -298,7 +319,7 @@ def largest(runs: list[dict], opt: str) -> dict | None:
 
 def table(result: dict) -> str:
     lines = [f"\ncapacity under {result['gpu_mem_bytes'] / GIB:.3g} GiB ({result['device']}), "
-             f"batch 1x{TOKENS}, checkpointing"]
+             f"batch 1x{result['tokens']}, checkpointing, emsa plan: {result['emsa_plan']}"]
     lines.append(f"  {'size':6} {'params':>8}  {'optimizer':9} {'result':>10} {'peak GiB':>9} "
                  f"{'rsvd GiB':>9} {'tokens/s':>9}")
     for r in result["runs"]:
@@ -359,6 +380,10 @@ def main():
     ap.add_argument("--gpu-mem", type=parse_bytes, default=24 << 30, help="e.g. 24GiB")
     ap.add_argument("--sizes", default="", help="comma-separated subset of the sizes")
     ap.add_argument("--optimizers", default="torch,emsa", help="torch, emsa or both")
+    ap.add_argument("--tokens", type=int, default=TOKENS, help="sequence length (batch 1)")
+    ap.add_argument("--emsa-plan", choices=["host", "model"], default="host",
+                    help="host: all state on the host; model: the split `emsa plan --model` "
+                         "chooses under the budget (its analytic probe as probe=)")
     ap.add_argument("--state-dtype", choices=["fp32", "bf16"], default="fp32",
                     help="emsa's Adam state precision (bf16: 12 instead of 16 B/param pinned)")
     ap.add_argument("--no-step-in-backward", dest="step_in_backward", action="store_false",
@@ -381,7 +406,7 @@ def main():
     # No CUDA in this process: each worker gets the whole device.
     result = provenance("offload-capacity", torch.device("cpu"))
     result.update(gpu_mem_bytes=DRY_CAP_BYTES if args.dry_run else args.gpu_mem,
-                  tokens=TOKENS, steps=STEPS,
+                  tokens=args.tokens, emsa_plan=args.emsa_plan, steps=STEPS,
                   emsa_state_dtype=args.state_dtype, emsa_step_in_backward=args.step_in_backward,
                   host_mem_available_bytes=mem_available())
     result.update(sweep(args))
