@@ -16,14 +16,14 @@
 #include "emsa/profile.h"
 #include "emsa/types.h"
 #include "emsa/update.h"
+#include "kernels/param_kind.h"
 
 namespace emsa {
 namespace cpu {
 
-// How the parameter is stored; with a master copy the master is updated and the parameter gets
-// the master rounded to nearest.
-enum class ParamKind : int32_t { kF32 = 0, kBf16, kF16, kBf16Master, kF16Master };
-constexpr int kParamKinds = 5;
+using emsa::kParamKinds;
+using emsa::ParamKind;
+using emsa::ParamKindOf;
 constexpr int kOptimizers = 3;  // OptimizerKind values
 constexpr int kStateKinds = 2;  // 0: fp32 state, 1: bf16 state
 
@@ -65,7 +65,6 @@ struct UpdateArgs {
 UpdateArgs MakeUpdateArgs(const TensorUpdate& tensor, const StepOptions& options);
 // Sets the rounding keys for indices in [index_high << 32, (index_high + 1) << 32).
 void SetIndexHigh(UpdateArgs* args, uint32_t index_high);
-ParamKind ParamKindOf(const TensorUpdate& tensor);
 
 // GradStats partial result of one worker.
 struct GradAccum {

@@ -25,18 +25,6 @@ constexpr uint32_t kParamStream = 2;
 
 }  // namespace
 
-ParamKind ParamKindOf(const TensorUpdate& t) {
-  const bool master = t.master != nullptr;
-  switch (t.param_dtype) {
-    case DType::kBFloat16:
-      return master ? ParamKind::kBf16Master : ParamKind::kBf16;
-    case DType::kFloat16:
-      return master ? ParamKind::kF16Master : ParamKind::kF16;
-    default:
-      return ParamKind::kF32;
-  }
-}
-
 UpdateArgs MakeUpdateArgs(const TensorUpdate& t, const StepOptions& options) {
   const HyperParams& h = *t.hyper;
   const double lr = h.lr, wd = h.weight_decay;

@@ -11,6 +11,7 @@
 #include "emsa/cuda_update.h"
 #include "emsa/status.h"
 #include "emsa/types.h"
+#include "kernels/param_kind.h"
 
 namespace emsa {
 namespace cuda {
@@ -21,9 +22,8 @@ namespace cuda {
 constexpr int64_t kChunkElems = int64_t{1} << 15;
 static_assert((int64_t{1} << 32) % kChunkElems == 0, "chunks must not straddle 2^32 boundaries");
 
-// How the parameter is stored (same meaning as the CPU kernels' cpu::ParamKind).
-enum class ParamKind : int32_t { kF32 = 0, kBf16 = 1, kF16 = 2, kBf16Master = 3, kF16Master = 4 };
-constexpr int kParamKinds = 5;
+using emsa::kParamKinds;
+using emsa::ParamKind;  // kernels/param_kind.h: the CPU kernels dispatch on the same key
 
 // Everything an update kernel is compiled for besides the optimizer.
 struct Variant {

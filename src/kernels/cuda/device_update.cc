@@ -294,18 +294,6 @@ Status CheckDevicePointer(size_t i, const char* field, const void* p, int device
   return Status::Ok();
 }
 
-ParamKind KindOf(const TensorUpdate& t) {
-  const bool master = t.master != nullptr;
-  switch (t.param_dtype) {
-    case DType::kBFloat16:
-      return master ? ParamKind::kBf16Master : ParamKind::kBf16;
-    case DType::kFloat16:
-      return master ? ParamKind::kF16Master : ParamKind::kF16;
-    default:
-      return ParamKind::kF32;
-  }
-}
-
 uint64_t BytesPerElement(const TensorUpdate& t, OptimizerKind optimizer) {
   const uint64_t state = DTypeSize(t.state_dtype) * (optimizer == OptimizerKind::kLion ? 2 : 4);
   const uint64_t grad = DTypeSize(t.grad_dtype);
@@ -530,7 +518,7 @@ Result<std::unique_ptr<DeviceUpdateTable>> DeviceUpdateTable::Create(
     d.flags = cuda::TensorFlags(d.param, d.grad, d.exp_avg, d.exp_avg_sq, d.master);
     d.grad_dtype = static_cast<uint16_t>(t.grad_dtype);
     variant_of[i] = cuda::VariantIndex(
-        {KindOf(t), t.grad_dtype == DType::kFloat32, t.state_dtype == DType::kBFloat16});
+        {ParamKindOf(t), t.grad_dtype == DType::kFloat32, t.state_dtype == DType::kBFloat16});
     bytes += static_cast<uint64_t>(t.numel) * BytesPerElement(t, options.optimizer);
   }
   std::vector<cuda::DeviceChunk> dev_chunks;
