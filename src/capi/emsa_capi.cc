@@ -43,6 +43,7 @@ struct emsa_device_table {
 };
 struct emsa_host_tier {
   std::unique_ptr<emsa::HostTier> tier;
+  std::vector<emsa::HyperParams> hypers;  // one per group: begin_step converts into it in place
 };
 
 // The C header mirrors the device layout byte for byte.
@@ -225,11 +226,23 @@ emsa::Status ExportArgs(const int64_t* shape, int32_t ndim, int32_t dtype,
   return emsa::Status::Ok();
 }
 
-// Hands a finished export to the caller.
-emsa_status ReturnExport(emsa::Result<DLManagedTensor*> exported, void** dlmanaged_out) {
-  if (!exported.ok()) return Report(exported.status());
-  *dlmanaged_out = *exported;
-  return Report(emsa::Status::Ok());
+// One view of a host or device arena (either handle holds a shared_ptr `arena`) as DLPack.
+template <typename Handle>
+emsa_status ExportArenaView(const Handle* handle, uint64_t offset, const int64_t* shape,
+                            int32_t ndim, int32_t dtype, void** dlmanaged_out) {
+  return Guard([&] {
+    if (handle == nullptr || dlmanaged_out == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "arena and dlmanaged_out must not be NULL");
+    }
+    std::vector<int64_t> dims;
+    emsa::DType type;
+    emsa::Status st = ExportArgs(shape, ndim, dtype, &dims, &type);
+    if (!st.ok()) return Report(st);
+    emsa::Result<DLManagedTensor*> exported = emsa::ExportView(handle->arena, offset, dims, type);
+    if (!exported.ok()) return Report(exported.status());
+    *dlmanaged_out = *exported;
+    return Report(emsa::Status::Ok());
+  });
 }
 
 }  // namespace
@@ -455,16 +468,7 @@ void emsa_host_arena_destroy(emsa_host_arena* arena) { delete arena; }
 emsa_status emsa_host_arena_export(const emsa_host_arena* arena, uint64_t offset,
                                    const int64_t* shape, int32_t ndim, int32_t dtype,
                                    void** dlmanaged_out) {
-  return Guard([&] {
-    if (arena == nullptr || dlmanaged_out == nullptr) {
-      return Fail(EMSA_INVALID_ARGUMENT, "arena and dlmanaged_out must not be NULL");
-    }
-    std::vector<int64_t> dims;
-    emsa::DType type;
-    emsa::Status st = ExportArgs(shape, ndim, dtype, &dims, &type);
-    if (!st.ok()) return Report(st);
-    return ReturnExport(emsa::ExportView(arena->arena, offset, dims, type), dlmanaged_out);
-  });
+  return ExportArenaView(arena, offset, shape, ndim, dtype, dlmanaged_out);
 }
 
 emsa_status emsa_host_arena_info(const emsa_host_arena* arena, void** data_out, uint64_t* bytes_out,
@@ -880,16 +884,7 @@ emsa_status emsa_device_arena_info(const emsa_device_arena* arena, void** data_o
 emsa_status emsa_device_arena_export(const emsa_device_arena* arena, uint64_t offset,
                                      const int64_t* shape, int32_t ndim, int32_t dtype,
                                      void** dlmanaged_out) {
-  return Guard([&] {
-    if (arena == nullptr || dlmanaged_out == nullptr) {
-      return Fail(EMSA_INVALID_ARGUMENT, "arena and dlmanaged_out must not be NULL");
-    }
-    std::vector<int64_t> dims;
-    emsa::DType type;
-    emsa::Status st = ExportArgs(shape, ndim, dtype, &dims, &type);
-    if (!st.ok()) return Report(st);
-    return ReturnExport(emsa::ExportView(arena->arena, offset, dims, type), dlmanaged_out);
-  });
+  return ExportArenaView(arena, offset, shape, ndim, dtype, dlmanaged_out);
 }
 
 void emsa_dlpack_delete(void* dlmanaged) {
@@ -971,7 +966,8 @@ emsa_status emsa_host_tier_create(emsa_cpu_updater* updater, const emsa_host_tie
         updater->updater.get(), converted.data(), count, bucket_count, group_count,
         static_cast<cudaStream_t>(d2h_stream), static_cast<cudaStream_t>(h2d_stream), o);
     if (!tier.ok()) return Report(tier.status());
-    *tier_out = new emsa_host_tier{std::move(tier).value()};
+    *tier_out =
+        new emsa_host_tier{std::move(tier).value(), std::vector<emsa::HyperParams>(group_count)};
     return Report(emsa::Status::Ok());
   });
 }
@@ -985,7 +981,10 @@ emsa_status emsa_host_tier_begin_step(emsa_host_tier* tier, const emsa_hyperpara
     if ((hypers == nullptr || steps == nullptr) && group_count > 0) {
       return Fail(EMSA_INVALID_ARGUMENT, "hypers and steps must not be NULL");
     }
-    std::vector<emsa::HyperParams> h(group_count);
+    std::vector<emsa::HyperParams>& h = tier->hypers;  // sized at create: no allocation here
+    if (group_count != h.size()) {
+      return Report(tier->tier->BeginStep(nullptr, steps, group_count));  // names the count
+    }
     for (size_t g = 0; g < group_count; ++g) {
       emsa::Status st = ToHyper(&hypers[g], "hypers[" + std::to_string(g) + "]", &h[g]);
       if (!st.ok()) return Report(st);
