@@ -391,9 +391,7 @@ class CudaBackend(Backend):
             if self.host is not None:
                 self._claim_unwaited(stream)
                 self.host.begin_step(self.hyper, [s + 1 for s in self.group_steps])
-            for j in self.masters:
-                if self.params[j]._version != self.versions[j]:
-                    self.refresh_master(j)
+            self._refresh_stale_masters(self.masters)
             check(lib.emsa_device_step(self.scalars, self.table_array, len(self.tables),
                                        int(self.check_finite), handle))
             if self.host is not None:
@@ -606,19 +604,8 @@ class CudaBackend(Backend):
             self._step_host_bucket(t)
             return
         members = self.table_slots[t]
-        keep, mine = [], []
-        for i in members:
-            p = self.params[i]
-            if p.data_ptr() != self.ptrs[i] or p.shape != self.shapes[i]:
-                self._moved(i, p)
-            g = p.grad
-            if g is None:
-                raise RuntimeError(f"emsa internal error: {self.names[i]} has no gradient in "
-                                   "its hook; please report it")
-            g = kernel_grad(self.names[i], g, p, self.strides[i])
-            if g is not p.grad:
-                keep.append(g)
-            mine.append(g.data_ptr())
+        grads = self._bucket_grads(members)
+        mine = [g.data_ptr() for g in grads]
         with _on(self.index):
             stream = torch.cuda.current_stream(self.device)
             self._follow(stream)
@@ -628,12 +615,30 @@ class CudaBackend(Backend):
                 array[:] = mine
                 check(lib.emsa_device_table_set_grads(self.tables[t], array, len(mine), handle))
                 self.sent_grads[t] = mine
-            for j in members:
-                if "master" in self.views[j] and self.params[j]._version != self.versions[j]:
-                    self.refresh_master(j)
+            self._refresh_stale_masters(members)
             check(lib.emsa_device_table_update(self.tables[t], self.scalars, handle))
             self.last_stream = stream
-        del keep  # freed in stream order, after the update that reads them
+        del grads  # copies made for the kernels are freed in stream order, after the update
+
+    def _bucket_grads(self, members: list[int]) -> list[torch.Tensor]:
+        """Step in backward: the bucket's gradients as the kernels read them (all final: the
+        hooks fired), after checking each parameter is where emsa planned it."""
+        grads = []
+        for i in members:
+            p = self.params[i]
+            if p.data_ptr() != self.ptrs[i] or p.shape != self.shapes[i]:
+                self._moved(i, p)
+            if p.grad is None:
+                raise RuntimeError(f"emsa internal error: {self.names[i]} has no gradient in "
+                                   "its hook; please report it")
+            grads.append(kernel_grad(self.names[i], p.grad, p, self.strides[i]))
+        return grads
+
+    def _refresh_stale_masters(self, slots) -> None:
+        """Masters of parameters someone else wrote since (emsa's own writes leave _version)."""
+        for j in slots:
+            if self.params[j]._version != self.versions[j] and self._master(j) is not None:
+                self.refresh_master(j)
 
     def _claim_unwaited(self, stream: torch.cuda.Stream) -> None:
         """Before a new step: every upload of the last one should have been waited for by a
@@ -659,17 +664,8 @@ class CudaBackend(Backend):
 
     def _step_host_bucket(self, t: int) -> None:
         members = self.host_slots[t]
-        grads = []
-        for i in members:
-            p = self.params[i]
-            if p.data_ptr() != self.ptrs[i] or p.shape != self.shapes[i]:
-                self._moved(i, p)
-            if p.grad is None:
-                raise RuntimeError(f"emsa internal error: {self.names[i]} has no gradient in "
-                                   "its hook; please report it")
-            grads.append(kernel_grad(self.names[i], p.grad, p, self.strides[i]))
-            if p._version != self.versions[i]:
-                self.refresh_master(i)  # the tier is idle: begin_step waited for it
+        grads = self._bucket_grads(members)
+        self._refresh_stale_masters(members)  # the tier is idle: begin_step waited for it
         with _on(self.index):
             stream = torch.cuda.current_stream(self.device)
             self._follow(stream)
