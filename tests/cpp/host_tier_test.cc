@@ -14,6 +14,7 @@
 
 #include "common/cuda_util.h"
 #include "emsa/cpu_update.h"
+#include "kernels/cpu/numerics.h"
 #if EMSA_HAVE_CUDA
 #include <cuda_runtime.h>
 
@@ -88,12 +89,8 @@ float Random(uint32_t seed, int64_t i) {  // in (-1, 1), never zero
   return (static_cast<float>(h >> 8) + 0.5f) / 8388608.0f - 1.0f;
 }
 
-uint16_t Bf16(float x) {  // round to nearest even; inputs are finite
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+using cpu::Bf16Nearest;
+using cpu::Bf16ToFloat;
 
 // One tensor of the test: pinned host state for the tier, plain host state for the reference.
 struct Case {
@@ -155,14 +152,9 @@ class HostTierPipeline : public ::testing::Test {
         if (c.dtype == DType::kFloat32) {
           std::memcpy(param_bytes.data() + 4 * k, &init[k], 4);
         } else {
-          init[k] = [&] {  // the master starts at the rounded parameter, as torch's copy does
-            uint16_t h = Bf16(init[k]);
-            uint32_t u = static_cast<uint32_t>(h) << 16;
-            float f;
-            std::memcpy(&f, &u, 4);
-            return f;
-          }();
-          const uint16_t h = Bf16(init[k]);
+          // The master starts at the rounded parameter, as torch's copy does.
+          const uint16_t h = Bf16Nearest(init[k]);
+          init[k] = Bf16ToFloat(h);
           std::memcpy(param_bytes.data() + 2 * k, &h, 2);
         }
       }
@@ -223,7 +215,7 @@ class HostTierPipeline : public ::testing::Test {
         if (c.dtype == DType::kFloat32) {
           std::memcpy(g.data() + 4 * k, &x, 4);
         } else {
-          const uint16_t h = Bf16(x);
+          const uint16_t h = Bf16Nearest(x);
           std::memcpy(g.data() + 2 * k, &h, 2);
         }
       }
