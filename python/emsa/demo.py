@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import copy
 import datetime
-import json
 import math
 import os
 import subprocess
@@ -256,9 +255,9 @@ def _run(args, device: torch.device, out: Path) -> int:
 
     verdict = _compare(steps, mine, peer)
     summary = _summary(steps, mine, peer, device)
-    _write_run(out, opt, record, steps, cfg, hyper, args, device, n_params, summary, verdict)
+    path = _write_run(out, opt, record, steps, cfg, hyper, args, device, n_params, summary,
+                      verdict)
     print(_table(summary, verdict))
-    path = report.write(out)
     print(f"report: {path}")
     if not verdict["ok"]:
         print(f"emsa demo: emsa.AdamW and torch.optim.AdamW differ: {verdict['why']}",
@@ -355,12 +354,8 @@ def _commit() -> str:
 
 
 def _write_run(out: Path, opt, record, steps, cfg, hyper, args, device, n_params, summary,
-               verdict) -> None:
-    (out / "plan.json").write_text(opt.plan.text, encoding="utf-8")
-    (out / "probe.json").write_text(record.to_json(), encoding="utf-8")
-    with open(out / "steps.jsonl", "w", encoding="utf-8") as f:
-        for row in steps:
-            f.write(json.dumps(row) + "\n")
+               verdict) -> Path:
+    """The run directory (emsa.report's format) and its report; returns report.md's path."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     mem = summary["memory"]
     meta = {"title": "emsa demo: emsa.AdamW vs torch.optim.AdamW on a small GPT",
@@ -378,7 +373,7 @@ def _write_run(out: Path, opt, record, steps, cfg, hyper, args, device, n_params
             "data": f"{CORPUS_CHARS:,} characters of generated sentences, batch "
                     f"{args.batch_size}x{cfg.block_size}, seed {args.seed}",
             "hyperparameters": asdict(hyper), "steps": args.steps}
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return report.write_run(out, plan=opt.plan, record=record, steps=steps, meta=meta)
 
 
 if __name__ == "__main__":
