@@ -15,6 +15,8 @@ events (host work such as a CPU optimizer step is inside: the end event is enque
   (c) emsa.AdamW, no budget (the planner keeps what fits on the GPU), updates in step()
   (d) emsa.AdamW with the budget halfway between the all-device and all-host plans' peaks
   (e) emsa.AdamW(tier="host"): all Adam state and the fp32 master on the host
+  (f) (e) with each bucket updated and uploaded --upload-piece elements at a time (the host
+      tier's upload_piece_elements): an A/B of when the parameters go up
   (d) and (e) update in backward (step_in_backward=True, as emsa advises for the host tier: the
   copies hide under backward, each gradient is freed once copied); --no-step-in-backward: step().
 
@@ -24,7 +26,8 @@ and peak, the fraction of parameters on the host tier (L2), and the engine's own
 The bound for a host-tier step is the slowest of the three engines that must each do its part:
   max(fwd+bwd of (a), host-tier update bytes / measured host update bandwidth,
       host-tier copy bytes / measured PCIe bandwidth (each direction on its own copy engine)).
-Ratios: (c)/(a), (d)/bound, (e)/bound, (b)/(e), predicted/measured.
+Ratios: (c)/(a), (d)/bound, (e)/bound, (b)/(e), predicted/measured; each bound also with the
+DMA's own host-memory traffic counted (8 B/param for fp32: gradient in, parameter out).
 Numerics: 20 steps of (e) and (a) on a smaller Llama, fp32 without autocast, eager attention,
 identical batches; parameters compared element-wise, with (a) against a second run of (a) as
 the noise floor of the forward and backward themselves.
@@ -318,7 +321,31 @@ def half_budget(record, in_backward: bool) -> dict:
                 budget_bytes=(device_peak + host_peak) // 2)
 
 
-def run_emsa(args, shape, batches, device, profile, mode: str) -> dict:
+@contextlib.contextmanager
+def environ(**values: str):
+    """Environment variables set for the block (the host tier reads its tuning knobs at
+    creation)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_emsa(args, shape, batches, device, profile, mode: str, knobs: dict | None = None) -> dict:
+    with environ(**(knobs or {})):
+        out = _run_emsa(args, shape, batches, device, profile, mode)
+    if knobs:
+        out["knobs"] = knobs
+    return out
+
+
+def _run_emsa(args, shape, batches, device, profile, mode: str) -> dict:
     import emsa
 
     model = make_llama(shape, device)
@@ -484,7 +511,8 @@ def numerics_check(args, device) -> dict:
 # ---- one shape, all configurations -------------------------------------------------------------
 
 CONFIGS = [("a", "torch AdamW fused"), ("b", "FSDP2 CPUOffloadPolicy"), ("c", "emsa no budget"),
-           ("d", "emsa half budget"), ("e", "emsa tier=host")]
+           ("d", "emsa half budget"), ("e", "emsa tier=host"),
+           ("f", "(e), uploads per piece")]
 
 
 def run_shape(args, shape, batch, seq, device, profile) -> dict:
@@ -495,6 +523,10 @@ def run_shape(args, shape, batch, seq, device, profile) -> dict:
         "c": lambda: run_emsa(args, shape, batches, device, profile, "device"),
         "d": lambda: run_emsa(args, shape, batches, device, profile, "half"),
         "e": lambda: run_emsa(args, shape, batches, device, profile, "host"),
+        # (e) with each bucket updated and uploaded --upload-piece elements at a time
+        # (HostTierOptions.upload_piece_elements): an A/B of the upload schedule.
+        "f": lambda: run_emsa(args, shape, batches, device, profile, "host",
+                              {"EMSA_HOST_UPLOAD_PIECE": str(args.upload_piece)}),
     }
     results = {}
     for key, label in CONFIGS:
@@ -530,15 +562,20 @@ def ratios(results: dict, profile: dict) -> dict:
     cpu, gpu = profile.get("cpu") or {}, profile.get("gpu") or {}
     host_bw = cpu.get("host_update_bandwidth") or cpu.get("host_mem_bandwidth") or 0.0
     d2h, h2d = gpu.get("d2h_bandwidth") or 0.0, gpu.get("h2d_bandwidth") or 0.0
-    for k in ("c", "d", "e"):
+    for k in ("c", "d", "e", "f"):
         if k not in ok:
             continue
         r = ok[k]
         host_s = r["host_update_bytes"] / host_bw if host_bw else 0.0
+        # The same with the DMA's own trips through host memory counted (gradient written in,
+        # parameter read out): not a floor (a DMA may hit the CPU's cache), the traffic as built.
+        host_dma_s = ((r["host_update_bytes"] + 2 * r["host_copy_bytes_each_way"]) / host_bw
+                      if host_bw else 0.0)
         pcie_s = max(r["host_copy_bytes_each_way"] / d2h if d2h else 0.0,
                      r["host_copy_bytes_each_way"] / h2d if h2d else 0.0)
         bounds[k] = dict(bound_s=max(fwd_bwd, host_s, pcie_s), fwd_bwd_s=fwd_bwd,
-                         host_update_s=host_s, pcie_s=pcie_s)
+                         host_update_s=host_s, pcie_s=pcie_s,
+                         bound_with_dma_s=max(fwd_bwd, host_dma_s, pcie_s))
         pred = r["predicted"]
         if pred.get("step_time"):
             predicted[f"{k}_predicted_over_measured_time"] = pred["step_time"] / r["step_s"]
@@ -547,9 +584,13 @@ def ratios(results: dict, profile: dict) -> dict:
                                                               / r["peak_device_bytes"])
     if "c" in ok:
         main["c_over_a"] = ok["c"]["step_s"] / ok["a"]["step_s"]
-    for k in ("d", "e"):
+    for k in ("d", "e", "f"):
         if k in bounds:
             main[f"{k}_over_bound"] = ok[k]["step_s"] / bounds[k]["bound_s"]
+            main[f"{k}_over_bound_with_dma"] = ok[k]["step_s"] / bounds[k]["bound_with_dma_s"]
+    for k in ("e", "f"):
+        if k in ok:
+            main[f"{k}_over_a"] = ok[k]["step_s"] / ok["a"]["step_s"]
     if "b" in ok and "e" in ok:
         main["b_over_e"] = ok["b"]["step_s"] / ok["e"]["step_s"]
     return dict(bounds=bounds, ratios={**main, **predicted})
@@ -586,8 +627,9 @@ def table(result: dict) -> str:
         for k, b in s["bounds"].items():
             lines.append(f"  bound ({k}): {b['bound_s'] * 1e3:.1f} ms = max(fwd+bwd "
                          f"{b['fwd_bwd_s'] * 1e3:.1f}, host update {b['host_update_s'] * 1e3:.1f}, "
-                         f"PCIe {b['pcie_s'] * 1e3:.1f})")
-        for k in "de":
+                         f"PCIe {b['pcie_s'] * 1e3:.1f}); with the DMA's host-memory traffic "
+                         f"{b['bound_with_dma_s'] * 1e3:.1f} ms")
+        for k in "def":
             t = s["configs"].get(k, {}).get("host_trace")
             if t:
                 lines.append(f"  trace ({k}): last submit {t['last_submit_s'] * 1e3:.1f} ms, CPU "
@@ -621,7 +663,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--check-steps", type=int, default=20)
-    ap.add_argument("--configs", default="abcde", help="which of (a)..(e) to run")
+    ap.add_argument("--configs", default="abcdef", help="which of (a)..(f) to run")
+    ap.add_argument("--upload-piece", type=int, default=1 << 22,
+                    help="(f): elements per piece (HostTierOptions.upload_piece_elements)")
     ap.add_argument("--no-autocast", dest="autocast", action="store_false")
     ap.add_argument("--no-step-in-backward", dest="step_in_backward", action="store_false",
                     help="(d) and (e) update in step() instead of in backward")

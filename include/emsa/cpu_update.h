@@ -62,6 +62,17 @@ class CpuUpdater {
   Status Step(const TensorUpdate* tensors, size_t count, const StepOptions& options,
               StepReport* report = nullptr);
 
+  // Step() for the elements [first, last) of the batch, counted across its tensors in order
+  // (element i of tensor t is at t's offset plus i): the same results those elements get from
+  // Step(), since each element's result depends only on its own index within its tensor. The
+  // host tier updates a bucket piece by piece with it and uploads each piece at once. first and
+  // last must be Aligned(); options.check_finite must be false (kInvalidArgument otherwise).
+  Status StepRange(const TensorUpdate* tensors, size_t count, const StepOptions& options,
+                   int64_t first, int64_t last);
+  // The batch position `position` moved back to a tensor boundary or to a multiple of 64
+  // elements within its tensor (where Step splits work); the batch's size when past its end.
+  static int64_t Aligned(const TensorUpdate* tensors, size_t count, int64_t position);
+
   // The checks Step() runs before touching anything, on their own (the C ABI validates a large
   // batch chunk by chunk before the first chunk updates).
   Status Validate(const TensorUpdate* tensors, size_t count, const StepOptions& options) const;
@@ -80,6 +91,9 @@ class CpuUpdater {
   struct Scan;
   CpuUpdater() = default;
   Scan ScanGrads(const TensorUpdate* tensors, size_t count, int64_t total);
+  // Runs the update of the batch's elements [first, first + total) on the pool (validated).
+  void Update(const TensorUpdate* tensors, size_t count, const StepOptions& options, int64_t first,
+              int64_t total);
 
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<Partial[]> partials_;  // pool size entries, sized at Create

@@ -373,6 +373,9 @@ typedef struct emsa_host_tier_options {
   int32_t rounding;     /* EMSA_ROUNDING_*; default STOCHASTIC */
   uint64_t seed;        /* stochastic rounding stream; default 0 */
   int32_t device;       /* CUDA device; default 0 */
+  /* 0 (default): upload a bucket's parameters once its whole update is done; >= 64: update and
+   * upload it this many elements at a time (emsa/host_tier.h, HostTierOptions) */
+  int64_t upload_piece_elements;
 } emsa_host_tier_options;
 
 /* One step's measurements: busy seconds per engine (sums over buckets). */

@@ -14,7 +14,8 @@
 //                               first), waits for the previous step's upload of it (no DMA may
 //                               still read what it is about to write), runs its CPU update on
 //                               the CpuUpdater's pool, enqueues the uploads of its parameters on
-//                               the H2D stream and records params_copied[b].
+//                               the H2D stream (piece by piece with upload_piece_elements) and
+//                               records params_copied[b].
 //   Wait(b, stream)             the next forward's module pre-hook: waits on the host until b's
 //                               upload is enqueued (usually already), then makes `stream` wait
 //                               on params_copied[b]; the compute stream never waits for the
@@ -60,6 +61,12 @@ struct HostTierOptions {
   uint64_t seed = 0;
   int device = 0;         // CUDA device of the parameters and streams
   size_t history = 4096;  // steps whose measurements are kept (ring)
+  // 0: a bucket's parameters are uploaded once its whole update is done. N >= 64: the bucket is
+  // updated N elements at a time (cut at tensor boundaries or multiples of 64 within a tensor)
+  // and each piece's upload is enqueued as soon as it is written, while it may still be in the
+  // CPU's cache (the DMA then need not read it back from DRAM) and so the H2D stream starts
+  // earlier. Results are identical either way.
+  int64_t upload_piece_elements = 0;
 };
 
 // What one step took on each engine, measured (CUDA events for copies, a steady clock for the

@@ -170,6 +170,7 @@ class HostTierOptions(ctypes.Structure):
         ("rounding", ctypes.c_int32),
         ("seed", ctypes.c_uint64),
         ("device", ctypes.c_int32),
+        ("upload_piece_elements", ctypes.c_int64),
     ]
 
 

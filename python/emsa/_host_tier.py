@@ -41,13 +41,17 @@ class HostTier:
         self.h2d = torch.cuda.Stream(device)
         # One core fewer than this process may use: the thread launching the forward must not
         # wait for a core while the pool, memory-bound, gains nothing from the last one.
-        threads = max(1, len(os.sched_getaffinity(0)) - 1)
+        # EMSA_HOST_THREADS and EMSA_HOST_UPLOAD_PIECE (elements; HostTierOptions) are tuning
+        # knobs for benchmarks.
+        threads = int(os.environ.get("EMSA_HOST_THREADS", 0)) or max(
+            1, len(os.sched_getaffinity(0)) - 1)
         check(lib.emsa_cpu_updater_create(threads, _capi.SIMD["avx512"],
                                           ctypes.byref(self.updater)))
         options = HostTierOptions()
         lib.emsa_host_tier_options_init(ctypes.byref(options))
         options.optimizer = _capi.OPTIMIZER[optimizer]
         options.device = device.index
+        options.upload_piece_elements = int(os.environ.get("EMSA_HOST_UPLOAD_PIECE", 0))
         array = (HostTierTensor * max(len(tensors), 1))(*tensors)
         try:
             check(lib.emsa_host_tier_create(self.updater, array, len(tensors), len(buckets),

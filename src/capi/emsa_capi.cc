@@ -948,6 +948,7 @@ emsa_status emsa_host_tier_create(emsa_cpu_updater* updater, const emsa_host_tie
     o.rounding = static_cast<emsa::Rounding>(options->rounding);
     o.seed = options->seed;
     o.device = options->device;
+    o.upload_piece_elements = options->upload_piece_elements;
     std::vector<emsa::HostTierTensor> converted(count);
     for (size_t i = 0; i < count; ++i) {
       const emsa_host_tier_tensor& t = tensors[i];

@@ -164,12 +164,13 @@ Cursor Locate(const TensorUpdate* tensors, size_t count, int64_t target) {
   return {count, 0};
 }
 
-// Calls fn(tensor_index, begin, end) for the non-empty pieces of worker `index`'s share.
+// Calls fn(tensor_index, begin, end) for the non-empty pieces of worker `index`'s share of the
+// batch's elements [first, first + total).
 template <typename Fn>
-void ForEachPiece(const TensorUpdate* tensors, size_t count, int64_t total, int index, int workers,
-                  Fn&& fn) {
-  const Cursor from = Locate(tensors, count, Share(total, index, workers));
-  const Cursor to = Locate(tensors, count, Share(total, index + 1, workers));
+void ForEachPiece(const TensorUpdate* tensors, size_t count, int64_t first, int64_t total,
+                  int index, int workers, Fn&& fn) {
+  const Cursor from = Locate(tensors, count, first + Share(total, index, workers));
+  const Cursor to = Locate(tensors, count, first + Share(total, index + 1, workers));
   for (size_t t = from.tensor; t < count && t <= to.tensor; ++t) {
     const int64_t begin = t == from.tensor ? from.offset : 0;
     const int64_t end = t == to.tensor ? to.offset : tensors[t].numel;
@@ -241,13 +242,15 @@ CpuUpdater::Scan CpuUpdater::ScanGrads(const TensorUpdate* tensors, size_t count
     Partial& out = partials_[static_cast<size_t>(index)];
     out = Partial{};
     if (total == 0) return;
-    ForEachPiece(tensors, count, total, index, workers, [&](size_t t, int64_t begin, int64_t end) {
-      cpu::GradAccum accum;
-      stats(tensors[t].grad, tensors[t].grad_dtype, begin, end, &accum);
-      out.sum_sq += accum.sum_sq;
-      out.nonfinite += accum.nonfinite;
-      if (accum.nonfinite > 0 && out.first_bad < 0) out.first_bad = static_cast<int64_t>(t);
-    });
+    ForEachPiece(tensors, count, 0, total, index, workers,
+                 [&](size_t t, int64_t begin, int64_t end) {
+                   cpu::GradAccum accum;
+                   stats(tensors[t].grad, tensors[t].grad_dtype, begin, end, &accum);
+                   out.sum_sq += accum.sum_sq;
+                   out.nonfinite += accum.nonfinite;
+                   if (accum.nonfinite > 0 && out.first_bad < 0)
+                     out.first_bad = static_cast<int64_t>(t);
+                 });
   });
   // Fixed order, so the sum is repeatable for a given thread count.
   Scan scan;
@@ -295,15 +298,50 @@ Status CpuUpdater::Step(const TensorUpdate* tensors, size_t count, const StepOpt
       return Status::Ok();
     }
   }
-  if (total == 0) return Status::Ok();
+  Update(tensors, count, options, 0, total);
+  return Status::Ok();
+}
 
+Status CpuUpdater::StepRange(const TensorUpdate* tensors, size_t count, const StepOptions& options,
+                             int64_t first, int64_t last) {
+  int64_t total = 0;
+  EMSA_RETURN_IF_ERROR(ValidateBatch(tensors, count, options, &total));
+  if (options.check_finite) {
+    return Status::InvalidArgument(
+        "StepRange cannot check gradients for non-finite values (that skips a whole batch); "
+        "scan with GradStats first, or call Step");
+  }
+  if (first < 0 || last < first || last > total) {
+    return Status::InvalidArgument("range [" + std::to_string(first) + ", " + std::to_string(last) +
+                                   ") is not within the batch's " + std::to_string(total) +
+                                   " elements");
+  }
+  if (Aligned(tensors, count, first) != first || Aligned(tensors, count, last) != last) {
+    return Status::InvalidArgument("range [" + std::to_string(first) + ", " + std::to_string(last) +
+                                   ") must start and end at a tensor boundary or a multiple of " +
+                                   std::to_string(kSplitAlign) + " elements within a tensor");
+  }
+  Update(tensors, count, options, first, last - first);
+  return Status::Ok();
+}
+
+void CpuUpdater::Update(const TensorUpdate* tensors, size_t count, const StepOptions& options,
+                        int64_t first, int64_t total) {
+  if (total == 0) return;
   const cpu::KernelTable& kernels = *kernels_;
   pool_->Run([&](int index, int workers) {
-    ForEachPiece(tensors, count, total, index, workers, [&](size_t t, int64_t begin, int64_t end) {
-      UpdatePiece(kernels, tensors[t], options, begin, end);
-    });
+    ForEachPiece(tensors, count, first, total, index, workers,
+                 [&](size_t t, int64_t begin, int64_t end) {
+                   UpdatePiece(kernels, tensors[t], options, begin, end);
+                 });
   });
-  return Status::Ok();
+}
+
+int64_t CpuUpdater::Aligned(const TensorUpdate* tensors, size_t count, int64_t position) {
+  const Cursor c = Locate(tensors, count, position);
+  int64_t start = 0;
+  for (size_t t = 0; t < c.tensor; ++t) start += tensors[t].numel;
+  return start + c.offset;
 }
 
 }  // namespace emsa

@@ -40,16 +40,31 @@ Status ElapsedSeconds(cudaEvent_t start, cudaEvent_t end, double* out) {
 }  // namespace
 
 struct HostTier::Impl {
+  // One host-to-device copy: part of a tensor's parameter.
+  struct Copy {
+    void* dst;
+    const void* src;
+    size_t bytes;
+  };
+  // Elements [first, last) of a bucket (counted across its tensors), updated together and then
+  // uploaded by copies [copy_begin, copy_end) between the two events.
+  struct Piece {
+    int64_t first = 0, last = 0;
+    size_t copy_begin = 0, copy_end = 0;
+    cudaEvent_t start = nullptr, end = nullptr;
+  };
   struct Bucket {
     std::vector<TensorUpdate> updates;
     std::vector<void*> device_params;
     std::vector<int32_t> groups;
+    std::vector<Piece> pieces;  // one covering the bucket unless upload_piece_elements
+    std::vector<Copy> copies;
     cudaEvent_t ready = nullptr;  // on the compute stream: the gradients are final
     cudaEvent_t d2h_start = nullptr, d2h_end = nullptr;
-    cudaEvent_t h2d_start = nullptr, h2d_end = nullptr;
-    int64_t submitted = 0;  // step of the last Submit
-    int64_t uploaded = 0;   // step whose upload was last enqueued
-    bool h2d_timed = true;  // the last upload's time is in the stats
+    cudaEvent_t h2d_end = nullptr;  // the last piece's end: the whole upload is done
+    int64_t submitted = 0;          // step of the last Submit
+    int64_t uploaded = 0;           // step whose upload was last enqueued
+    bool h2d_timed = true;          // the last upload's time is in the stats
     // This step's host times, seconds since its BeginStep (-1: not yet): Trace().
     double t_submit = -1, t_start = -1, t_end = -1;
   };
@@ -98,7 +113,11 @@ struct HostTier::Impl {
     }
     EMSA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(b.h2d_end));
     double seconds = 0.0;
-    EMSA_RETURN_IF_ERROR(ElapsedSeconds(b.h2d_start, b.h2d_end, &seconds));
+    for (const Piece& piece : b.pieces) {
+      double piece_seconds = 0.0;
+      EMSA_RETURN_IF_ERROR(ElapsedSeconds(piece.start, piece.end, &piece_seconds));
+      seconds += piece_seconds;
+    }
     std::lock_guard<std::mutex> lock(mu);
     if (!b.h2d_timed) {
       b.h2d_timed = true;
@@ -115,20 +134,22 @@ struct HostTier::Impl {
     EMSA_RETURN_IF_ERROR(ElapsedSeconds(b.d2h_start, b.d2h_end, &d2h_seconds));
     // The previous upload reads what the update is about to write: it must be done.
     EMSA_RETURN_IF_ERROR(TimeUpload(b));
-    auto t0 = std::chrono::steady_clock::now();
     b.t_start = Since();
-    EMSA_RETURN_IF_ERROR(updater->Step(b.updates.data(), b.updates.size(), step_options));
-    double cpu_seconds = Seconds(std::chrono::steady_clock::now() - t0);
-    b.t_end = Since();
-    EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.h2d_start, h2d));
-    for (size_t k = 0; k < b.updates.size(); ++k) {
-      const TensorUpdate& u = b.updates[k];
-      if (u.numel == 0) continue;
-      EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-          b.device_params[k], u.param, static_cast<size_t>(u.numel) * DTypeSize(u.param_dtype),
-          cudaMemcpyHostToDevice, h2d));
+    double cpu_seconds = 0.0;
+    for (const Piece& piece : b.pieces) {
+      const auto t0 = std::chrono::steady_clock::now();
+      EMSA_RETURN_IF_ERROR(updater->StepRange(b.updates.data(), b.updates.size(), step_options,
+                                              piece.first, piece.last));
+      cpu_seconds += Seconds(std::chrono::steady_clock::now() - t0);
+      EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(piece.start, h2d));
+      for (size_t k = piece.copy_begin; k < piece.copy_end; ++k) {
+        const Copy& copy = b.copies[k];
+        EMSA_CUDA_RETURN_IF_ERROR(
+            cudaMemcpyAsync(copy.dst, copy.src, copy.bytes, cudaMemcpyHostToDevice, h2d));
+      }
+      EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(piece.end, h2d));
     }
-    EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.h2d_end, h2d));
+    b.t_end = Since();
     std::lock_guard<std::mutex> lock(mu);
     HostTierStepStats& st = StatsOf(s);
     st.d2h_s += d2h_seconds;
@@ -205,6 +226,38 @@ struct HostTier::Impl {
     }
   }
 
+  // Bucket b's pieces and their copies (at Create): one piece for the whole bucket, or cuts every
+  // upload_piece_elements where CpuUpdater::StepRange accepts them.
+  void CutPieces(Bucket& b) {
+    const TensorUpdate* u = b.updates.data();
+    const size_t n = b.updates.size();
+    int64_t total = 0;
+    for (const TensorUpdate& t : b.updates) total += t.numel;
+    const int64_t step = options.upload_piece_elements;
+    for (int64_t first = 0;;) {
+      const int64_t last =
+          step == 0 || total - first <= step ? total : CpuUpdater::Aligned(u, n, first + step);
+      Piece piece;
+      piece.first = first;
+      piece.last = last;
+      piece.copy_begin = b.copies.size();
+      int64_t start = 0;
+      for (size_t k = 0; k < n; start += u[k].numel, ++k) {
+        const int64_t lo = std::max(first, start) - start;
+        const int64_t hi = std::min(last, start + u[k].numel) - start;
+        if (lo >= hi) continue;
+        const size_t size = DTypeSize(u[k].param_dtype);
+        b.copies.push_back({static_cast<char*>(b.device_params[k]) + lo * size,
+                            static_cast<const char*>(u[k].param) + lo * size,
+                            static_cast<size_t>(hi - lo) * size});
+      }
+      piece.copy_end = b.copies.size();
+      b.pieces.push_back(piece);
+      if (last >= total) break;
+      first = last;
+    }
+  }
+
   // Under mu: blocks until the worker has no bucket left, or failed.
   void Drain(std::unique_lock<std::mutex>& lock) {
     cv.wait(lock, [&] { return pending == 0 || !error.ok(); });
@@ -219,8 +272,13 @@ struct HostTier::Impl {
     cv.notify_all();
     if (worker.joinable()) worker.join();
     for (Bucket& b : buckets) {
-      for (cudaEvent_t e : {b.ready, b.d2h_start, b.d2h_end, b.h2d_start, b.h2d_end}) {
+      for (cudaEvent_t e : {b.ready, b.d2h_start, b.d2h_end}) {
         if (e != nullptr) (void)cudaEventDestroy(e);
+      }
+      for (const Piece& piece : b.pieces) {
+        for (cudaEvent_t e : {piece.start, piece.end}) {
+          if (e != nullptr) (void)cudaEventDestroy(e);
+        }
       }
     }
   }
@@ -237,6 +295,11 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
     return Status::InvalidArgument("bucket_count and group_count must be at least 1");
   }
   if (options.history == 0) return Status::InvalidArgument("options.history must be >= 1");
+  if (options.upload_piece_elements != 0 && options.upload_piece_elements < 64) {
+    return Status::InvalidArgument("options.upload_piece_elements is " +
+                                   std::to_string(options.upload_piece_elements) +
+                                   "; use 0 (upload each bucket whole) or at least 64");
+  }
   auto impl = std::make_unique<Impl>();
   impl->updater = updater;
   impl->options = options;
@@ -276,15 +339,19 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
       return Status::InvalidArgument("bucket " + std::to_string(i) + " has no tensors");
     }
   }
+  for (Impl::Bucket& b : impl->buckets) impl->CutPieces(b);
   EMSA_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
   for (Impl::Bucket& b : impl->buckets) {
     EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&b.ready, cudaEventDisableTiming));
     EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&b.d2h_start));
-    EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&b.h2d_start));
     // The worker waits on these: blocking sync lets it sleep instead of spinning on a core the
     // CPU pool and the Python thread launching the forward both need.
     EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&b.d2h_end, cudaEventBlockingSync));
-    EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&b.h2d_end, cudaEventBlockingSync));
+    for (Impl::Piece& piece : b.pieces) {
+      EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&piece.start));
+      EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&piece.end, cudaEventBlockingSync));
+    }
+    b.h2d_end = b.pieces.back().end;
   }
   impl->waiting.reserve(bucket_count);
   impl->candidates.reserve(bucket_count);

@@ -646,6 +646,56 @@ TEST(CpuUpdate, RepeatedRunsAreBitwiseEqual) {
   EXPECT_EQ(FirstDiff(a.t, b.t), "");
 }
 
+// StepRange over consecutive pieces (cut inside tensors, across tensors, at the batch's end)
+// writes the same bits as one Step, for every combination, including stochastic rounding (whose
+// stream follows each element's index within its tensor, not within the piece).
+TEST(CpuUpdate, StepRangePiecesEqualOneStepBitwise) {
+  auto updater = MakeUpdater(DetectSimdLevel(), 3);
+  for (const Combo& c : AllCombos()) {
+    Batch whole(c, kSizes, 21);
+    Batch pieces = whole;
+    ASSERT_TRUE(whole.Step(*updater, whole.Options()).ok());
+    std::vector<TensorUpdate> ups = pieces.Updates();
+    int64_t total = 0;
+    for (int64_t n : kSizes) total += n;
+    int64_t first = 0;
+    for (int64_t want : {int64_t{10}, int64_t{4160}, int64_t{300000}, total}) {
+      const int64_t last = CpuUpdater::Aligned(ups.data(), ups.size(), want);
+      const Status st = updater->StepRange(ups.data(), ups.size(), pieces.Options(), first, last);
+      ASSERT_TRUE(st.ok()) << ComboName(c) << ": " << st.ToString();
+      first = last;
+    }
+    ASSERT_EQ(first, total);
+    EXPECT_EQ(FirstDiff(whole.t, pieces.t), "") << ComboName(c);
+  }
+}
+
+TEST(CpuUpdate, StepRangeRejectsBadRangesAndChangesNothing) {
+  const Combo c{OptimizerKind::kAdamW, DType::kFloat32, false,
+                DType::kFloat32,       DType::kFloat32, Rounding::kStochastic};
+  auto updater = MakeUpdater(DetectSimdLevel(), 2);
+  Batch b(c, {100, 200}, 5);
+  const Tensors before = b.t;
+  std::vector<TensorUpdate> ups = b.Updates();
+  StepOptions o = b.Options();
+  // Aligned: tensor starts and multiples of 64 within a tensor; the batch's end.
+  EXPECT_EQ(CpuUpdater::Aligned(ups.data(), ups.size(), 99), 64);
+  EXPECT_EQ(CpuUpdater::Aligned(ups.data(), ups.size(), 100), 100);
+  EXPECT_EQ(CpuUpdater::Aligned(ups.data(), ups.size(), 170), 164);
+  EXPECT_EQ(CpuUpdater::Aligned(ups.data(), ups.size(), 1000), 300);
+  const auto expect_bad = [&](int64_t first, int64_t last, const std::string& needle) {
+    const Status st = updater->StepRange(ups.data(), ups.size(), o, first, last);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+    EXPECT_NE(st.message().find(needle), std::string::npos) << st.ToString();
+  };
+  expect_bad(0, 99, "multiple of 64");
+  expect_bad(64, 301, "not within the batch's 300 elements");
+  expect_bad(100, 64, "not within");
+  o.check_finite = true;
+  expect_bad(0, 100, "GradStats");
+  EXPECT_EQ(FirstDiff(before, b.t), "");
+}
+
 // ---- stochastic rounding ------------------------------------------------------------------------
 
 TEST(CpuUpdate, StochasticRoundingDependsOnSeedAndStepOnly) {

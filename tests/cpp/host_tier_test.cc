@@ -67,6 +67,9 @@ TEST(HostTierValidation, NamesTheBadField) {
   t.device_param = buf.data();
   ExpectError(create(2), StatusCode::kInvalidArgument, "bucket 1 has no tensors");
   ExpectError(create(0), StatusCode::kInvalidArgument, "bucket_count");
+  o.upload_piece_elements = 63;
+  ExpectError(create(), StatusCode::kInvalidArgument, "upload_piece_elements is 63");
+  o.upload_piece_elements = 0;
   ExpectError(HostTier::Create(nullptr, &t, 1, 1, 1, nullptr, nullptr, o).status(),
               StatusCode::kInvalidArgument, "updater");
 #else
@@ -139,7 +142,8 @@ class HostTierPipeline : public ::testing::Test {
   }
 
   // Builds both sides with the same initial parameters; the tier gets the pinned side.
-  void Build(const std::vector<Case>& cases, size_t buckets, size_t groups) {
+  void Build(const std::vector<Case>& cases, size_t buckets, size_t groups,
+             const HostTierOptions& options = {}) {
     cases_ = cases;
     for (size_t i = 0; i < cases.size(); ++i) {
       const Case& c = cases[i];
@@ -186,7 +190,7 @@ class HostTierPipeline : public ::testing::Test {
       tensors[i].device_param = device_params_[i];
     }
     auto tier = HostTier::Create(tier_updater_.get(), tensors.data(), tensors.size(), buckets,
-                                 groups, d2h_, h2d_, HostTierOptions{});
+                                 groups, d2h_, h2d_, options);
     ASSERT_TRUE(tier.ok()) << tier.status().ToString();
     tier_ = std::move(tier).value();
   }
@@ -255,15 +259,22 @@ class HostTierPipeline : public ::testing::Test {
   std::vector<void*> pinned_, device_, device_params_, device_grads_;
   cudaStream_t compute_ = nullptr, d2h_ = nullptr, h2d_ = nullptr;
   std::unique_ptr<HostTier> tier_;
+
+  // Four steps of a scheduler and two groups (one resuming), buckets submitted in gradient-ready
+  // order: after each, the device parameters equal the CpuUpdater's bitwise.
+  void RunStepsAgainstTheCpuUpdater(const HostTierOptions& options) {
+    Build({{1, DType::kFloat32, 0, 2},
+           {3, DType::kFloat32, 1, 2},
+           {4097, DType::kBFloat16, 0, 1},
+           {100003, DType::kFloat32, 1, 1},
+           {1 << 20, DType::kFloat32, 0, 0}},
+          3, 2, options);
+    RunSteps();
+  }
+  void RunSteps();
 };
 
-TEST_F(HostTierPipeline, MatchesTheCpuUpdaterBitwiseOverSteps) {
-  Build({{1, DType::kFloat32, 0, 2},
-         {3, DType::kFloat32, 1, 2},
-         {4097, DType::kBFloat16, 0, 1},
-         {100003, DType::kFloat32, 1, 1},
-         {1 << 20, DType::kFloat32, 0, 0}},
-        3, 2);
+void HostTierPipeline::RunSteps() {
   HyperParams hypers[2];
   hypers[1].weight_decay = 0.0;
   hypers[1].lr = 3e-3;
@@ -301,6 +312,19 @@ TEST_F(HostTierPipeline, MatchesTheCpuUpdaterBitwiseOverSteps) {
     EXPECT_GT(stats[i].h2d_s, 0.0);
   }
   EXPECT_EQ(tier_->Stats(3, stats, 8), 2u);
+}
+
+TEST_F(HostTierPipeline, MatchesTheCpuUpdaterBitwiseOverSteps) {
+  RunStepsAgainstTheCpuUpdater(HostTierOptions{});
+}
+
+// Pieces of 1000 elements cut tensors of bucket 1 (4097 bf16 with master, 100003 fp32) inside,
+// the 1 MiB tensor of bucket 0 into 1049 pieces and take bucket 2's two tiny tensors in one:
+// the uploads follow each piece, the results are the same bits.
+TEST_F(HostTierPipeline, PiecewiseUploadsMatchTheCpuUpdaterBitwise) {
+  HostTierOptions options;
+  options.upload_piece_elements = 1000;
+  RunStepsAgainstTheCpuUpdater(options);
 }
 
 TEST_F(HostTierPipeline, RefusesCallsOutOfOrder) {

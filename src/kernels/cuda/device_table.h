@@ -19,7 +19,12 @@ namespace cuda {
 // Elements per chunk: the unit of work a block takes. A power of two, so that a chunk never
 // straddles a multiple of 2^32 (the rounding keys change there; one key pair per chunk) and
 // every chunk of a 16-byte aligned tensor starts 16-byte aligned for every dtype.
-constexpr int64_t kChunkElems = int64_t{1} << 15;
+// A build may override it for the tuning sweep (scripts/gpu-check sweep).
+#ifndef EMSA_CUDA_CHUNK_ELEMS
+#define EMSA_CUDA_CHUNK_ELEMS 32768
+#endif
+constexpr int64_t kChunkElems = EMSA_CUDA_CHUNK_ELEMS;
+static_assert((kChunkElems & (kChunkElems - 1)) == 0, "kChunkElems is a power of two");
 static_assert((int64_t{1} << 32) % kChunkElems == 0, "chunks must not straddle 2^32 boundaries");
 
 using emsa::kParamKinds;
