@@ -15,8 +15,9 @@ events (host work such as a CPU optimizer step is inside: the end event is enque
   (c) emsa.AdamW, no budget (the planner keeps what fits on the GPU), updates in step()
   (d) emsa.AdamW with the budget halfway between the all-device and all-host plans' peaks
   (e) emsa.AdamW(tier="host"): all Adam state and the fp32 master on the host
-  (f) (e) with each bucket updated and uploaded --upload-piece elements at a time (the host
-      tier's upload_piece_elements): an A/B of when the parameters go up
+  (f), (g) (e) and (d) with the host tier's tuning knobs set from --ab-knobs (environment
+      variables, e.g. EMSA_HOST_THREADS=16 or EMSA_HOST_UPLOAD_PIECE=4194304): A/B runs, only
+      when asked for in --configs
   (d) and (e) update in backward (step_in_backward=True, as emsa advises for the host tier: the
   copies hide under backward, each gradient is freed once copied); --no-step-in-backward: step().
 
@@ -512,7 +513,7 @@ def numerics_check(args, device) -> dict:
 
 CONFIGS = [("a", "torch AdamW fused"), ("b", "FSDP2 CPUOffloadPolicy"), ("c", "emsa no budget"),
            ("d", "emsa half budget"), ("e", "emsa tier=host"),
-           ("f", "(e), uploads per piece")]
+           ("f", "(e) with --ab-knobs"), ("g", "(d) with --ab-knobs")]
 
 
 def run_shape(args, shape, batch, seq, device, profile) -> dict:
@@ -523,10 +524,8 @@ def run_shape(args, shape, batch, seq, device, profile) -> dict:
         "c": lambda: run_emsa(args, shape, batches, device, profile, "device"),
         "d": lambda: run_emsa(args, shape, batches, device, profile, "half"),
         "e": lambda: run_emsa(args, shape, batches, device, profile, "host"),
-        # (e) with each bucket updated and uploaded --upload-piece elements at a time
-        # (HostTierOptions.upload_piece_elements): an A/B of the upload schedule.
-        "f": lambda: run_emsa(args, shape, batches, device, profile, "host",
-                              {"EMSA_HOST_UPLOAD_PIECE": str(args.upload_piece)}),
+        "f": lambda: run_emsa(args, shape, batches, device, profile, "host", args.ab_knobs),
+        "g": lambda: run_emsa(args, shape, batches, device, profile, "half", args.ab_knobs),
     }
     results = {}
     for key, label in CONFIGS:
@@ -562,7 +561,7 @@ def ratios(results: dict, profile: dict) -> dict:
     cpu, gpu = profile.get("cpu") or {}, profile.get("gpu") or {}
     host_bw = cpu.get("host_update_bandwidth") or cpu.get("host_mem_bandwidth") or 0.0
     d2h, h2d = gpu.get("d2h_bandwidth") or 0.0, gpu.get("h2d_bandwidth") or 0.0
-    for k in ("c", "d", "e", "f"):
+    for k in ("c", "d", "e", "f", "g"):
         if k not in ok:
             continue
         r = ok[k]
@@ -584,7 +583,7 @@ def ratios(results: dict, profile: dict) -> dict:
                                                               / r["peak_device_bytes"])
     if "c" in ok:
         main["c_over_a"] = ok["c"]["step_s"] / ok["a"]["step_s"]
-    for k in ("d", "e", "f"):
+    for k in ("d", "e", "f", "g"):
         if k in bounds:
             main[f"{k}_over_bound"] = ok[k]["step_s"] / bounds[k]["bound_s"]
             main[f"{k}_over_bound_with_dma"] = ok[k]["step_s"] / bounds[k]["bound_with_dma_s"]
@@ -629,7 +628,7 @@ def table(result: dict) -> str:
                          f"{b['fwd_bwd_s'] * 1e3:.1f}, host update {b['host_update_s'] * 1e3:.1f}, "
                          f"PCIe {b['pcie_s'] * 1e3:.1f}); with the DMA's host-memory traffic "
                          f"{b['bound_with_dma_s'] * 1e3:.1f} ms")
-        for k in "def":
+        for k in "defg":
             t = s["configs"].get(k, {}).get("host_trace")
             if t:
                 lines.append(f"  trace ({k}): last submit {t['last_submit_s'] * 1e3:.1f} ms, CPU "
@@ -650,6 +649,13 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def parse_knobs(text: str) -> dict:
+    pairs = [p.split("=", 1) for p in text.split(",") if p]
+    if any(len(p) != 2 or not p[0].startswith("EMSA_") for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected EMSA_NAME=VALUE,...: {text!r}")
+    return dict(pairs)
+
+
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     try:
         return [tuple(int(x) for x in item.lower().split("x")) for item in text.split(",")]
@@ -663,9 +669,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--check-steps", type=int, default=20)
-    ap.add_argument("--configs", default="abcdef", help="which of (a)..(f) to run")
-    ap.add_argument("--upload-piece", type=int, default=1 << 22,
-                    help="(f): elements per piece (HostTierOptions.upload_piece_elements)")
+    ap.add_argument("--configs", default="abcde", help="which of (a)..(g) to run")
+    ap.add_argument("--ab-knobs", type=parse_knobs, default={},
+                    help="(f), (g): NAME=VALUE,... environment for the host tier")
     ap.add_argument("--no-autocast", dest="autocast", action="store_false")
     ap.add_argument("--no-step-in-backward", dest="step_in_backward", action="store_false",
                     help="(d) and (e) update in step() instead of in backward")
@@ -689,6 +695,7 @@ def main():
     result.update(model=shape, params=numel(make_llama(shape, "meta")), hyper=HYPER,
                   warmup=args.warmup, steps=args.steps, autocast_bf16=args.autocast,
                   emsa_host_configs_step_in_backward=args.step_in_backward,
+                  ab_knobs=args.ab_knobs,
                   profile=dict(cpu=profile.get("cpu"), gpu={k: v for k, v in
                                                            profile.get("gpu", {}).items()
                                                            if k != "free_memory"}),
