@@ -31,7 +31,8 @@ struct CpuProfile {
   SimdLevel simd = SimdLevel::kScalar;
   double host_mem_bandwidth = 0.0;  // B/s, multi-threaded in-place a += s*b, read+write, measured
   double host_update_bandwidth = 0.0;  // B/s, an Adam-shaped pass (4 fp32 streams in, 3 out:
-                                       // 28 bytes per element), measured
+                                       // 28 bytes per element), measured on one core fewer
+                                       // than logical_cores, as the host tier's pool runs
 };
 
 struct GpuProfile {

@@ -62,7 +62,7 @@ uint64_t HostUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions& 
 }
 
 uint64_t HostMemoryTraffic(int64_t numel, DType param_dtype, const PlanOptions& options) {
-  return HostUpdateTraffic(numel, param_dtype, options) + 2 * U(numel) * DTypeSize(param_dtype);
+  return HostUpdateTraffic(numel, param_dtype, options);
 }
 
 }  // namespace emsa::plan_internal

@@ -49,10 +49,12 @@ uint64_t DeviceUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions
 // Bytes the CPU reads plus writes for one host-tier update: grad r, master r+w, each moment r+w,
 // param_out w when the param is not fp32.
 uint64_t HostUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions& options);
-// What one host-tier update costs the host's memory: the CPU's traffic plus the DMA's (the
-// gradient written in, the parameter read out), which share the same DRAM. Measured on the
-// H200 host, 953 M fp32 params: the CPU pool was busy 284 ms per step with a profile of
-// 122.7 GB/s, i.e. 36 B/param (279 ms) rather than the update's own 28 B (217 ms).
+// What one host-tier update costs the host's memory, at the profile's host_update_bandwidth:
+// the CPU's own traffic (HostUpdateTraffic). The DMA's gradient in and parameter out cross the
+// same DRAM but are not charged: on the H200 host (953 M fp32 params, 2026-11-30) the CPU pool
+// was busy 268-301 ms per step against 250-270 ms for 28 B/param at the bandwidth the profile
+// measured in the same run, and 322-348 ms for 36 B/param (the DMA's 8 B added): the update is
+// limited by the cores' outstanding misses more than by DRAM, which the DMA shares.
 uint64_t HostMemoryTraffic(int64_t numel, DType param_dtype, const PlanOptions& options);
 
 inline uint64_t AlignUp(uint64_t x, uint64_t align) { return (x + align - 1) & ~(align - 1); }
