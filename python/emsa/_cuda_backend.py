@@ -6,12 +6,14 @@ Bound once, before the first step, all synchronously:
     parameters, initialised from the parameter) are CUDA tensors aliasing it through DLPack, at
     the plan's offsets;
   - one DeviceScalars: every param group's hyperparameters and step count, in device memory;
-  - one DeviceUpdateTable per plan bucket, recording each parameter's address.
+  - one DeviceUpdateTable per plan bucket (step_in_backward updates bucket by bucket), and one
+    over every device-tier bucket, recording each parameter's address.
 
 A step enqueues on torch.cuda.current_stream() and never waits for the GPU: the hyperparameters
-of groups whose values changed (a scheduler's lr), the gradient addresses of tables where any
-changed (torch allocates gradients anew after zero_grad(set_to_none=True)), and one
-emsa_device_step over all tables (non-finite check when skip_nonfinite, step counts, updates).
+of groups whose values changed (a scheduler's lr), the gradient addresses if any changed (torch
+allocates gradients anew after zero_grad(set_to_none=True)), and one emsa_device_step over the
+table of all device-tier buckets (non-finite check when skip_nonfinite, step counts, updates):
+one launch, not one per bucket.
 
 Skipped steps. With skip_nonfinite the GPU decides: a step whose gradients hold inf/nan writes
 nothing and does not advance the device's step counts, and the host is not told at once. After
@@ -240,27 +242,42 @@ class CudaBackend(Backend):
             raise RuntimeError("emsa internal error: the plan's buckets do not hold every "
                                f"parameter exactly once (missing: {names}); please report it")
         for members in self.table_slots:
-            tensors = (TensorUpdate * len(members))()
-            groups = (ctypes.c_int32 * len(members))()
-            for k, i in enumerate(members):
-                t, p, v = tensors[k], self.params[i], self.views[i]
-                lib.emsa_tensor_update_init(ctypes.byref(t))
-                t.param_dtype = t.grad_dtype = _capi.DTYPE[DTYPE_NAMES[p.dtype]]
-                t.state_dtype = state_code
-                t.param = t.grad = p.data_ptr()
-                t.exp_avg = v["exp_avg"].data_ptr()
-                t.exp_avg_sq = v["exp_avg_sq"].data_ptr() if "exp_avg_sq" in v else None
-                t.master = v["master"].data_ptr() if "master" in v else None
-                t.numel = p.numel()
-                groups[k] = self.groups[i]
-            table = ctypes.c_void_p()
-            check(lib.emsa_device_table_create(tensors, groups, len(members),
-                                               ctypes.byref(options), ctypes.byref(table)))
-            self.tables.append(table)
+            self.tables.append(self._make_table(members, options, state_code))
+        # step() updates every device-tier bucket at once: one table over all of them, one
+        # launch (and one gradient-pointer update) instead of one per bucket; the per-bucket
+        # tables serve step_in_backward. Measured on the H200 (1.1 B params, 113 buckets):
+        # 8.0 ms in one launch against 9.6 ms bucketed.
+        self.step_members = [i for m in self.table_slots for i in m]
+        if len(self.table_slots) > 1:
+            self.tables.append(self._make_table(self.step_members, options, state_code))
+        self.step_table = len(self.tables) - 1  # index of the table step() runs (-1: none)
+        self.step_array = (ctypes.c_void_p * 1)(
+            self.tables[self.step_table].value if self.tables else None)
         self.table_array = (ctypes.c_void_p * max(len(self.tables), 1))(
             *[t.value for t in self.tables])
         self.grad_arrays = [(ctypes.c_void_p * len(m))() for m in self.table_slots]
+        if len(self.table_slots) > 1:
+            self.grad_arrays.append((ctypes.c_void_p * len(self.step_members))())
         self.sent_grads: list[list[int] | None] = [None] * len(self.tables)
+
+    def _make_table(self, members: list[int], options, state_code: int) -> ctypes.c_void_p:
+        tensors = (TensorUpdate * len(members))()
+        groups = (ctypes.c_int32 * len(members))()
+        for k, i in enumerate(members):
+            t, p, v = tensors[k], self.params[i], self.views[i]
+            lib.emsa_tensor_update_init(ctypes.byref(t))
+            t.param_dtype = t.grad_dtype = _capi.DTYPE[DTYPE_NAMES[p.dtype]]
+            t.state_dtype = state_code
+            t.param = t.grad = p.data_ptr()
+            t.exp_avg = v["exp_avg"].data_ptr()
+            t.exp_avg_sq = v["exp_avg_sq"].data_ptr() if "exp_avg_sq" in v else None
+            t.master = v["master"].data_ptr() if "master" in v else None
+            t.numel = p.numel()
+            groups[k] = self.groups[i]
+        table = ctypes.c_void_p()
+        check(lib.emsa_device_table_create(tensors, groups, len(members),
+                                           ctypes.byref(options), ctypes.byref(table)))
+        return table
 
     def _make_host_tier(self, slots, plan: Plan, entries, state_code: int,
                         group_count: int) -> None:
@@ -362,14 +379,17 @@ class CudaBackend(Backend):
             self.sent[g] = key
 
     def _send_grads(self, grads: list[torch.Tensor], stream: int) -> None:
-        for t, members in enumerate(self.table_slots):
-            mine = [grads[i].data_ptr() for i in members]
-            if mine == self.sent_grads[t]:
-                continue
-            array = self.grad_arrays[t]
-            array[:] = mine
-            check(lib.emsa_device_table_set_grads(self.tables[t], array, len(mine), stream))
-            self.sent_grads[t] = mine
+        """The gradients of step()'s table, when they moved since the last step."""
+        t = self.step_table
+        if t < 0:
+            return
+        mine = [grads[i].data_ptr() for i in self.step_members]
+        if mine == self.sent_grads[t]:
+            return
+        array = self.grad_arrays[t]
+        array[:] = mine
+        check(lib.emsa_device_table_set_grads(self.tables[t], array, len(mine), stream))
+        self.sent_grads[t] = mine
 
     def step(self, param_groups: list[dict]) -> StepResult:
         self._check_groups(param_groups)
@@ -392,7 +412,7 @@ class CudaBackend(Backend):
                 self._claim_unwaited(stream)
                 self.host.begin_step(self.hyper, [s + 1 for s in self.group_steps])
             self._refresh_stale_masters(self.masters)
-            check(lib.emsa_device_step(self.scalars, self.table_array, len(self.tables),
+            check(lib.emsa_device_step(self.scalars, self.step_array, int(self.step_table >= 0),
                                        int(self.check_finite), handle))
             if self.host is not None:
                 # In forward order: the copies land, and the CPU updates, first what the
