@@ -345,6 +345,9 @@ def _table(summary: dict, verdict: dict) -> str:
 
 
 def _commit() -> str:
+    """EMSA_COMMIT when set (a copied tree's .git may not be the code that runs), else git's."""
+    if os.environ.get("EMSA_COMMIT"):
+        return os.environ["EMSA_COMMIT"]
     try:
         r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
                            capture_output=True, text=True, timeout=5)
