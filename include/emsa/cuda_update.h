@@ -158,6 +158,16 @@ struct DeviceTableOptions {
   Rounding rounding = Rounding::kStochastic;
 };
 
+// Tier L0: an L2 access-policy window for a table's update launches (the cudaLaunchKernelEx
+// attribute: lines in [base, base + bytes) persist in the L2 set-aside with probability
+// hit_ratio, the rest stream). The set-aside itself is device-wide and reserved by the caller
+// (src/memory/l2_window.h sizes and applies it). bytes 0: no window (the default).
+struct DeviceAccessWindow {
+  const void* base = nullptr;
+  uint64_t bytes = 0;
+  float hit_ratio = 0.0f;  // in [0, 1]
+};
+
 // Per-table gradient statistics of the last AccumulateGradStats, for reports.
 struct DeviceTableStats {
   double sum_sq = 0.0;
@@ -183,6 +193,11 @@ class DeviceUpdateTable {
   // One fused launch per dtype combination present; reads grad_multiplier, found_inf, seed and
   // the groups from `scalars`. Returns kCudaError if a launch fails; asynchronous otherwise.
   Status Update(const DeviceScalars& scalars, cudaStream_t stream);
+
+  // Every later Update launches with this access-policy window (bytes 0: without one). Results
+  // are bitwise the same either way; only where the lines live in L2 changes. kInvalidArgument
+  // for a null base with bytes > 0 or a hit_ratio outside [0, 1].
+  Status SetAccessWindow(const DeviceAccessWindow& window);
 
   // Adds this table's sum of squares and non-finite count into the scalars' header (one launch;
   // deterministic: the same inputs and device give the same bits).
@@ -227,6 +242,7 @@ class DeviceUpdateTable {
   DeviceUpdateTable() = default;
   int device_ = -1;
   DeviceTableOptions options_;
+  DeviceAccessWindow window_;
   size_t tensor_count_ = 0;
   int64_t total_numel_ = 0;
   int64_t chunk_count_ = 0;

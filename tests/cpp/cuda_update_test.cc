@@ -27,6 +27,7 @@
 
 #include "gpu_test_support.h"
 #include "kernels/cuda/update_math.cuh"
+#include "memory/l2_window.h"
 #endif
 
 namespace emsa {
@@ -779,6 +780,55 @@ TEST(CudaUpdate, SmallBitwiseRepeatable) {
   }
   EXPECT_EQ(std::memcmp(&sums[0], &sums[1], sizeof(double)), 0);
   ExpectBitwise("run 2 vs run 1", c, results[1], results[0]);
+}
+
+// Tier L0: the same steps launched with a persisting-L2 access window over the first tensor's
+// moments give the same bits as without; a bad window is refused and changes nothing.
+TEST(CudaUpdate, SmallAccessWindowLeavesResultsBitwiseUnchanged) {
+  SKIP_WITHOUT_DEVICE();
+  const Case c{OptimizerKind::kAdamW, DType::kFloat32, DType::kFloat32,
+               DType::kFloat32,       false,           Rounding::kStochastic};
+  Rng rng(777);
+  std::vector<Tensor> host = {MakeTensor(c, 300000, false, 0, rng),
+                              MakeTensor(c, 4097, true, 0, rng)};
+  std::vector<Tensor> results[2];
+  for (int run = 0; run < 2; ++run) {
+    DeviceTensors mem;
+    std::vector<TensorUpdate> dev;
+    for (const Tensor& t : host) dev.push_back(mem.Upload(c, t));
+    ASSERT_TRUE(mem.ok());
+    HyperParams h = GroupHyper(0, c.optimizer);
+    auto scalars = DeviceScalars::Create(&h, 1);
+    ASSERT_TRUE(scalars.ok());
+    auto table = DeviceUpdateTable::Create(dev.data(), nullptr, dev.size(), DeviceTableOptions{});
+    ASSERT_TRUE(table.ok()) << table.status().ToString();
+    std::unique_ptr<L2Window> window;
+    if (run == 1) {
+      int device = 0;
+      ASSERT_CUDA(cudaGetDevice(&device));
+      const uint64_t bytes = static_cast<uint64_t>(dev[0].numel) * 4;
+      auto w = L2Window::EnableFor(device, dev[0].exp_avg, bytes);
+      if (!w.ok()) GTEST_SKIP() << "no persisting L2 here: " << w.status().ToString();
+      window = std::move(*w);
+      const DeviceAccessWindow bad{nullptr, bytes, 0.5f};
+      EXPECT_EQ((*table)->SetAccessWindow(bad).code(), StatusCode::kInvalidArgument);
+      EXPECT_EQ((*table)->SetAccessWindow({dev[0].exp_avg, bytes, 1.5f}).code(),
+                StatusCode::kInvalidArgument);
+      ASSERT_OK((*table)->SetAccessWindow({dev[0].exp_avg, bytes, window->window().hitRatio}));
+    }
+    Stream stream;
+    DeviceScalars& s = **scalars;
+    ASSERT_OK(s.SetInputs(1.0f, 0.0f, 5, stream.s));
+    for (int step = 0; step < 3; ++step) {
+      ASSERT_OK(s.BeginStep(stream.s));
+      ASSERT_OK(s.AdvanceSteps(stream.s));
+      ASSERT_OK((*table)->Update(s, stream.s));
+    }
+    ASSERT_CUDA(cudaStreamSynchronize(stream.s));
+    results[run] = DownloadAll(host, dev);
+    window.reset();
+  }
+  ExpectBitwise("with the L2 window vs without", c, results[1], results[0]);
 }
 
 TEST(CudaUpdate, SmallFoundInfSkipsEverything) {

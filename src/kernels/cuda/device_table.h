@@ -115,8 +115,9 @@ struct UpdateLaunch {
 
 // Blocks of the update kernel for (optimizer, variant) that fit on one SM at once.
 Result<int> UpdateBlocksPerSm(OptimizerKind optimizer, Variant variant);
+// window: null or bytes 0 for a plain launch; else launched with that access-policy window.
 Status LaunchUpdate(OptimizerKind optimizer, Variant variant, const UpdateLaunch& launch,
-                    cudaStream_t stream);
+                    cudaStream_t stream, const DeviceAccessWindow* window = nullptr);
 
 struct GradStatsLaunch {
   const DeviceChunk* chunks;  // every chunk of the table

@@ -635,8 +635,22 @@ Status DeviceUpdateTable::Update(const DeviceScalars& scalars, cudaStream_t stre
     launch.groups = scalars.device_groups();
     launch.stochastic_state = options_.rounding == Rounding::kStochastic ? 1 : 0;
     launch.grid = l.grid;
-    EMSA_RETURN_IF_ERROR(cuda::LaunchUpdate(options_.optimizer, l.variant, launch, stream));
+    EMSA_RETURN_IF_ERROR(
+        cuda::LaunchUpdate(options_.optimizer, l.variant, launch, stream, &window_));
   }
+  return Status::Ok();
+}
+
+Status DeviceUpdateTable::SetAccessWindow(const DeviceAccessWindow& window) {
+  if (window.bytes > 0 && window.base == nullptr) {
+    return Status::InvalidArgument("SetAccessWindow: base is null with bytes " +
+                                   std::to_string(window.bytes) + "; pass bytes 0 to turn it off");
+  }
+  if (!(window.hit_ratio >= 0.0f && window.hit_ratio <= 1.0f)) {
+    return Status::InvalidArgument("SetAccessWindow: hit_ratio must be in [0, 1], got " +
+                                   std::to_string(window.hit_ratio));
+  }
+  window_ = window;
   return Status::Ok();
 }
 
@@ -776,6 +790,9 @@ Result<std::unique_ptr<DeviceUpdateTable>> DeviceUpdateTable::Create(
 DeviceUpdateTable::~DeviceUpdateTable() = default;
 Status DeviceUpdateTable::Update(const DeviceScalars&, cudaStream_t) {
   return NoCuda("DeviceUpdateTable::Update");
+}
+Status DeviceUpdateTable::SetAccessWindow(const DeviceAccessWindow&) {
+  return NoCuda("DeviceUpdateTable::SetAccessWindow");
 }
 Status DeviceUpdateTable::AccumulateGradStats(DeviceScalars&, cudaStream_t) {
   return NoCuda("DeviceUpdateTable::AccumulateGradStats");

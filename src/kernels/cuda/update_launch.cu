@@ -49,15 +49,35 @@ Result<int> UpdateBlocksPerSm(OptimizerKind optimizer, Variant variant) {
 }
 
 Status LaunchUpdate(OptimizerKind optimizer, Variant variant, const UpdateLaunch& launch,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, const DeviceAccessWindow* window) {
   if (launch.chunk_count == 0) return Status::Ok();
   EMSA_ASSIGN_OR_RETURN(UpdateKernelFn fn, Find(optimizer, variant));
   UpdateLaunch arg = launch;
   void* args[] = {&arg};
-  EMSA_CUDA_RETURN_IF_ERROR(cudaLaunchKernel(reinterpret_cast<const void*>(fn),
-                                             dim3(static_cast<unsigned>(launch.grid)),
-                                             dim3(kUpdateThreads), args, 0, stream));
-  return CudaStatus(cudaGetLastError(), "fused update kernel launch");
+  if (window == nullptr || window->bytes == 0) {
+    EMSA_CUDA_RETURN_IF_ERROR(cudaLaunchKernel(reinterpret_cast<const void*>(fn),
+                                               dim3(static_cast<unsigned>(launch.grid)),
+                                               dim3(kUpdateThreads), args, 0, stream));
+    return CudaStatus(cudaGetLastError(), "fused update kernel launch");
+  }
+  // Tier L0: this launch's accesses to the window persist in the L2 set-aside (hitProp), the
+  // rest stream (missProp) so that they do not evict what persists.
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeAccessPolicyWindow;
+  attribute.val.accessPolicyWindow.base_ptr = const_cast<void*>(window->base);
+  attribute.val.accessPolicyWindow.num_bytes = window->bytes;
+  attribute.val.accessPolicyWindow.hitRatio = window->hit_ratio;
+  attribute.val.accessPolicyWindow.hitProp = cudaAccessPropertyPersisting;
+  attribute.val.accessPolicyWindow.missProp = cudaAccessPropertyStreaming;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(launch.grid));
+  config.blockDim = dim3(kUpdateThreads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  EMSA_CUDA_RETURN_IF_ERROR(cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(fn), args));
+  return CudaStatus(cudaGetLastError(), "fused update kernel launch (L2 access window)");
 }
 
 }  // namespace cuda
