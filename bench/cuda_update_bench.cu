@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "common/json.h"
 #include "emsa/cuda_update.h"
 
@@ -37,25 +38,6 @@ namespace {
 
 using emsa::DType;
 using emsa::OptimizerKind;
-
-#define CHECK_CUDA(call)                                                 \
-  do {                                                                   \
-    const cudaError_t err_ = (call);                                     \
-    if (err_ != cudaSuccess) {                                           \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, \
-                   cudaGetErrorString(err_));                            \
-      std::exit(2);                                                      \
-    }                                                                    \
-  } while (0)
-
-#define CHECK_OK(expr)                                                                           \
-  do {                                                                                           \
-    const ::emsa::Status s_ = (expr);                                                            \
-    if (!s_.ok()) {                                                                              \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, s_.ToString().c_str()); \
-      std::exit(2);                                                                              \
-    }                                                                                            \
-  } while (0)
 
 // ---- the parameter set -----------------------------------------------------------------------
 
@@ -317,13 +299,6 @@ void RunVariant(const Variant& v, const std::vector<int64_t>& shapes, int warmup
 // ---- main
 // ------------------------------------------------------------------------------------------
 
-std::string UtcNow() {
-  const std::time_t now = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  return buf;
-}
-
 int Usage() {
   std::fprintf(stderr,
                "usage: cuda_update_bench [--out PATH] [--reps N] [--warmup N] "
@@ -419,7 +394,7 @@ int main(int argc, char** argv) {
   if (!out_path.empty()) {
     emsa::json::Value doc = emsa::json::Value::MakeObject();
     doc.Set("benchmark", "cuda_update");
-    doc.Set("date", UtcNow());
+    doc.Set("date", emsa_bench::UtcNow());
     emsa::json::Value dev = emsa::json::Value::MakeObject();
     dev.Set("name", std::string(prop.name));
     dev.Set("sms", prop.multiProcessorCount);

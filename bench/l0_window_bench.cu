@@ -27,30 +27,12 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "common/json.h"
 #include "emsa/cuda_update.h"
 #include "memory/l2_window.h"
 
 namespace {
-
-#define CHECK_CUDA(call)                                                 \
-  do {                                                                   \
-    const cudaError_t err_ = (call);                                     \
-    if (err_ != cudaSuccess) {                                           \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, \
-                   cudaGetErrorString(err_));                            \
-      std::exit(2);                                                      \
-    }                                                                    \
-  } while (0)
-
-#define CHECK_OK(expr)                                                                           \
-  do {                                                                                           \
-    const ::emsa::Status s_ = (expr);                                                            \
-    if (!s_.ok()) {                                                                              \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, s_.ToString().c_str()); \
-      std::exit(2);                                                                              \
-    }                                                                                            \
-  } while (0)
 
 constexpr uint64_t kMiB = uint64_t{1} << 20;
 
@@ -116,13 +98,6 @@ double Median(std::vector<double> v) {
 struct Parts {
   std::vector<double> traffic, hot, rest, step;
 };
-
-std::string UtcNow() {
-  const std::time_t now = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  return buf;
-}
 
 int Usage() {
   std::fprintf(stderr,
@@ -264,7 +239,7 @@ int main(int argc, char** argv) {
   if (!out.empty()) {
     emsa::json::Value root = emsa::json::Value::MakeObject();
     root.Set("benchmark", "l0-window");
-    root.Set("date", UtcNow());
+    root.Set("date", emsa_bench::UtcNow());
     root.Set("device", std::string(prop.name));
     root.Set("l2_bytes", static_cast<double>(limits->l2_bytes));
     root.Set("reserve_granted_bytes", static_cast<double>(granted));

@@ -742,6 +742,30 @@ TEST(CudaUpdate, SmallEmptyTensorsAndEmptyTable) {
   ASSERT_CUDA(cudaStreamSynchronize(stream.s));
 }
 
+// One group-0 table and its scalars over `host`, uploaded (the Small* tests that run steps
+// themselves).
+struct SmallTable {
+  DeviceTensors mem;
+  std::vector<TensorUpdate> dev;
+  std::unique_ptr<DeviceScalars> scalars;
+  std::unique_ptr<DeviceUpdateTable> table;
+};
+
+void MakeSmallTable(const Case& c, const std::vector<Tensor>& host, SmallTable* out) {
+  for (const Tensor& t : host) out->dev.push_back(out->mem.Upload(c, t));
+  ASSERT_TRUE(out->mem.ok());
+  HyperParams h = GroupHyper(0, c.optimizer);
+  auto scalars = DeviceScalars::Create(&h, 1);
+  ASSERT_TRUE(scalars.ok()) << scalars.status().ToString();
+  DeviceTableOptions o;
+  o.optimizer = c.optimizer;
+  o.rounding = c.rounding;
+  auto table = DeviceUpdateTable::Create(out->dev.data(), nullptr, out->dev.size(), o);
+  ASSERT_TRUE(table.ok()) << table.status().ToString();
+  out->scalars = std::move(*scalars);
+  out->table = std::move(*table);
+}
+
 TEST(CudaUpdate, SmallBitwiseRepeatable) {
   SKIP_WITHOUT_DEVICE();
   const Case c{OptimizerKind::kAdamW, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16, false,
@@ -752,38 +776,30 @@ TEST(CudaUpdate, SmallBitwiseRepeatable) {
   std::vector<Tensor> results[2];
   double sums[2] = {0, 0};
   for (int run = 0; run < 2; ++run) {
-    DeviceTensors mem;
-    std::vector<TensorUpdate> dev;
-    for (const Tensor& t : host) dev.push_back(mem.Upload(c, t));
-    ASSERT_TRUE(mem.ok());
-    HyperParams h = GroupHyper(0, c.optimizer);
-    auto scalars = DeviceScalars::Create(&h, 1);
-    ASSERT_TRUE(scalars.ok());
-    DeviceTableOptions o;
-    o.rounding = c.rounding;
-    auto table = DeviceUpdateTable::Create(dev.data(), nullptr, dev.size(), o);
-    ASSERT_TRUE(table.ok()) << table.status().ToString();
+    SmallTable t;
+    MakeSmallTable(c, host, &t);
+    if (HasFatalFailure()) return;
     Stream stream;
-    DeviceScalars& s = **scalars;
+    DeviceScalars& s = *t.scalars;
     ASSERT_OK(s.SetInputs(1.0f, 1e9f, 99, stream.s));
     for (int step = 0; step < 3; ++step) {
       ASSERT_OK(s.BeginStep(stream.s));
-      ASSERT_OK((*table)->AccumulateGradStats(s, stream.s));
+      ASSERT_OK(t.table->AccumulateGradStats(s, stream.s));
       ASSERT_OK(s.FinishGradStats(stream.s));
       ASSERT_OK(s.AdvanceSteps(stream.s));
-      ASSERT_OK((*table)->Update(s, stream.s));
+      ASSERT_OK(t.table->Update(s, stream.s));
     }
     DeviceStepHeader header;
     ASSERT_OK(s.Read(&header, nullptr, stream.s));
     sums[run] = header.sum_sq;
-    results[run] = DownloadAll(host, dev);
+    results[run] = DownloadAll(host, t.dev);
   }
   EXPECT_EQ(std::memcmp(&sums[0], &sums[1], sizeof(double)), 0);
   ExpectBitwise("run 2 vs run 1", c, results[1], results[0]);
 }
 
 // Tier L0: the same steps launched with a persisting-L2 access window over the first tensor's
-// moments give the same bits as without; a bad window is refused and changes nothing.
+// moments give the same bits as without; a bad window is refused.
 TEST(CudaUpdate, SmallAccessWindowLeavesResultsBitwiseUnchanged) {
   SKIP_WITHOUT_DEVICE();
   const Case c{OptimizerKind::kAdamW, DType::kFloat32, DType::kFloat32,
@@ -793,15 +809,11 @@ TEST(CudaUpdate, SmallAccessWindowLeavesResultsBitwiseUnchanged) {
                               MakeTensor(c, 4097, true, 0, rng)};
   std::vector<Tensor> results[2];
   for (int run = 0; run < 2; ++run) {
-    DeviceTensors mem;
-    std::vector<TensorUpdate> dev;
-    for (const Tensor& t : host) dev.push_back(mem.Upload(c, t));
-    ASSERT_TRUE(mem.ok());
-    HyperParams h = GroupHyper(0, c.optimizer);
-    auto scalars = DeviceScalars::Create(&h, 1);
-    ASSERT_TRUE(scalars.ok());
-    auto table = DeviceUpdateTable::Create(dev.data(), nullptr, dev.size(), DeviceTableOptions{});
-    ASSERT_TRUE(table.ok()) << table.status().ToString();
+    SmallTable t;
+    MakeSmallTable(c, host, &t);
+    if (HasFatalFailure()) return;
+    const std::vector<TensorUpdate>& dev = t.dev;
+    DeviceUpdateTable& table = *t.table;
     std::unique_ptr<L2Window> window;
     if (run == 1) {
       int device = 0;
@@ -811,18 +823,18 @@ TEST(CudaUpdate, SmallAccessWindowLeavesResultsBitwiseUnchanged) {
       if (!w.ok()) GTEST_SKIP() << "no persisting L2 here: " << w.status().ToString();
       window = std::move(*w);
       const DeviceAccessWindow bad{nullptr, bytes, 0.5f};
-      EXPECT_EQ((*table)->SetAccessWindow(bad).code(), StatusCode::kInvalidArgument);
-      EXPECT_EQ((*table)->SetAccessWindow({dev[0].exp_avg, bytes, 1.5f}).code(),
+      EXPECT_EQ(table.SetAccessWindow(bad).code(), StatusCode::kInvalidArgument);
+      EXPECT_EQ(table.SetAccessWindow({dev[0].exp_avg, bytes, 1.5f}).code(),
                 StatusCode::kInvalidArgument);
-      ASSERT_OK((*table)->SetAccessWindow({dev[0].exp_avg, bytes, window->window().hitRatio}));
+      ASSERT_OK(table.SetAccessWindow({dev[0].exp_avg, bytes, window->window().hitRatio}));
     }
     Stream stream;
-    DeviceScalars& s = **scalars;
+    DeviceScalars& s = *t.scalars;
     ASSERT_OK(s.SetInputs(1.0f, 0.0f, 5, stream.s));
     for (int step = 0; step < 3; ++step) {
       ASSERT_OK(s.BeginStep(stream.s));
       ASSERT_OK(s.AdvanceSteps(stream.s));
-      ASSERT_OK((*table)->Update(s, stream.s));
+      ASSERT_OK(table.Update(s, stream.s));
     }
     ASSERT_CUDA(cudaStreamSynchronize(stream.s));
     results[run] = DownloadAll(host, dev);
