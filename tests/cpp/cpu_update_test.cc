@@ -21,6 +21,7 @@
 
 #include "engine/thread_pool.h"
 #include "kernels/cpu/numerics.h"
+#include "status_test_support.h"
 
 // ---- allocation counting: the only replacement of global operator new in the test binary -------
 namespace {
@@ -684,9 +685,8 @@ TEST(CpuUpdate, StepRangeRejectsBadRangesAndChangesNothing) {
   EXPECT_EQ(CpuUpdater::Aligned(ups.data(), ups.size(), 170), 164);
   EXPECT_EQ(CpuUpdater::Aligned(ups.data(), ups.size(), 1000), 300);
   const auto expect_bad = [&](int64_t first, int64_t last, const std::string& needle) {
-    const Status st = updater->StepRange(ups.data(), ups.size(), o, first, last);
-    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
-    EXPECT_NE(st.message().find(needle), std::string::npos) << st.ToString();
+    ExpectError(updater->StepRange(ups.data(), ups.size(), o, first, last),
+                StatusCode::kInvalidArgument, needle);
   };
   expect_bad(0, 99, "multiple of 64");
   expect_bad(64, 301, "not within the batch's 300 elements");

@@ -22,6 +22,7 @@
 #include "common/cuda_util.h"
 #include "emsa/cpu_update.h"
 #include "kernels/cpu/numerics.h"
+#include "status_test_support.h"
 #if EMSA_HAVE_CUDA
 #include <cuda_runtime.h>
 
@@ -45,12 +46,6 @@ TensorUpdate FakeTensor(int64_t numel) {
   t.exp_avg_sq = Fake(0x40000);
   t.numel = numel;
   return t;
-}
-
-void ExpectError(const Status& s, StatusCode code, const std::string& needle) {
-  EXPECT_EQ(s.code(), code) << s.ToString();
-  EXPECT_NE(s.message().find(needle), std::string::npos)
-      << "message \"" << s.message() << "\" lacks \"" << needle << "\"";
 }
 
 TEST(CudaUpdateValidation, ScalarsRejectBadGroups) {

@@ -15,6 +15,7 @@
 #include "common/cuda_util.h"
 #include "emsa/cpu_update.h"
 #include "kernels/cpu/numerics.h"
+#include "status_test_support.h"
 #if EMSA_HAVE_CUDA
 #include <cuda_runtime.h>
 
@@ -23,12 +24,6 @@
 
 namespace emsa {
 namespace {
-
-void ExpectError(const Status& s, StatusCode code, const std::string& needle) {
-  EXPECT_EQ(s.code(), code) << s.ToString();
-  EXPECT_NE(s.message().find(needle), std::string::npos)
-      << "message \"" << s.message() << "\" lacks \"" << needle << "\"";
-}
 
 std::unique_ptr<CpuUpdater> Updater() {
   CpuUpdaterOptions o;
