@@ -40,7 +40,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from offload_e2e import GIB, REPO, emsa_adamw, make_llama, provenance  # noqa: E402
+from offload_e2e import (GIB, REPO, emsa_adamw, make_llama, provenance,  # noqa: E402
+                         write_result)
 
 TOKENS = 1024
 STEPS = 3
@@ -415,13 +416,7 @@ def main():
     result["largest"] = {opt: largest(result["runs"], opt) for opt in ("torch", "emsa")}
     result["planner"] = planner_prediction(args)
     result["plan_vs_measured"] = compare_with_plan(result["runs"], result["planner"])
-    out = Path(args.out) if args.out else (
-        Path("/tmp/offload-capacity-dry-run.json") if args.dry_run
-        else REPO / "bench" / "results" / f"offload-capacity-{result['date']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
-    print(f"\nJSON: {out}")
+    write_result(result, args, table(result))
 
 
 if __name__ == "__main__":

@@ -707,12 +707,19 @@ def main():
     except Exception:  # noqa: BLE001 - reported, the timings above still stand
         result["numerics_error"] = traceback.format_exc(limit=6)
         print(result["numerics_error"], file=sys.stderr)
+    write_result(result, args, table(result))
+
+
+def write_result(result: dict, args, text: str) -> None:
+    """The run's JSON (--out, else bench/results/<benchmark>-<date>.json; /tmp for a dry run),
+    then its table."""
+    name = result["benchmark"]
     out = Path(args.out) if args.out else (
-        Path("/tmp/offload-e2e-dry-run.json") if args.dry_run
-        else REPO / "bench" / "results" / f"offload-e2e-{result['date']}.json")
+        Path(f"/tmp/{name}-dry-run.json") if args.dry_run
+        else REPO / "bench" / "results" / f"{name}-{result['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
+    print(text)
     print(f"\nJSON: {out}")
 
 

@@ -380,16 +380,18 @@ class CudaBackend(Backend):
 
     def _send_grads(self, grads: list[torch.Tensor], stream: int) -> None:
         """The gradients of step()'s table, when they moved since the last step."""
-        t = self.step_table
-        if t < 0:
-            return
-        mine = [grads[i].data_ptr() for i in self.step_members]
-        if mine == self.sent_grads[t]:
+        if self.step_table >= 0:
+            self._point_table(self.step_table, [grads[i].data_ptr() for i in self.step_members],
+                              stream)
+
+    def _point_table(self, t: int, ptrs: list[int], stream: int) -> None:
+        """Table t reads these gradient addresses from now on (nothing enqueued if unchanged)."""
+        if ptrs == self.sent_grads[t]:
             return
         array = self.grad_arrays[t]
-        array[:] = mine
-        check(lib.emsa_device_table_set_grads(self.tables[t], array, len(mine), stream))
-        self.sent_grads[t] = mine
+        array[:] = ptrs
+        check(lib.emsa_device_table_set_grads(self.tables[t], array, len(ptrs), stream))
+        self.sent_grads[t] = ptrs
 
     def step(self, param_groups: list[dict]) -> StepResult:
         self._check_groups(param_groups)
@@ -625,16 +627,11 @@ class CudaBackend(Backend):
             return
         members = self.table_slots[t]
         grads = self._bucket_grads(members)
-        mine = [g.data_ptr() for g in grads]
         with _on(self.index):
             stream = torch.cuda.current_stream(self.device)
             self._follow(stream)
             handle = stream.cuda_stream
-            if mine != self.sent_grads[t]:
-                array = self.grad_arrays[t]
-                array[:] = mine
-                check(lib.emsa_device_table_set_grads(self.tables[t], array, len(mine), handle))
-                self.sent_grads[t] = mine
+            self._point_table(t, [g.data_ptr() for g in grads], handle)
             self._refresh_stale_masters(members)
             check(lib.emsa_device_table_update(self.tables[t], self.scalars, handle))
             self.last_stream = stream

@@ -88,10 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         with _deterministic(device):
             return _run(args, device, out)
-    except EmsaLibraryError as e:
-        print(f"emsa demo: {e}", file=sys.stderr)
-        return 1
-    except (EmsaError, OSError) as e:
+    except (EmsaLibraryError, EmsaError, OSError) as e:
         print(f"emsa demo: {e}", file=sys.stderr)
         return 1
 
