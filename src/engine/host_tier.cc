@@ -61,10 +61,11 @@ struct HostTier::Impl {
     std::vector<Copy> copies;
     cudaEvent_t ready = nullptr;  // on the compute stream: the gradients are final
     cudaEvent_t d2h_start = nullptr, d2h_end = nullptr;
-    cudaEvent_t h2d_end = nullptr;  // the last piece's end: the whole upload is done
-    int64_t submitted = 0;          // step of the last Submit
-    int64_t uploaded = 0;           // step whose upload was last enqueued
-    bool h2d_timed = true;          // the last upload's time is in the stats
+    int64_t submitted = 0;  // step of the last Submit
+    int64_t uploaded = 0;   // step whose upload was last enqueued
+    bool h2d_timed = true;  // the last upload's time is in the stats
+    // The last piece's end: the whole upload is done.
+    cudaEvent_t uploaded_event() const { return pieces.back().end; }
     // This step's host times, seconds since its BeginStep (-1: not yet): Trace().
     double t_submit = -1, t_start = -1, t_end = -1;
   };
@@ -111,7 +112,7 @@ struct HostTier::Impl {
       if (b.h2d_timed || b.uploaded == 0) return Status::Ok();
       s = b.uploaded;
     }
-    EMSA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(b.h2d_end));
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(b.uploaded_event()));
     double seconds = 0.0;
     for (const Piece& piece : b.pieces) {
       double piece_seconds = 0.0;
@@ -351,7 +352,6 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
       EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&piece.start));
       EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&piece.end, cudaEventBlockingSync));
     }
-    b.h2d_end = b.pieces.back().end;
   }
   impl->waiting.reserve(bucket_count);
   impl->candidates.reserve(bucket_count);
@@ -471,7 +471,7 @@ Status HostTier::Wait(size_t bucket, cudaStream_t stream) {
     EMSA_RETURN_IF_ERROR(m.error);
     if (b.uploaded == 0) return Status::Ok();
   }
-  EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, b.h2d_end, 0));
+  EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, b.uploaded_event(), 0));
   return Status::Ok();
 }
 
