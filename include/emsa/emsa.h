@@ -319,6 +319,28 @@ EMSA_API emsa_status emsa_device_scalars_copy_header(const emsa_device_scalars* 
 EMSA_API emsa_status emsa_device_table_set_grads(emsa_device_table* table, const void* const* grads,
                                                  size_t count, void* stream);
 
+/* ---- device engine: step in backward on a side stream (emsa/device_engine.h) -------------- *
+ * tables[b] is bucket b. emsa_device_engine_submit: bucket b's gradients (and its table's
+ * gradient pointers) are final on `stream`; the side stream waits for that point, runs b's
+ * update and records its end, while `stream` goes on. emsa_device_engine_wait / _wait_all:
+ * `stream` waits for bucket b's update / for every submitted one (before the next forward
+ * reads the parameters or anything writes the gradients). The caller keeps each gradient alive
+ * until the side stream has passed its update. The tables, scalars and side stream (not the
+ * default stream) must outlive the engine; destroying it waits for the side stream. */
+typedef struct emsa_device_engine emsa_device_engine;
+
+EMSA_API emsa_status emsa_device_engine_create(emsa_device_table* const* tables, size_t count,
+                                               const emsa_device_scalars* scalars, void* side,
+                                               emsa_device_engine** engine_out);
+EMSA_API void emsa_device_engine_destroy(emsa_device_engine* engine);
+EMSA_API emsa_status emsa_device_engine_submit(emsa_device_engine* engine, size_t bucket,
+                                               void* stream);
+EMSA_API emsa_status emsa_device_engine_wait(emsa_device_engine* engine, size_t bucket,
+                                             void* stream);
+EMSA_API emsa_status emsa_device_engine_wait_all(emsa_device_engine* engine, void* stream);
+/* The host waits until every submitted update has finished. */
+EMSA_API emsa_status emsa_device_engine_synchronize(emsa_device_engine* engine);
+
 /* ---- device arena and DLPack views ---------------------------------------------------------- */
 /* One zero-filled device allocation on CUDA device `device`, aligned to 2 MiB (emsa/
  * device_arena.h). Views are exported as DLPack tensors (DLManagedTensor*, DLPack 0.x, passed as

@@ -13,6 +13,7 @@
 #include "emsa/cpu_update.h"
 #include "emsa/cuda_update.h"
 #include "emsa/device_arena.h"
+#include "emsa/device_engine.h"
 #include "emsa/emsa.h"
 #include "emsa/host_arena.h"
 #include "emsa/host_tier.h"
@@ -40,6 +41,9 @@ struct emsa_device_scalars {
 };
 struct emsa_device_table {
   std::unique_ptr<emsa::DeviceUpdateTable> table;
+};
+struct emsa_device_engine {
+  std::unique_ptr<emsa::DeviceEngine> engine;
 };
 struct emsa_host_tier {
   std::unique_ptr<emsa::HostTier> tier;
@@ -921,6 +925,59 @@ void emsa_host_tier_step_stats_init(emsa_host_tier_step_stats* stats) {
   if (stats == nullptr) return;
   std::memset(stats, 0, sizeof(*stats));
   stats->struct_size = sizeof(emsa_host_tier_step_stats);
+}
+
+emsa_status emsa_device_engine_create(emsa_device_table* const* tables, size_t count,
+                                      const emsa_device_scalars* scalars, void* side,
+                                      emsa_device_engine** engine_out) {
+  return Guard([&] {
+    if (scalars == nullptr || engine_out == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "scalars and engine_out must not be NULL");
+    }
+    if (tables == nullptr && count > 0) return Fail(EMSA_INVALID_ARGUMENT, "tables is NULL");
+    std::vector<emsa::DeviceUpdateTable*> converted(count);
+    for (size_t b = 0; b < count; ++b) {
+      if (tables[b] == nullptr) {
+        return Fail(EMSA_INVALID_ARGUMENT, "tables[" + std::to_string(b) + "] is NULL");
+      }
+      converted[b] = tables[b]->table.get();
+    }
+    auto engine = emsa::DeviceEngine::Create(converted.data(), count, scalars->scalars.get(),
+                                             static_cast<cudaStream_t>(side));
+    if (!engine.ok()) return Report(engine.status());
+    *engine_out = new emsa_device_engine{std::move(*engine)};
+    return EMSA_OK;
+  });
+}
+
+void emsa_device_engine_destroy(emsa_device_engine* engine) { delete engine; }
+
+emsa_status emsa_device_engine_submit(emsa_device_engine* engine, size_t bucket, void* stream) {
+  return Guard([&] {
+    if (engine == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "engine is NULL");
+    return Report(engine->engine->Submit(bucket, static_cast<cudaStream_t>(stream)));
+  });
+}
+
+emsa_status emsa_device_engine_wait(emsa_device_engine* engine, size_t bucket, void* stream) {
+  return Guard([&] {
+    if (engine == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "engine is NULL");
+    return Report(engine->engine->Wait(bucket, static_cast<cudaStream_t>(stream)));
+  });
+}
+
+emsa_status emsa_device_engine_wait_all(emsa_device_engine* engine, void* stream) {
+  return Guard([&] {
+    if (engine == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "engine is NULL");
+    return Report(engine->engine->WaitAll(static_cast<cudaStream_t>(stream)));
+  });
+}
+
+emsa_status emsa_device_engine_synchronize(emsa_device_engine* engine) {
+  return Guard([&] {
+    if (engine == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "engine is NULL");
+    return Report(engine->engine->Synchronize());
+  });
 }
 
 emsa_status emsa_host_tier_create(emsa_cpu_updater* updater, const emsa_host_tier_tensor* tensors,

@@ -320,6 +320,14 @@ static void test_dlpack_exports(void) {
   CHECK(emsa_device_scalars_copy_header(NULL, NULL, NULL) == EMSA_INVALID_ARGUMENT);
   CHECK(emsa_device_scalars_read_steps(NULL, NULL, 0, NULL) == EMSA_INVALID_ARGUMENT);
   CHECK(emsa_device_scalars_set_hyper(NULL, 0, NULL, NULL) == EMSA_INVALID_ARGUMENT);
+  emsa_device_engine* engine = NULL;
+  CHECK(emsa_device_engine_create(NULL, 0, NULL, NULL, &engine) == EMSA_INVALID_ARGUMENT);
+  CHECK(engine == NULL && strstr(emsa_last_error(), "scalars") != NULL);
+  CHECK(emsa_device_engine_submit(NULL, 0, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_device_engine_wait(NULL, 0, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_device_engine_wait_all(NULL, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_device_engine_synchronize(NULL) == EMSA_INVALID_ARGUMENT);
+  emsa_device_engine_destroy(NULL);
 }
 
 /* A model known by its config: preset and text, a device preset, planned, and the errors. */
