@@ -91,9 +91,14 @@ class Backend:
 
     def step_bucket(self, b: int) -> None:
         """Step in backward: updates bucket b's slots from their gradients (which must be
-        final), on the current stream for a device. No non-finite check (the optimizer refuses
-        skip_nonfinite in this mode)."""
+        final); on a device, ordered after the current stream's work. No non-finite check (the
+        optimizer refuses skip_nonfinite in this mode)."""
         raise NotImplementedError
+
+    def end_pass(self) -> None:
+        """Step in backward: every bucket of the pass was given to step_bucket; on a device,
+        what the current stream does next (the next forward, zero_grad) waits for the
+        updates."""
 
     def state_loaded(self) -> None:
         """After state was written from outside (load_state_dict): take step counts from it, and

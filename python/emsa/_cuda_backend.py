@@ -7,7 +7,11 @@ Bound once, before the first step, all synchronously:
     the plan's offsets;
   - one DeviceScalars: every param group's hyperparameters and step count, in device memory;
   - one DeviceUpdateTable per plan bucket (step_in_backward updates bucket by bucket), and one
-    over every device-tier bucket, recording each parameter's address.
+    over every device-tier bucket, recording each parameter's address;
+  - with step_in_backward, a DeviceEngine over the per-bucket tables and a side stream: each
+    bucket's update runs there as soon as its gradients are final, overlapped with the rest of
+    backward; the current stream waits for all of them once the pass's last bucket is in
+    (EMSA_DEVICE_SIDE_STREAM=0: each update on the current stream instead, for A/B).
 
 A step enqueues on torch.cuda.current_stream() and never waits for the GPU: the hyperparameters
 of groups whose values changed (a scheduler's lr), the gradient addresses if any changed (torch
@@ -55,6 +59,7 @@ import collections
 import contextlib
 import ctypes
 import json
+import os
 import warnings
 
 import torch
@@ -126,6 +131,8 @@ class CudaBackend(Backend):
         self.arena: DeviceArena | None = None
         self.host_arena: HostArena | None = None
         self.host: HostTier | None = None
+        self.engine = ctypes.c_void_p()  # step_in_backward's side-stream engine (bucket_slots)
+        self.side: torch.cuda.Stream | None = None
         self.step_times = _StepClock()
         self.warned_unwaited = False
         try:
@@ -433,10 +440,13 @@ class CudaBackend(Backend):
                 self._record(stream)
         return StepResult()
 
-    def _follow(self, stream: torch.cuda.Stream) -> None:
-        """Orders `stream` after the last step's stream: both write the same state."""
+    def _follow(self, stream: torch.cuda.Stream, join: bool = True) -> None:
+        """Orders `stream` after the last step's stream, and (join) after every update the
+        side-stream engine was given: all of them write the same state."""
         if stream.cuda_stream != self.last_stream.cuda_stream:
             stream.wait_stream(self.last_stream)
+        if join and self.engine:
+            check(lib.emsa_device_engine_wait_all(self.engine, stream.cuda_stream))
 
     # ---- skipped steps, learned late ------------------------------------------------------
     def _record(self, stream: torch.cuda.Stream) -> None:
@@ -540,6 +550,8 @@ class CudaBackend(Backend):
         try:  # nothing enqueued may still use the tables when they are freed
             if self.host is not None:
                 self.host.synchronize()
+            if self.engine:
+                check(lib.emsa_device_engine_synchronize(self.engine))
             self.last_stream.synchronize()
         except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already
             pass
@@ -548,9 +560,12 @@ class CudaBackend(Backend):
     def synchronize(self) -> None:
         """Every host-tier update done and its parameters on the device, seen by the current
         stream (for reads outside a module's forward: model.state_dict(), functional use)."""
-        if self.host is not None:
-            with _on(self.index):
+        with _on(self.index):
+            if self.host is not None:
                 self.host.synchronize()
+            if self.engine:
+                check(lib.emsa_device_engine_wait_all(
+                    self.engine, torch.cuda.current_stream(self.device).cuda_stream))
 
     def step_stats(self) -> list[dict]:
         """Per step since the last call, measured: time_s (from this step's start to the
@@ -574,6 +589,9 @@ class CudaBackend(Backend):
         if self.host is not None:
             self.host.close()
             self.host = None
+        engine, self.engine = self.engine, ctypes.c_void_p()
+        if engine:
+            lib.emsa_device_engine_destroy(engine)  # waits for its stream; before the tables
         for table in self.tables:
             lib.emsa_device_table_destroy(table)
         self.tables = []
@@ -600,7 +618,26 @@ class CudaBackend(Backend):
                 f"{frozen[0]} does not require a gradient; emsa's CUDA tables update every "
                 "parameter they hold, so with step_in_backward=True give the optimizer only "
                 "trainable parameters ([p for p in model.parameters() if p.requires_grad])")
+        self._make_engine()
         return [(self.host_slots if host else self.table_slots)[k] for host, k in self.order]
+
+    def _make_engine(self) -> None:
+        """The side stream and its engine over the per-bucket device tables, made once (at
+        hook installation: bind time)."""
+        side = os.environ.get("EMSA_DEVICE_SIDE_STREAM", "1")
+        if side not in ("0", "1"):
+            raise ValueError(f"EMSA_DEVICE_SIDE_STREAM={side!r}: use 1 (the default: updates in "
+                             "backward on a side stream) or 0 (on the current stream)")
+        if self.engine or not self.table_slots or side == "0":
+            return
+        with _on(self.index):
+            self.side = torch.cuda.Stream(self.device)
+            n = len(self.table_slots)
+            tables = (ctypes.c_void_p * n)(*[t.value for t in self.tables[:n]])
+            engine = ctypes.c_void_p()
+            check(lib.emsa_device_engine_create(tables, n, self.scalars, self.side.cuda_stream,
+                                                ctypes.byref(engine)))
+            self.engine = engine
 
     def begin_pass(self, param_groups: list[dict]) -> None:
         self._check_groups(param_groups)
@@ -629,13 +666,25 @@ class CudaBackend(Backend):
         grads = self._bucket_grads(members)
         with _on(self.index):
             stream = torch.cuda.current_stream(self.device)
-            self._follow(stream)
+            self._follow(stream, join=False)  # the pass's earlier buckets may still run
             handle = stream.cuda_stream
             self._point_table(t, [g.data_ptr() for g in grads], handle)
             self._refresh_stale_masters(members)
-            check(lib.emsa_device_table_update(self.tables[t], self.scalars, handle))
+            if self.engine:
+                for g in grads:  # read on the side stream: not reused before it is done
+                    g.record_stream(self.side)
+                check(lib.emsa_device_engine_submit(self.engine, t, handle))
+            else:
+                check(lib.emsa_device_table_update(self.tables[t], self.scalars, handle))
             self.last_stream = stream
         del grads  # copies made for the kernels are freed in stream order, after the update
+
+    def end_pass(self) -> None:
+        if self.engine:
+            with _on(self.index):
+                stream = torch.cuda.current_stream(self.device)
+                check(lib.emsa_device_engine_wait_all(self.engine, stream.cuda_stream))
+                self.last_stream = stream
 
     def _bucket_grads(self, members: list[int]) -> list[torch.Tensor]:
         """Step in backward: the bucket's gradients as the kernels read them (all final: the
@@ -685,7 +734,7 @@ class CudaBackend(Backend):
         self._refresh_stale_masters(members)  # the tier is idle: begin_step waited for it
         with _on(self.index):
             stream = torch.cuda.current_stream(self.device)
-            self._follow(stream)
+            self._follow(stream, join=False)
             self.host.submit(t, grads, stream)
             self.last_stream = stream
 

@@ -30,8 +30,9 @@ options of emsa's own:
                    during backward instead of held until step(). opt.step() then updates
                    nothing (it only calls the closure, if given, and returns its loss) and
                    zero_grad() is harmless. The unit of update is a bucket: one parameter on
-                   the CPU; on CUDA one of the plan's buckets (one fused launch on the current
-                   stream once all its gradients are final; the step counts advance once per
+                   the CPU; on CUDA one of the plan's buckets (one fused launch on a side
+                   stream once all its gradients are final, overlapped with the rest of
+                   backward; the next forward waits for them; the step counts advance once per
                    pass, at its first gradient, which is also when lr and the other
                    hyperparameters are read). Without probe= the optimizer plans at
                    construction, from the parameters' shapes. What it rules out, because
@@ -312,6 +313,9 @@ class _EmsaOptimizer(Optimizer):
         if len(fired) == len(self._hooked):
             fired.clear()
             self._passes += 1
+            if updating:
+                with torch.no_grad():
+                    self._backend.end_pass()
 
     # ---- measurements ---------------------------------------------------------------------
     def synchronize(self) -> None:

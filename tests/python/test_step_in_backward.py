@@ -89,6 +89,50 @@ def test_cuda_bf16_matches_step_after_backward():
     check_equal_to_step("adamw", "cuda", 1, torch.bfloat16)
 
 
+def _wide_chain(device):
+    torch.manual_seed(3)
+    layers = [torch.nn.Linear(2048, 2048, bias=False) for _ in range(8)]
+    return torch.nn.Sequential(*[m for l in layers for m in (l, torch.nn.Tanh())]).to(device)
+
+
+def _train_wide(mode, monkeypatch, steps=8):
+    """Large parameters, little compute: an update still running when the next forward reads
+    its layer (a missing wait after the pass) or when the caching allocator hands its gradient
+    to later backward work (a missing record_stream) changes the result."""
+    monkeypatch.setenv("EMSA_DEVICE_SIDE_STREAM", "0" if mode == "inline" else "1")
+    model = _wide_chain("cuda")
+    opt = emsa.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, skip_nonfinite=False,
+                     step_in_backward=mode != "step", profile=str(CPU_PROFILE))
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for _ in range(steps):
+        x = torch.randn(4, 2048, device="cuda", generator=gen)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return model
+
+
+@requires_cuda
+def test_cuda_side_stream_updates_equal_inline_and_step(monkeypatch):
+    """The side-stream engine (the default with step_in_backward on CUDA) gives the bits of the
+    same updates made on the current stream, and of step() after backward."""
+    ref = _train_wide("step", monkeypatch)
+    inline = _train_wide("inline", monkeypatch)
+    side = _train_wide("side", monkeypatch)
+    for (name, a), b, c in zip(ref.named_parameters(), inline.parameters(), side.parameters()):
+        assert torch.equal(a, b), f"{name}: inline updates in backward differ from step()"
+        assert torch.equal(a, c), f"{name}: side-stream updates differ from step()"
+
+
+@requires_cuda
+def test_cuda_side_stream_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("EMSA_DEVICE_SIDE_STREAM", "yes")
+    w = torch.nn.Parameter(torch.ones(8, device="cuda"))
+    with pytest.raises(ValueError, match="EMSA_DEVICE_SIDE_STREAM"):
+        emsa.AdamW([w], step_in_backward=True, profile=str(CPU_PROFILE))
+
+
 @requires_cuda
 def test_cuda_refuses_frozen_parameters():
     a = torch.nn.Parameter(torch.ones(3, device="cuda"))
