@@ -18,6 +18,10 @@ events (host work such as a CPU optimizer step is inside: the end event is enque
   (f), (g) (e) and (d) with the host tier's tuning knobs set from --ab-knobs (environment
       variables, e.g. EMSA_HOST_THREADS=16 or EMSA_HOST_UPLOAD_PIECE=4194304): A/B runs, only
       when asked for in --configs
+  (h), (i) (c) with step_in_backward=True: each bucket's update on the device engine's side
+      stream as its gradients become final, overlapped with the rest of backward (h), or on the
+      current stream between backward's kernels (i, EMSA_DEVICE_SIDE_STREAM=0); only when asked
+      for in --configs
   (d) and (e) update in backward (step_in_backward=True, as emsa advises for the host tier: the
   copies hide under backward, each gradient is freed once copied); --no-step-in-backward: step().
 
@@ -27,7 +31,7 @@ and peak, the fraction of parameters on the host tier (L2), and the engine's own
 The bound for a host-tier step is the slowest of the three engines that must each do its part:
   max(fwd+bwd of (a), host-tier update bytes / measured host update bandwidth,
       host-tier copy bytes / measured PCIe bandwidth (each direction on its own copy engine)).
-Ratios: (c)/(a), (d)/bound, (e)/bound, (b)/(e), predicted/measured; each bound also with the
+Ratios: (c)/(a), (h)/(a), (i)/(a), (h)/(i), (d)/bound, (e)/bound, (b)/(e), predicted/measured; each bound also with the
 DMA's own host-memory traffic counted (8 B/param for fp32: gradient in, parameter out).
 Numerics: 20 steps of (e) and (a) on a smaller Llama, fp32 without autocast, eager attention,
 identical batches; parameters compared element-wise, with (a) against a second run of (a) as
@@ -357,7 +361,9 @@ def _run_emsa(args, shape, batches, device, profile, mode: str) -> dict:
         record = emsa.probe(model, input_ids=ids, labels=ids, profile=profile, trace=False)
     # The host-tier configurations update in backward, as emsa advises for them: the copies
     # hide under backward and each gradient is freed once copied.
-    in_backward = args.step_in_backward and mode != "device"
+    # (h)/(i): all state on the device, updated in backward (the device engine's side stream,
+    # or with EMSA_DEVICE_SIDE_STREAM=0 the current stream).
+    in_backward = mode == "device-in-backward" or (args.step_in_backward and mode != "device")
     out: dict = dict(params=numel(model), step_in_backward=in_backward)
     tier, budget = {"device": (None, None), "host": ("host", None)}.get(mode, (None, None))
     if mode == "half":
@@ -513,7 +519,8 @@ def numerics_check(args, device) -> dict:
 
 CONFIGS = [("a", "torch AdamW fused"), ("b", "FSDP2 CPUOffloadPolicy"), ("c", "emsa no budget"),
            ("d", "emsa half budget"), ("e", "emsa tier=host"),
-           ("f", "(e) with --ab-knobs"), ("g", "(d) with --ab-knobs")]
+           ("f", "(e) with --ab-knobs"), ("g", "(d) with --ab-knobs"),
+           ("h", "(c) in bwd, side stream"), ("i", "(c) in bwd, current stream")]
 
 
 def run_shape(args, shape, batch, seq, device, profile) -> dict:
@@ -526,6 +533,9 @@ def run_shape(args, shape, batch, seq, device, profile) -> dict:
         "e": lambda: run_emsa(args, shape, batches, device, profile, "host"),
         "f": lambda: run_emsa(args, shape, batches, device, profile, "host", args.ab_knobs),
         "g": lambda: run_emsa(args, shape, batches, device, profile, "half", args.ab_knobs),
+        "h": lambda: run_emsa(args, shape, batches, device, profile, "device-in-backward"),
+        "i": lambda: run_emsa(args, shape, batches, device, profile, "device-in-backward",
+                              {"EMSA_DEVICE_SIDE_STREAM": "0"}),
     }
     results = {}
     for key, label in CONFIGS:
@@ -581,8 +591,11 @@ def ratios(results: dict, profile: dict) -> dict:
         if pred.get("peak_device_bytes") and r["peak_device_bytes"]:
             predicted[f"{k}_predicted_over_measured_peak"] = (pred["peak_device_bytes"]
                                                               / r["peak_device_bytes"])
-    if "c" in ok:
-        main["c_over_a"] = ok["c"]["step_s"] / ok["a"]["step_s"]
+    for k in ("c", "h", "i"):
+        if k in ok:
+            main[f"{k}_over_a"] = ok[k]["step_s"] / ok["a"]["step_s"]
+    if "h" in ok and "i" in ok:
+        main["h_over_i"] = ok["h"]["step_s"] / ok["i"]["step_s"]
     for k in ("d", "e", "f", "g"):
         if k in bounds:
             main[f"{k}_over_bound"] = ok[k]["step_s"] / bounds[k]["bound_s"]
@@ -668,8 +681,8 @@ def main():
     ap.add_argument("--shapes", default="4x512,16x1024", help="batch x tokens, comma-separated")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--check-steps", type=int, default=20)
-    ap.add_argument("--configs", default="abcde", help="which of (a)..(g) to run")
+    ap.add_argument("--check-steps", type=int, default=20, help="numerics check (0: skip)")
+    ap.add_argument("--configs", default="abcde", help="which of (a)..(i) to run")
     ap.add_argument("--ab-knobs", type=parse_knobs, default={},
                     help="(f), (g): NAME=VALUE,... environment for the host tier")
     ap.add_argument("--no-autocast", dest="autocast", action="store_false")
@@ -703,7 +716,8 @@ def main():
     for batch, seq in parse_shapes(args.shapes):
         result["shapes"].append(run_shape(args, shape, batch, seq, device, profile))
     try:
-        result["numerics"] = numerics_check(args, device)
+        if args.check_steps > 0:
+            result["numerics"] = numerics_check(args, device)
     except Exception:  # noqa: BLE001 - reported, the timings above still stand
         result["numerics_error"] = traceback.format_exc(limit=6)
         print(result["numerics_error"], file=sys.stderr)
