@@ -66,7 +66,7 @@ def make_set(shapes, dtype, seed):
 class EmsaDevice:
     """One device table over all tensors, stepped through the C ABI on torch's stream."""
 
-    def __init__(self, params, grads, state_dtype):
+    def __init__(self, params, grads, state_dtype, bulk_copy=True):
         self.params, self.grads = params, grads
         self.m = [torch.zeros_like(p, dtype=state_dtype) for p in params]
         self.v = [torch.zeros_like(p, dtype=state_dtype) for p in params]
@@ -87,6 +87,7 @@ class EmsaDevice:
             t.numel = p.numel()
         opts = _capi.DeviceTableOptions()
         lib.emsa_device_table_options_init(ctypes.byref(opts))
+        opts.bulk_copy = int(bulk_copy)
         self.table = ctypes.c_void_p()
         check(lib.emsa_device_table_create(arr, None, len(params), ctypes.byref(opts),
                                            ctypes.byref(self.table)))
@@ -162,9 +163,9 @@ def main():
         del ps, opt, params, grads
         torch.cuda.empty_cache()
 
-    def run_emsa(name, dtype, state_dtype, bpp):
+    def run_emsa(name, dtype, state_dtype, bpp, bulk_copy=True):
         params, grads = make_set(shapes, dtype, 0)
-        e = EmsaDevice(params, grads, state_dtype)
+        e = EmsaDevice(params, grads, state_dtype, bulk_copy)
         times = cuda_time(e.step, args.warmup, args.reps)
         rows[name] = dict(times_s=times, bytes_per_param=bpp, launches=e.launches,
                           table_bytes_per_update=e.bytes)
@@ -174,6 +175,7 @@ def main():
 
     run_torch("torch fused=True fp32", torch.float32, fused=True)
     run_emsa("emsa fp32", torch.float32, torch.float32, 28)
+    run_emsa("emsa fp32, per-thread loads (A/B)", torch.float32, torch.float32, 28, False)
     run_torch("torch fused=True bf16", torch.bfloat16, fused=True)
     run_emsa("emsa bf16 (stochastic rounding)", torch.bfloat16, torch.bfloat16, 14)
 

@@ -156,6 +156,11 @@ struct DeviceTableOptions {
   // Rounding of bf16 state stores. Parameters stored in bf16/fp16 without a master copy always
   // round stochastically (round-to-nearest would drop small updates), as on the CPU.
   Rounding rounding = Rounding::kStochastic;
+  // fp32 params, grads and states on sm_90 and later: tiles moved by Hopper bulk copies
+  // (cp.async.bulk through shared memory) instead of per-thread 16-byte loads and stores. Same
+  // bits; faster on the H200 (bench/README.md). Elsewhere, and for other dtypes, the per-thread
+  // kernel runs whatever this says (bulk_copy_launches() tells which).
+  bool bulk_copy = true;
 };
 
 // Tier L0: an L2 access-policy window for a table's update launches (the cudaLaunchKernelEx
@@ -232,6 +237,8 @@ class DeviceUpdateTable {
   int64_t total_numel() const { return total_numel_; }
   int64_t chunk_count() const { return chunk_count_; }
   int launches_per_update() const { return static_cast<int>(launch_count_); }
+  // Of those, the launches of the bulk-copy kernel (DeviceTableOptions::bulk_copy).
+  int bulk_copy_launches() const { return bulk_launch_count_; }
   // Bytes the update reads plus writes per step (each stream once): the floor of its time.
   uint64_t bytes_per_update() const { return bytes_per_update_; }
   // The smallest DeviceScalars::group_count() this table can be used with.
@@ -247,6 +254,7 @@ class DeviceUpdateTable {
   int64_t total_numel_ = 0;
   int64_t chunk_count_ = 0;
   size_t launch_count_ = 0;
+  int bulk_launch_count_ = 0;
   uint64_t bytes_per_update_ = 0;
   size_t groups_needed_ = 0;
   std::unique_ptr<Impl> impl_;

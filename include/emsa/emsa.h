@@ -231,6 +231,7 @@ typedef struct emsa_device_table_options {
   uint32_t struct_size; /* sizeof(emsa_device_table_options) */
   int32_t optimizer;    /* EMSA_OPTIMIZER_*; default ADAMW */
   int32_t rounding;     /* EMSA_ROUNDING_*; default STOCHASTIC */
+  int32_t bulk_copy;    /* 1 (default): fp32 tables on sm_90+ move tiles by bulk copies; 0: not */
 } emsa_device_table_options;
 
 /* What the last step saw; read back for reports and tests (synchronizes the stream). */

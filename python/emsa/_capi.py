@@ -118,6 +118,7 @@ class DeviceTableOptions(ctypes.Structure):
         ("struct_size", ctypes.c_uint32),
         ("optimizer", ctypes.c_int32),
         ("rounding", ctypes.c_int32),
+        ("bulk_copy", ctypes.c_int32),
     ]
 
 

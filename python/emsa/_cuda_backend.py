@@ -228,6 +228,11 @@ class CudaBackend(Backend):
         options = DeviceTableOptions()
         lib.emsa_device_table_options_init(ctypes.byref(options))
         options.optimizer = _capi.OPTIMIZER[self.kind]
+        bulk = os.environ.get("EMSA_CUDA_BULK_COPY", "1")
+        if bulk not in ("0", "1"):
+            raise ValueError(f"EMSA_CUDA_BULK_COPY={bulk!r}: use 1 (the default: fp32 updates "
+                             "move tiles by bulk copies on sm_90+) or 0 (per-thread loads)")
+        options.bulk_copy = int(bulk)
         self.table_slots: list[list[int]] = []  # device-tier buckets
         self.host_slots: list[list[int]] = []  # host-tier buckets
         self.order: list[tuple[bool, int]] = []  # every bucket in plan order: (host?, index)

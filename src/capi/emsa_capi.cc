@@ -650,7 +650,7 @@ void emsa_device_table_options_init(emsa_device_table_options* o) {
   emsa::DeviceTableOptions d;
   *o = emsa_device_table_options{sizeof(emsa_device_table_options),
                                  static_cast<int32_t>(d.optimizer),
-                                 static_cast<int32_t>(d.rounding)};
+                                 static_cast<int32_t>(d.rounding), d.bulk_copy ? 1 : 0};
 }
 
 void emsa_device_step_report_init(emsa_device_step_report* r) {
@@ -778,6 +778,10 @@ emsa_status emsa_device_table_create(const emsa_tensor_update* tensors, const in
         return Fail(EMSA_INVALID_ARGUMENT, "rounding must be an EMSA_ROUNDING_* value");
       }
       o.rounding = static_cast<emsa::Rounding>(options->rounding);
+      if (options->bulk_copy != 0 && options->bulk_copy != 1) {
+        return Fail(EMSA_INVALID_ARGUMENT, "bulk_copy must be 0 or 1");
+      }
+      o.bulk_copy = options->bulk_copy != 0;
     }
     std::vector<emsa::TensorUpdate> updates(count);  // bind time: allocation is fine here
     for (size_t i = 0; i < count; ++i) {

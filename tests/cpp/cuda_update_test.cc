@@ -755,7 +755,8 @@ struct SmallTable {
   std::unique_ptr<DeviceUpdateTable> table;
 };
 
-void MakeSmallTable(const Case& c, const std::vector<Tensor>& host, SmallTable* out) {
+void MakeSmallTable(const Case& c, const std::vector<Tensor>& host, SmallTable* out,
+                    bool bulk_copy = true) {
   for (const Tensor& t : host) out->dev.push_back(out->mem.Upload(c, t));
   ASSERT_TRUE(out->mem.ok());
   HyperParams h = GroupHyper(0, c.optimizer);
@@ -764,6 +765,7 @@ void MakeSmallTable(const Case& c, const std::vector<Tensor>& host, SmallTable* 
   DeviceTableOptions o;
   o.optimizer = c.optimizer;
   o.rounding = c.rounding;
+  o.bulk_copy = bulk_copy;
   auto table = DeviceUpdateTable::Create(out->dev.data(), nullptr, out->dev.size(), o);
   ASSERT_TRUE(table.ok()) << table.status().ToString();
   out->scalars = std::move(*scalars);
@@ -800,6 +802,50 @@ TEST(CudaUpdate, SmallBitwiseRepeatable) {
   }
   EXPECT_EQ(std::memcmp(&sums[0], &sums[1], sizeof(double)), 0);
   ExpectBitwise("run 2 vs run 1", c, results[1], results[0]);
+}
+
+// fp32 tables take the bulk-copy kernel on sm_90 and later (DeviceTableOptions::bulk_copy), the
+// per-thread kernel elsewhere or when asked: both give the same bits over tiles, partial tiles,
+// chunk ends, misaligned tensors (the scalar path inside the bulk kernel) and several steps.
+TEST(CudaUpdate, SmallBulkCopyAndPerThreadKernelsAgreeBitwise) {
+  SKIP_WITHOUT_DEVICE();
+  int device = 0, major = 0;
+  ASSERT_CUDA(cudaGetDevice(&device));
+  ASSERT_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  for (OptimizerKind opt : {OptimizerKind::kAdamW, OptimizerKind::kAdam, OptimizerKind::kLion}) {
+    const Case c{opt, DType::kFloat32, DType::kFloat32, DType::kFloat32, false, Rounding::kNearest};
+    Rng rng(9090);
+    std::vector<Tensor> host;
+    for (int64_t n : {int64_t{300000}, int64_t{4097}, int64_t{1}, int64_t{3}, int64_t{1024},
+                      int64_t{65536 + 1027}}) {
+      host.push_back(MakeTensor(c, n, false, 0, rng));
+    }
+    host.push_back(MakeTensor(c, 5000, true, 0, rng));  // off 16 bytes: the scalar path
+    std::vector<Tensor> results[2];
+    for (int bulk = 0; bulk < 2; ++bulk) {
+      SmallTable t;
+      MakeSmallTable(c, host, &t, bulk == 1);
+      if (HasFatalFailure()) return;
+      EXPECT_EQ(t.table->bulk_copy_launches(), bulk == 1 && major >= 9 ? 1 : 0);
+      Stream stream;
+      DeviceScalars& s = *t.scalars;
+      ASSERT_OK(s.SetInputs(0.5f, 0.0f, 1, stream.s));
+      for (int step = 0; step < 3; ++step) {
+        ASSERT_OK(s.BeginStep(stream.s));
+        ASSERT_OK(s.AdvanceSteps(stream.s));
+        ASSERT_OK(t.table->Update(s, stream.s));
+      }
+      ASSERT_CUDA(cudaStreamSynchronize(stream.s));
+      results[bulk] = DownloadAll(host, t.dev);
+    }
+    ExpectBitwise(std::string("bulk copies vs per-thread, ") + CaseName(c), c, results[1],
+                  results[0]);
+    // and both are the CPU's bits (grad_unscale 0.5 multiplies every gradient)
+    HyperParams h = GroupHyper(0, opt);
+    std::vector<Tensor> want = host;
+    for (int64_t step = 1; step <= 3; ++step) want = CpuStep(c, want, {h}, {step}, 0.5f, 0);
+    ExpectBitwise(std::string("bulk copies vs CPU, ") + CaseName(c), c, results[1], want);
+  }
 }
 
 // Tier L0: the same steps launched with a persisting-L2 access window over the first tensor's

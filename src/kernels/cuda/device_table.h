@@ -110,11 +110,21 @@ struct UpdateLaunch {
   const DeviceStepHeader* header;
   const DeviceGroupScalars* groups;
   int32_t stochastic_state;  // bf16 state stores round stochastically
+  int32_t bulk;              // the bulk-copy kernel (BulkUpdateKernel), not the per-thread one
   int grid;
 };
 
-// Blocks of the update kernel for (optimizer, variant) that fit on one SM at once.
-Result<int> UpdateBlocksPerSm(OptimizerKind optimizer, Variant variant);
+// The variant the bulk-copy kernel serves: fp32 param, grad and state.
+constexpr bool BulkVariant(Variant v) {
+  return v.param == ParamKind::kF32 && v.grad_f32 && !v.state_bf16;
+}
+// Whether the current device runs `optimizer`'s bulk-copy kernel: compute capability 9.0 or
+// later and the kernel compiled for it (not JIT-compiled from older PTX, where it is empty).
+// Sets the kernel's dynamic shared memory limit on the way (once per device is enough).
+Result<bool> BulkAvailable(OptimizerKind optimizer);
+// Blocks of the update kernel for (optimizer, variant) that fit on one SM at once (bulk: the
+// bulk-copy kernel with its shared memory).
+Result<int> UpdateBlocksPerSm(OptimizerKind optimizer, Variant variant, bool bulk);
 // window: null or bytes 0 for a plain launch; else launched with that access-policy window.
 Status LaunchUpdate(OptimizerKind optimizer, Variant variant, const UpdateLaunch& launch,
                     cudaStream_t stream, const DeviceAccessWindow* window = nullptr);

@@ -445,6 +445,7 @@ struct DeviceUpdateTable::Impl {
     int64_t first_chunk = 0;
     int64_t chunk_count = 0;
     int grid = 0;
+    bool bulk = false;  // the bulk-copy kernel
   };
   Impl() = default;
   Impl(const Impl&) = delete;
@@ -541,8 +542,14 @@ Result<std::unique_ptr<DeviceUpdateTable>> DeviceUpdateTable::Create(
   // there are fewer chunks.
   int sms = 0;
   EMSA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  bool bulk_available = false;
+  if (options.bulk_copy) {
+    EMSA_ASSIGN_OR_RETURN(bulk_available, cuda::BulkAvailable(options.optimizer));
+  }
   for (Impl::Launch& launch : impl.launches) {
-    EMSA_ASSIGN_OR_RETURN(int per_sm, cuda::UpdateBlocksPerSm(options.optimizer, launch.variant));
+    launch.bulk = bulk_available && cuda::BulkVariant(launch.variant);
+    EMSA_ASSIGN_OR_RETURN(int per_sm,
+                          cuda::UpdateBlocksPerSm(options.optimizer, launch.variant, launch.bulk));
     launch.grid =
         static_cast<int>(std::min<int64_t>(launch.chunk_count, static_cast<int64_t>(per_sm) * sms));
   }
@@ -607,6 +614,7 @@ Result<std::unique_ptr<DeviceUpdateTable>> DeviceUpdateTable::Create(
   table->total_numel_ = shape.total;
   table->chunk_count_ = chunk_total;
   table->launch_count_ = impl.launches.size();
+  for (const Impl::Launch& l : impl.launches) table->bulk_launch_count_ += l.bulk ? 1 : 0;
   table->bytes_per_update_ = bytes;
   table->groups_needed_ = count > 0 ? static_cast<size_t>(shape.max_group) + 1 : 0;
   return table;
@@ -634,6 +642,7 @@ Status DeviceUpdateTable::Update(const DeviceScalars& scalars, cudaStream_t stre
     launch.header = scalars.device_header();
     launch.groups = scalars.device_groups();
     launch.stochastic_state = options_.rounding == Rounding::kStochastic ? 1 : 0;
+    launch.bulk = l.bulk ? 1 : 0;
     launch.grid = l.grid;
     EMSA_RETURN_IF_ERROR(
         cuda::LaunchUpdate(options_.optimizer, l.variant, launch, stream, &window_));

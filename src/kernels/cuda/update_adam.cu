@@ -5,10 +5,15 @@
 namespace emsa {
 namespace cuda {
 
-const UpdateKernelFn* AdamUpdateKernels() {
+namespace {
+const UpdateKernels<OptimizerKind::kAdam>& Kernels() {
   static const UpdateKernels<OptimizerKind::kAdam> kernels;
-  return kernels.fn;
+  return kernels;
 }
+}  // namespace
+
+const UpdateKernelFn* AdamUpdateKernels() { return Kernels().fn; }
+UpdateKernelFn AdamBulkKernel() { return Kernels().bulk; }
 
 }  // namespace cuda
 }  // namespace emsa

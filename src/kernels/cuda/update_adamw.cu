@@ -5,10 +5,15 @@
 namespace emsa {
 namespace cuda {
 
-const UpdateKernelFn* AdamWUpdateKernels() {
+namespace {
+const UpdateKernels<OptimizerKind::kAdamW>& Kernels() {
   static const UpdateKernels<OptimizerKind::kAdamW> kernels;
-  return kernels.fn;
+  return kernels;
 }
+}  // namespace
+
+const UpdateKernelFn* AdamWUpdateKernels() { return Kernels().fn; }
+UpdateKernelFn AdamWBulkKernel() { return Kernels().bulk; }
 
 }  // namespace cuda
 }  // namespace emsa

@@ -12,6 +12,11 @@ using UpdateKernelFn = void (*)(const UpdateLaunch);
 const UpdateKernelFn* AdamWUpdateKernels();
 const UpdateKernelFn* AdamUpdateKernels();
 const UpdateKernelFn* LionUpdateKernels();
+// The fp32 variant (fp32 param, grad and state) by bulk copies; sm_90 and later only, launched
+// with BulkSmemBytes(optimizer) of dynamic shared memory (update_launch.cu).
+UpdateKernelFn AdamWBulkKernel();
+UpdateKernelFn AdamBulkKernel();
+UpdateKernelFn LionBulkKernel();
 
 }  // namespace cuda
 }  // namespace emsa

@@ -34,13 +34,53 @@ Result<UpdateKernelFn> Find(OptimizerKind optimizer, Variant variant) {
   return table[index];
 }
 
+UpdateKernelFn BulkKernel(OptimizerKind optimizer) {
+  switch (optimizer) {
+    case OptimizerKind::kAdamW:
+      return AdamWBulkKernel();
+    case OptimizerKind::kAdam:
+      return AdamBulkKernel();
+    case OptimizerKind::kLion:
+      return LionBulkKernel();
+  }
+  return nullptr;
+}
+
+size_t BulkSmemBytes(OptimizerKind optimizer) {
+  return optimizer == OptimizerKind::kLion ? BulkShape<OptimizerKind::kLion>::kSmemBytes
+                                           : BulkShape<OptimizerKind::kAdamW>::kSmemBytes;
+}
+
 }  // namespace
 
-Result<int> UpdateBlocksPerSm(OptimizerKind optimizer, Variant variant) {
-  EMSA_ASSIGN_OR_RETURN(UpdateKernelFn fn, Find(optimizer, variant));
+Result<bool> BulkAvailable(OptimizerKind optimizer) {
+  int device = 0, major = 0;
+  EMSA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  EMSA_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  if (major < 9) return false;
+  const void* fn = reinterpret_cast<const void*>(BulkKernel(optimizer));
+  cudaFuncAttributes attr = {};
+  EMSA_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, fn));
+  if (attr.ptxVersion < 90) return false;
+  EMSA_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(BulkSmemBytes(optimizer))));
+  return true;
+}
+
+Result<int> UpdateBlocksPerSm(OptimizerKind optimizer, Variant variant, bool bulk) {
+  const void* fn = nullptr;
+  size_t smem = 0;
+  if (bulk) {
+    fn = reinterpret_cast<const void*>(BulkKernel(optimizer));
+    smem = BulkSmemBytes(optimizer);
+  } else {
+    EMSA_ASSIGN_OR_RETURN(UpdateKernelFn f, Find(optimizer, variant));
+    fn = reinterpret_cast<const void*>(f);
+  }
   int blocks = 0;
-  EMSA_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &blocks, reinterpret_cast<const void*>(fn), kUpdateThreads, 0));
+  EMSA_CUDA_RETURN_IF_ERROR(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, kUpdateThreads, smem));
   if (blocks < 1) {
     return Status::Internal("the update kernel fits no block of " + std::to_string(kUpdateThreads) +
                             " threads on an SM");
@@ -51,13 +91,23 @@ Result<int> UpdateBlocksPerSm(OptimizerKind optimizer, Variant variant) {
 Status LaunchUpdate(OptimizerKind optimizer, Variant variant, const UpdateLaunch& launch,
                     cudaStream_t stream, const DeviceAccessWindow* window) {
   if (launch.chunk_count == 0) return Status::Ok();
-  EMSA_ASSIGN_OR_RETURN(UpdateKernelFn fn, Find(optimizer, variant));
+  UpdateKernelFn fn = nullptr;
+  size_t smem = 0;
+  if (launch.bulk != 0) {
+    if (!BulkVariant(variant)) {
+      return Status::Internal("the bulk-copy kernel was asked for a variant it does not serve");
+    }
+    fn = BulkKernel(optimizer);
+    smem = BulkSmemBytes(optimizer);
+  } else {
+    EMSA_ASSIGN_OR_RETURN(fn, Find(optimizer, variant));
+  }
   UpdateLaunch arg = launch;
   void* args[] = {&arg};
   if (window == nullptr || window->bytes == 0) {
     EMSA_CUDA_RETURN_IF_ERROR(cudaLaunchKernel(reinterpret_cast<const void*>(fn),
                                                dim3(static_cast<unsigned>(launch.grid)),
-                                               dim3(kUpdateThreads), args, 0, stream));
+                                               dim3(kUpdateThreads), args, smem, stream));
     return CudaStatus(cudaGetLastError(), "fused update kernel launch");
   }
   // Tier L0: this launch's accesses to the window persist in the L2 set-aside (hitProp), the
@@ -72,7 +122,7 @@ Status LaunchUpdate(OptimizerKind optimizer, Variant variant, const UpdateLaunch
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(launch.grid));
   config.blockDim = dim3(kUpdateThreads);
-  config.dynamicSmemBytes = 0;
+  config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = &attribute;
   config.numAttrs = 1;

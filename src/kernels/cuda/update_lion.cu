@@ -5,10 +5,15 @@
 namespace emsa {
 namespace cuda {
 
-const UpdateKernelFn* LionUpdateKernels() {
+namespace {
+const UpdateKernels<OptimizerKind::kLion>& Kernels() {
   static const UpdateKernels<OptimizerKind::kLion> kernels;
-  return kernels.fn;
+  return kernels;
 }
+}  // namespace
+
+const UpdateKernelFn* LionUpdateKernels() { return Kernels().fn; }
+UpdateKernelFn LionBulkKernel() { return Kernels().bulk; }
 
 }  // namespace cuda
 }  // namespace emsa
