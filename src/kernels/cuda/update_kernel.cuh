@@ -371,9 +371,18 @@ struct BulkShape {
 static_assert(kBulkTile % (4 * kUpdateThreads) == 0, "a full tile is whole float4s per thread");
 static_assert(kChunkElems % kBulkTile == 0, "full chunks are whole tiles");
 
-// A block's walk over the tiles of its vector-path chunks.
+// How blocks share the tiles. 0 (default): block b takes chunks b, b + grid, ... and walks each
+// chunk's tiles in order (as the per-thread kernel walks chunks). 1: block b takes tiles b,
+// b + grid, ... of the chunks' tile sequence (32 tiles a chunk), so neighbouring tiles go to
+// different blocks. A tuning knob (scripts/gpu-check sweep); the product keeps the default.
+#ifndef EMSA_CUDA_BULK_INTERLEAVE
+#define EMSA_CUDA_BULK_INTERLEAVE 0
+#endif
+constexpr int64_t kTilesPerChunk = kChunkElems / kBulkTile;
+
+// A block's walk over its tiles.
 struct TileCursor {
-  int64_t chunk = 0;  // index into the launch's chunks; chunk_count when done
+  int64_t at = 0;     // chunks mode: the chunk's index; interleaved: the tile's global index
   int tile = 0;       // within the chunk
   int vec_elems = 0;  // the chunk's elements on the bulk path (whole 4-element vectors)
   int64_t begin = 0;  // the chunk's first element within its tensor
@@ -385,30 +394,56 @@ struct TileCursor {
   __device__ int64_t first() const { return begin + int64_t{tile} * kBulkTile; }
 };
 
-// The first vector-path chunk with at least one whole vector at or after `from` (stepping by
-// the grid); false with cursor.chunk = chunk_count when none is left.
-__device__ __forceinline__ bool SeekChunk(const UpdateLaunch& a, int64_t from, TileCursor& c) {
-  for (int64_t ci = from; ci < a.chunk_count; ci += gridDim.x) {
-    const DeviceChunk chunk = a.chunks[ci];
-    const DeviceTensor* t = &a.tensors[chunk.tensor];
-    if ((t->flags & kTensorVector) == 0) continue;
-    const int64_t left = t->numel - chunk.begin;
-    const int n = static_cast<int>(left < kChunkElems ? left : kChunkElems);
-    if (n < 4) continue;
-    c.chunk = ci;
-    c.tile = 0;
-    c.vec_elems = n & ~3;
-    c.begin = chunk.begin;
-    c.tensor = t;
-    return true;
+// Loads chunk ci into the cursor; false when it has no whole vector on the bulk path.
+__device__ __forceinline__ bool LoadChunk(const UpdateLaunch& a, int64_t ci, TileCursor& c) {
+  const DeviceChunk chunk = a.chunks[ci];
+  const DeviceTensor* t = &a.tensors[chunk.tensor];
+  if ((t->flags & kTensorVector) == 0) return false;
+  const int64_t left = t->numel - chunk.begin;
+  const int n = static_cast<int>(left < kChunkElems ? left : kChunkElems);
+  c.vec_elems = n & ~3;
+  c.begin = chunk.begin;
+  c.tensor = t;
+  return c.vec_elems > 0;
+}
+
+// The block's first tile at or after position `from` (stepping by the grid); false when none
+// is left.
+__device__ __forceinline__ bool SeekTile(const UpdateLaunch& a, int64_t from, TileCursor& c) {
+#if EMSA_CUDA_BULK_INTERLEAVE
+  int64_t loaded = -1;
+  bool usable = false;
+  for (int64_t g = from; g < a.chunk_count * kTilesPerChunk; g += gridDim.x) {
+    const int64_t ci = g / kTilesPerChunk;
+    if (ci != loaded) {
+      loaded = ci;
+      usable = LoadChunk(a, ci, c);
+    }
+    c.tile = static_cast<int>(g % kTilesPerChunk);
+    if (usable && c.tile * kBulkTile < c.vec_elems) {
+      c.at = g;
+      return true;
+    }
   }
-  c.chunk = a.chunk_count;
+#else
+  for (int64_t ci = from; ci < a.chunk_count; ci += gridDim.x) {
+    if (LoadChunk(a, ci, c)) {
+      c.at = ci;
+      c.tile = 0;
+      return true;
+    }
+  }
+#endif
   return false;
 }
 
 __device__ __forceinline__ bool NextTile(const UpdateLaunch& a, TileCursor& c) {
+#if EMSA_CUDA_BULK_INTERLEAVE
+  return SeekTile(a, c.at + gridDim.x, c);
+#else
   if (++c.tile * kBulkTile < c.vec_elems) return true;
-  return SeekChunk(a, c.chunk + gridDim.x, c);
+  return SeekTile(a, c.at + gridDim.x, c);
+#endif
 }
 
 template <OptimizerKind kOpt>
@@ -430,7 +465,7 @@ __global__ void EMSA_UPDATE_LAUNCH_BOUNDS BulkUpdateKernel(const UpdateLaunch a)
   __syncthreads();
 
   TileCursor use;
-  bool more = SeekChunk(a, blockIdx.x, use);
+  bool more = SeekTile(a, blockIdx.x, use);
   TileCursor fill = use;  // thread 0's, kBulkStages tiles ahead
   bool fill_more = more;
   // Thread 0: loads tile `fill` of every input stream into stage st.
