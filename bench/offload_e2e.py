@@ -20,8 +20,9 @@ events (host work such as a CPU optimizer step is inside: the end event is enque
       when asked for in --configs
   (h), (i) (c) with step_in_backward=True: each bucket's update on the device engine's side
       stream as its gradients become final, overlapped with the rest of backward (h), or on the
-      current stream between backward's kernels (i, EMSA_DEVICE_SIDE_STREAM=0); only when asked
-      for in --configs
+      current stream between backward's kernels (i, EMSA_DEVICE_SIDE_STREAM=0); (j) is (h) with
+      the per-bucket tables on a persistent grid (EMSA_DEVICE_BUCKET_GRID=persistent) instead of
+      one block per chunk; only when asked for in --configs
   (d) and (e) update in backward (step_in_backward=True, as emsa advises for the host tier: the
   copies hide under backward, each gradient is freed once copied); --no-step-in-backward: step().
 
@@ -520,7 +521,8 @@ def numerics_check(args, device) -> dict:
 CONFIGS = [("a", "torch AdamW fused"), ("b", "FSDP2 CPUOffloadPolicy"), ("c", "emsa no budget"),
            ("d", "emsa half budget"), ("e", "emsa tier=host"),
            ("f", "(e) with --ab-knobs"), ("g", "(d) with --ab-knobs"),
-           ("h", "(c) in bwd, side stream"), ("i", "(c) in bwd, current stream")]
+           ("h", "(c) in bwd, side stream"), ("i", "(c) in bwd, current stream"),
+           ("j", "(h), persistent grid")]
 
 
 def run_shape(args, shape, batch, seq, device, profile) -> dict:
@@ -536,6 +538,8 @@ def run_shape(args, shape, batch, seq, device, profile) -> dict:
         "h": lambda: run_emsa(args, shape, batches, device, profile, "device-in-backward"),
         "i": lambda: run_emsa(args, shape, batches, device, profile, "device-in-backward",
                               {"EMSA_DEVICE_SIDE_STREAM": "0"}),
+        "j": lambda: run_emsa(args, shape, batches, device, profile, "device-in-backward",
+                              {"EMSA_DEVICE_BUCKET_GRID": "persistent"}),
     }
     results = {}
     for key, label in CONFIGS:
@@ -591,11 +595,12 @@ def ratios(results: dict, profile: dict) -> dict:
         if pred.get("peak_device_bytes") and r["peak_device_bytes"]:
             predicted[f"{k}_predicted_over_measured_peak"] = (pred["peak_device_bytes"]
                                                               / r["peak_device_bytes"])
-    for k in ("c", "h", "i"):
+    for k in ("c", "h", "i", "j"):
         if k in ok:
             main[f"{k}_over_a"] = ok[k]["step_s"] / ok["a"]["step_s"]
-    if "h" in ok and "i" in ok:
-        main["h_over_i"] = ok["h"]["step_s"] / ok["i"]["step_s"]
+    for k in ("h", "j"):
+        if k in ok and "i" in ok:
+            main[f"{k}_over_i"] = ok[k]["step_s"] / ok["i"]["step_s"]
     for k in ("d", "e", "f", "g"):
         if k in bounds:
             main[f"{k}_over_bound"] = ok[k]["step_s"] / bounds[k]["bound_s"]
@@ -682,7 +687,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--check-steps", type=int, default=20, help="numerics check (0: skip)")
-    ap.add_argument("--configs", default="abcde", help="which of (a)..(i) to run")
+    ap.add_argument("--configs", default="abcde", help="which of (a)..(j) to run")
     ap.add_argument("--ab-knobs", type=parse_knobs, default={},
                     help="(f), (g): NAME=VALUE,... environment for the host tier")
     ap.add_argument("--no-autocast", dest="autocast", action="store_false")

@@ -232,6 +232,8 @@ typedef struct emsa_device_table_options {
   int32_t optimizer;    /* EMSA_OPTIMIZER_*; default ADAMW */
   int32_t rounding;     /* EMSA_ROUNDING_*; default STOCHASTIC */
   int32_t bulk_copy;    /* 1 (default): fp32 tables on sm_90+ move tiles by bulk copies; 0: not */
+  int32_t persistent_grid; /* 1 (default): a persistent grid; 0: one block per chunk, which
+                              interleaves with kernels on other streams */
 } emsa_device_table_options;
 
 /* What the last step saw; read back for reports and tests (synchronizes the stream). */

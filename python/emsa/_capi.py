@@ -119,6 +119,7 @@ class DeviceTableOptions(ctypes.Structure):
         ("optimizer", ctypes.c_int32),
         ("rounding", ctypes.c_int32),
         ("bulk_copy", ctypes.c_int32),
+        ("persistent_grid", ctypes.c_int32),
     ]
 
 

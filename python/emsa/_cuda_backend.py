@@ -80,6 +80,15 @@ _FOUND_INF = DeviceStepHeader.found_inf.offset // 4  # as an int32 index
 _NONFINITE = DeviceStepHeader.nonfinite_count.offset // 8  # as an int64 index
 
 
+def _env_choice(name: str, default: str, allowed: tuple, meaning: str) -> str:
+    """A tuning knob from the environment, checked: one of `allowed`."""
+    value = os.environ.get(name, default)
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: use one of {', '.join(allowed)} ({meaning}; "
+                         f"default {default})")
+    return value
+
+
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
@@ -228,11 +237,9 @@ class CudaBackend(Backend):
         options = DeviceTableOptions()
         lib.emsa_device_table_options_init(ctypes.byref(options))
         options.optimizer = _capi.OPTIMIZER[self.kind]
-        bulk = os.environ.get("EMSA_CUDA_BULK_COPY", "1")
-        if bulk not in ("0", "1"):
-            raise ValueError(f"EMSA_CUDA_BULK_COPY={bulk!r}: use 1 (the default: fp32 updates "
-                             "move tiles by bulk copies on sm_90+) or 0 (per-thread loads)")
-        options.bulk_copy = int(bulk)
+        options.bulk_copy = int(_env_choice(
+            "EMSA_CUDA_BULK_COPY", "1", ("0", "1"),
+            "1: fp32 updates move tiles by bulk copies on sm_90+; 0: per-thread loads") == "1")
         self.table_slots: list[list[int]] = []  # device-tier buckets
         self.host_slots: list[list[int]] = []  # host-tier buckets
         self.order: list[tuple[bool, int]] = []  # every bucket in plan order: (host?, index)
@@ -253,8 +260,19 @@ class CudaBackend(Backend):
             names = [self.names[i] for i in missing]
             raise RuntimeError("emsa internal error: the plan's buckets do not hold every "
                                f"parameter exactly once (missing: {names}); please report it")
+        # The per-bucket tables serve step_in_backward: on the engine's side stream they launch
+        # one block per chunk (so that backward's kernels interleave with them) unless
+        # EMSA_DEVICE_BUCKET_GRID=persistent; on the current stream, a persistent grid.
+        self.side_stream = _env_choice("EMSA_DEVICE_SIDE_STREAM", "1", ("0", "1"),
+                                       "1: updates in backward on a side stream; 0: on the "
+                                       "current stream") == "1"
+        grid = _env_choice("EMSA_DEVICE_BUCKET_GRID",
+                           "chunks" if self.side_stream else "persistent",
+                           ("chunks", "persistent"), "the per-bucket tables' launch grid")
+        options.persistent_grid = int(grid == "persistent")
         for members in self.table_slots:
             self.tables.append(self._make_table(members, options, state_code))
+        options.persistent_grid = 1
         # step() updates every device-tier bucket at once: one table over all of them, one
         # launch (and one gradient-pointer update) instead of one per bucket; the per-bucket
         # tables serve step_in_backward. Measured on the H200 (1.1 B params, 113 buckets):
@@ -629,11 +647,7 @@ class CudaBackend(Backend):
     def _make_engine(self) -> None:
         """The side stream and its engine over the per-bucket device tables, made once (at
         hook installation: bind time)."""
-        side = os.environ.get("EMSA_DEVICE_SIDE_STREAM", "1")
-        if side not in ("0", "1"):
-            raise ValueError(f"EMSA_DEVICE_SIDE_STREAM={side!r}: use 1 (the default: updates in "
-                             "backward on a side stream) or 0 (on the current stream)")
-        if self.engine or not self.table_slots or side == "0":
+        if self.engine or not self.table_slots or not self.side_stream:
             return
         with _on(self.index):
             self.side = torch.cuda.Stream(self.device)

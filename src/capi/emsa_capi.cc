@@ -648,9 +648,9 @@ emsa_status emsa_cpu_step(emsa_cpu_updater* updater, const emsa_tensor_update* t
 void emsa_device_table_options_init(emsa_device_table_options* o) {
   if (o == nullptr) return;
   emsa::DeviceTableOptions d;
-  *o = emsa_device_table_options{sizeof(emsa_device_table_options),
-                                 static_cast<int32_t>(d.optimizer),
-                                 static_cast<int32_t>(d.rounding), d.bulk_copy ? 1 : 0};
+  *o = emsa_device_table_options{
+      sizeof(emsa_device_table_options), static_cast<int32_t>(d.optimizer),
+      static_cast<int32_t>(d.rounding), d.bulk_copy ? 1 : 0, d.persistent_grid ? 1 : 0};
 }
 
 void emsa_device_step_report_init(emsa_device_step_report* r) {
@@ -782,6 +782,10 @@ emsa_status emsa_device_table_create(const emsa_tensor_update* tensors, const in
         return Fail(EMSA_INVALID_ARGUMENT, "bulk_copy must be 0 or 1");
       }
       o.bulk_copy = options->bulk_copy != 0;
+      if (options->persistent_grid != 0 && options->persistent_grid != 1) {
+        return Fail(EMSA_INVALID_ARGUMENT, "persistent_grid must be 0 or 1");
+      }
+      o.persistent_grid = options->persistent_grid != 0;
     }
     std::vector<emsa::TensorUpdate> updates(count);  // bind time: allocation is fine here
     for (size_t i = 0; i < count; ++i) {

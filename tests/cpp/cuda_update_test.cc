@@ -756,7 +756,7 @@ struct SmallTable {
 };
 
 void MakeSmallTable(const Case& c, const std::vector<Tensor>& host, SmallTable* out,
-                    bool bulk_copy = true) {
+                    bool bulk_copy = true, bool persistent_grid = true) {
   for (const Tensor& t : host) out->dev.push_back(out->mem.Upload(c, t));
   ASSERT_TRUE(out->mem.ok());
   HyperParams h = GroupHyper(0, c.optimizer);
@@ -766,6 +766,7 @@ void MakeSmallTable(const Case& c, const std::vector<Tensor>& host, SmallTable* 
   o.optimizer = c.optimizer;
   o.rounding = c.rounding;
   o.bulk_copy = bulk_copy;
+  o.persistent_grid = persistent_grid;
   auto table = DeviceUpdateTable::Create(out->dev.data(), nullptr, out->dev.size(), o);
   ASSERT_TRUE(table.ok()) << table.status().ToString();
   out->scalars = std::move(*scalars);
@@ -806,7 +807,8 @@ TEST(CudaUpdate, SmallBitwiseRepeatable) {
 
 // fp32 tables take the bulk-copy kernel on sm_90 and later (DeviceTableOptions::bulk_copy), the
 // per-thread kernel elsewhere or when asked: both give the same bits over tiles, partial tiles,
-// chunk ends, misaligned tensors (the scalar path inside the bulk kernel) and several steps.
+// chunk ends, misaligned tensors (the scalar path inside the bulk kernel) and several steps, on
+// a persistent grid or one block per chunk (DeviceTableOptions::persistent_grid).
 TEST(CudaUpdate, SmallBulkCopyAndPerThreadKernelsAgreeBitwise) {
   SKIP_WITHOUT_DEVICE();
   int device = 0, major = 0;
@@ -821,10 +823,11 @@ TEST(CudaUpdate, SmallBulkCopyAndPerThreadKernelsAgreeBitwise) {
       host.push_back(MakeTensor(c, n, false, 0, rng));
     }
     host.push_back(MakeTensor(c, 5000, true, 0, rng));  // off 16 bytes: the scalar path
-    std::vector<Tensor> results[2];
-    for (int bulk = 0; bulk < 2; ++bulk) {
+    std::vector<Tensor> results[4];                     // [bulk + 2 * (one block per chunk)]
+    for (int run = 0; run < 4; ++run) {
+      const int bulk = run % 2;
       SmallTable t;
-      MakeSmallTable(c, host, &t, bulk == 1);
+      MakeSmallTable(c, host, &t, bulk == 1, run < 2);
       if (HasFatalFailure()) return;
       EXPECT_EQ(t.table->bulk_copy_launches(), bulk == 1 && major >= 9 ? 1 : 0);
       Stream stream;
@@ -836,10 +839,14 @@ TEST(CudaUpdate, SmallBulkCopyAndPerThreadKernelsAgreeBitwise) {
         ASSERT_OK(t.table->Update(s, stream.s));
       }
       ASSERT_CUDA(cudaStreamSynchronize(stream.s));
-      results[bulk] = DownloadAll(host, t.dev);
+      results[run] = DownloadAll(host, t.dev);
     }
     ExpectBitwise(std::string("bulk copies vs per-thread, ") + CaseName(c), c, results[1],
                   results[0]);
+    ExpectBitwise(std::string("per-chunk grid vs persistent, bulk, ") + CaseName(c), c, results[3],
+                  results[1]);
+    ExpectBitwise(std::string("per-chunk grid vs persistent, per-thread, ") + CaseName(c), c,
+                  results[2], results[0]);
     // and both are the CPU's bits (grad_unscale 0.5 multiplies every gradient)
     HyperParams h = GroupHyper(0, opt);
     std::vector<Tensor> want = host;

@@ -5,6 +5,7 @@
 // that names it; only then does a build without CUDA (or a machine without a device) say so.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -550,8 +551,9 @@ Result<std::unique_ptr<DeviceUpdateTable>> DeviceUpdateTable::Create(
     launch.bulk = bulk_available && cuda::BulkVariant(launch.variant);
     EMSA_ASSIGN_OR_RETURN(int per_sm,
                           cuda::UpdateBlocksPerSm(options.optimizer, launch.variant, launch.bulk));
-    launch.grid =
-        static_cast<int>(std::min<int64_t>(launch.chunk_count, static_cast<int64_t>(per_sm) * sms));
+    const int64_t resident = static_cast<int64_t>(per_sm) * sms;
+    launch.grid = static_cast<int>(
+        std::min<int64_t>(launch.chunk_count, options.persistent_grid ? resident : INT32_MAX));
   }
   EMSA_ASSIGN_OR_RETURN(int stats_per_sm, cuda::GradStatsBlocksPerSm());
   impl.stats_grid = static_cast<int>(std::max<int64_t>(
