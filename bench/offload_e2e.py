@@ -18,11 +18,11 @@ events (host work such as a CPU optimizer step is inside: the end event is enque
   (f), (g) (e) and (d) with the host tier's tuning knobs set from --ab-knobs (environment
       variables, e.g. EMSA_HOST_THREADS=16 or EMSA_HOST_UPLOAD_PIECE=4194304): A/B runs, only
       when asked for in --configs
-  (h), (i) (c) with step_in_backward=True: each bucket's update on the device engine's side
-      stream as its gradients become final, overlapped with the rest of backward (h), or on the
-      current stream between backward's kernels (i, EMSA_DEVICE_SIDE_STREAM=0); (j) is (h) with
-      the per-bucket tables on a persistent grid (EMSA_DEVICE_BUCKET_GRID=persistent) instead of
-      one block per chunk; only when asked for in --configs
+  (h), (i), (j) (c) with step_in_backward=True: each bucket's update on the device engine's
+      side stream as its gradients become final, overlapped with the rest of backward, one block
+      per chunk (h: EMSA_DEVICE_SIDE_STREAM=1, EMSA_DEVICE_BUCKET_GRID=chunks) or on a
+      persistent grid (j: EMSA_DEVICE_SIDE_STREAM=1), or on the current stream between
+      backward's kernels (i: the default); only when asked for in --configs
   (d) and (e) update in backward (step_in_backward=True, as emsa advises for the host tier: the
   copies hide under backward, each gradient is freed once copied); --no-step-in-backward: step().
 
@@ -535,11 +535,14 @@ def run_shape(args, shape, batch, seq, device, profile) -> dict:
         "e": lambda: run_emsa(args, shape, batches, device, profile, "host"),
         "f": lambda: run_emsa(args, shape, batches, device, profile, "host", args.ab_knobs),
         "g": lambda: run_emsa(args, shape, batches, device, profile, "half", args.ab_knobs),
-        "h": lambda: run_emsa(args, shape, batches, device, profile, "device-in-backward"),
+        "h": lambda: run_emsa(args, shape, batches, device, profile, "device-in-backward",
+                              {"EMSA_DEVICE_SIDE_STREAM": "1",
+                               "EMSA_DEVICE_BUCKET_GRID": "chunks"}),
         "i": lambda: run_emsa(args, shape, batches, device, profile, "device-in-backward",
                               {"EMSA_DEVICE_SIDE_STREAM": "0"}),
         "j": lambda: run_emsa(args, shape, batches, device, profile, "device-in-backward",
-                              {"EMSA_DEVICE_BUCKET_GRID": "persistent"}),
+                              {"EMSA_DEVICE_SIDE_STREAM": "1",
+                               "EMSA_DEVICE_BUCKET_GRID": "persistent"}),
     }
     results = {}
     for key, label in CONFIGS:

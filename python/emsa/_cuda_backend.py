@@ -8,10 +8,11 @@ Bound once, before the first step, all synchronously:
   - one DeviceScalars: every param group's hyperparameters and step count, in device memory;
   - one DeviceUpdateTable per plan bucket (step_in_backward updates bucket by bucket), and one
     over every device-tier bucket, recording each parameter's address;
-  - with step_in_backward, a DeviceEngine over the per-bucket tables and a side stream: each
-    bucket's update runs there as soon as its gradients are final, overlapped with the rest of
-    backward; the current stream waits for all of them once the pass's last bucket is in
-    (EMSA_DEVICE_SIDE_STREAM=0: each update on the current stream instead, for A/B).
+  - with step_in_backward and EMSA_DEVICE_SIDE_STREAM=1, a DeviceEngine over the per-bucket
+    tables and a side stream: each bucket's update runs there as soon as its gradients are
+    final, overlapped with the rest of backward; the current stream waits for all of them once
+    the pass's last bucket is in. Off by default (no reliable gain measured): the updates then
+    run on the current stream as each bucket completes.
 
 A step enqueues on torch.cuda.current_stream() and never waits for the GPU: the hyperparameters
 of groups whose values changed (a scheduler's lr), the gradient addresses if any changed (torch
@@ -260,15 +261,17 @@ class CudaBackend(Backend):
             names = [self.names[i] for i in missing]
             raise RuntimeError("emsa internal error: the plan's buckets do not hold every "
                                f"parameter exactly once (missing: {names}); please report it")
-        # The per-bucket tables serve step_in_backward: on the engine's side stream they launch
-        # one block per chunk (so that backward's kernels interleave with them) unless
-        # EMSA_DEVICE_BUCKET_GRID=persistent; on the current stream, a persistent grid.
-        self.side_stream = _env_choice("EMSA_DEVICE_SIDE_STREAM", "1", ("0", "1"),
+        # The per-bucket tables serve step_in_backward, by default on the current stream between
+        # backward's kernels. EMSA_DEVICE_SIDE_STREAM=1 runs them on the device engine's side
+        # stream instead, overlapped with backward; measured on the H200 (bench/README.md) it
+        # showed no reliable gain (0.91x to 1.26x the current stream's step at 4x512 across
+        # runs, 1.00x at 16x1024), hence off. EMSA_DEVICE_BUCKET_GRID=chunks launches them one
+        # block per chunk, which interleaves with other streams' kernels (slower: 1.25x).
+        self.side_stream = _env_choice("EMSA_DEVICE_SIDE_STREAM", "0", ("0", "1"),
                                        "1: updates in backward on a side stream; 0: on the "
                                        "current stream") == "1"
-        grid = _env_choice("EMSA_DEVICE_BUCKET_GRID",
-                           "chunks" if self.side_stream else "persistent",
-                           ("chunks", "persistent"), "the per-bucket tables' launch grid")
+        grid = _env_choice("EMSA_DEVICE_BUCKET_GRID", "persistent", ("chunks", "persistent"),
+                           "the per-bucket tables' launch grid")
         options.persistent_grid = int(grid == "persistent")
         for members in self.table_slots:
             self.tables.append(self._make_table(members, options, state_code))

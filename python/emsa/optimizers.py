@@ -30,9 +30,10 @@ options of emsa's own:
                    during backward instead of held until step(). opt.step() then updates
                    nothing (it only calls the closure, if given, and returns its loss) and
                    zero_grad() is harmless. The unit of update is a bucket: one parameter on
-                   the CPU; on CUDA one of the plan's buckets (one fused launch on a side
-                   stream once all its gradients are final, overlapped with the rest of
-                   backward; the next forward waits for them; the step counts advance once per
+                   the CPU; on CUDA one of the plan's buckets (one fused launch on the current
+                   stream once all its gradients are final, or with EMSA_DEVICE_SIDE_STREAM=1
+                   on a side stream overlapped with the rest of backward; the step counts
+                   advance once per
                    pass, at its first gradient, which is also when lr and the other
                    hyperparameters are read). Without probe= the optimizer plans at
                    construction, from the parameters' shapes. What it rules out, because

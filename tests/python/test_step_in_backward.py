@@ -115,14 +115,18 @@ def _train_wide(mode, monkeypatch, steps=8):
 
 @requires_cuda
 def test_cuda_side_stream_updates_equal_inline_and_step(monkeypatch):
-    """The side-stream engine (the default with step_in_backward on CUDA) gives the bits of the
-    same updates made on the current stream, and of step() after backward."""
+    """The side-stream engine (EMSA_DEVICE_SIDE_STREAM=1) gives the bits of the same updates
+    made on the current stream (the default), and of step() after backward, on either grid."""
     ref = _train_wide("step", monkeypatch)
     inline = _train_wide("inline", monkeypatch)
     side = _train_wide("side", monkeypatch)
-    for (name, a), b, c in zip(ref.named_parameters(), inline.parameters(), side.parameters()):
+    monkeypatch.setenv("EMSA_DEVICE_BUCKET_GRID", "chunks")
+    chunks = _train_wide("side", monkeypatch)
+    for (name, a), b, c, d in zip(ref.named_parameters(), inline.parameters(),
+                                  side.parameters(), chunks.parameters()):
         assert torch.equal(a, b), f"{name}: inline updates in backward differ from step()"
         assert torch.equal(a, c), f"{name}: side-stream updates differ from step()"
+        assert torch.equal(a, d), f"{name}: side-stream updates, one block a chunk, differ"
 
 
 @requires_cuda
