@@ -1,12 +1,15 @@
-// bench_util.h — what the device benchmarks share: fail-fast checks and the UTC timestamp.
+// bench_util.h — what the device benchmarks share: fail-fast checks, the UTC timestamp, device
+// buffers and event timing.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <string>
+#include <vector>
 
 #include "emsa/status.h"
 
@@ -36,6 +39,47 @@ inline std::string UtcNow() {
   char buf[32];
   std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   return buf;
+}
+
+// Device memory freed at scope end.
+struct Buffer {
+  void* ptr = nullptr;
+  explicit Buffer(size_t bytes) { CHECK_CUDA(cudaMalloc(&ptr, bytes)); }
+  ~Buffer() {
+    if (ptr != nullptr) (void)cudaFree(ptr);
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  float* f() const { return static_cast<float*>(ptr); }
+};
+
+struct Timing {
+  double median_ms = 0, min_ms = 0, max_ms = 0;
+};
+
+// Runs fn() `warmup` times, then `reps` times each between two events on `stream`; the median,
+// min and max of those.
+template <typename Fn>
+Timing Time(cudaStream_t stream, int warmup, int reps, Fn&& fn) {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < warmup; ++i) fn();
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    CHECK_CUDA(cudaEventRecord(start, stream));
+    fn();
+    CHECK_CUDA(cudaEventRecord(stop, stream));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float t = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  std::sort(ms.begin(), ms.end());
+  return {ms[ms.size() / 2], ms.front(), ms.back()};
 }
 
 }  // namespace emsa_bench

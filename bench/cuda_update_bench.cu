@@ -36,6 +36,10 @@
 
 namespace {
 
+using emsa_bench::Buffer;
+using emsa_bench::Time;
+using emsa_bench::Timing;
+
 using emsa::DType;
 using emsa::OptimizerKind;
 
@@ -108,56 +112,6 @@ void Fill(void* out, DType dtype, int64_t n, uint64_t seed, float lo, float hi, 
 
 // ---- device buffers
 // ------------------------------------------------------------------------------
-
-struct Buffer {
-  void* ptr = nullptr;
-  explicit Buffer(size_t bytes) { CHECK_CUDA(cudaMalloc(&ptr, bytes)); }
-  ~Buffer() {
-    if (ptr != nullptr) (void)cudaFree(ptr);
-  }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-};
-
-struct Events {
-  cudaEvent_t start = nullptr, stop = nullptr;
-  Events() {
-    CHECK_CUDA(cudaEventCreate(&start));
-    CHECK_CUDA(cudaEventCreate(&stop));
-  }
-  ~Events() {
-    (void)cudaEventDestroy(start);
-    (void)cudaEventDestroy(stop);
-  }
-};
-
-struct Timing {
-  double median_ms = 0, min_ms = 0, max_ms = 0;
-};
-
-// Runs fn() `warmup` times, then `reps` times between events; the median, min and max.
-template <typename Fn>
-Timing Time(cudaStream_t stream, int warmup, int reps, Fn&& fn) {
-  Events ev;
-  for (int i = 0; i < warmup; ++i) fn();
-  CHECK_CUDA(cudaStreamSynchronize(stream));
-  std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
-    CHECK_CUDA(cudaEventRecord(ev.start, stream));
-    fn();
-    CHECK_CUDA(cudaEventRecord(ev.stop, stream));
-    CHECK_CUDA(cudaEventSynchronize(ev.stop));
-    float t = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&t, ev.start, ev.stop));
-    ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  Timing r;
-  r.median_ms = ms[ms.size() / 2];
-  r.min_ms = ms.front();
-  r.max_ms = ms.back();
-  return r;
-}
 
 // ---- one variant
 // ------------------------------------------------------------------------------------

@@ -81,6 +81,10 @@
 
 namespace {
 
+using emsa_bench::Buffer;
+using emsa_bench::Time;
+using emsa_bench::Timing;
+
 using emsa::OptimizerKind;
 using emsa::cuda::BulkCommit;  // the bulk-copy helpers (kernels/cuda/bulk_copy.cuh)
 using emsa::cuda::BulkLoad;
@@ -369,47 +373,9 @@ __global__ void StepConstsKernel(const emsa::DeviceGroupScalars* group,
 
 // ---- host helpers ------------------------------------------------------------------------------
 
-struct Buffer {
-  void* ptr = nullptr;
-  explicit Buffer(size_t bytes) { CHECK_CUDA(cudaMalloc(&ptr, bytes)); }
-  ~Buffer() {
-    if (ptr != nullptr) (void)cudaFree(ptr);
-  }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  float* f() const { return static_cast<float*>(ptr); }
-};
-
 void Fill(float* out, int64_t n, uint64_t seed, float lo, float hi, bool sign, cudaStream_t st) {
   FillKernel<<<1024, 256, 0, st>>>(out, n, seed, lo, hi, sign);
   CHECK_CUDA(cudaGetLastError());
-}
-
-struct Timing {
-  double median_ms = 0, min_ms = 0, max_ms = 0;
-};
-
-// Runs fn() `warmup` times, then `reps` times between events; the median, min and max.
-Timing Time(cudaStream_t stream, int warmup, int reps, const std::function<void()>& fn) {
-  cudaEvent_t start = nullptr, stop = nullptr;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  for (int i = 0; i < warmup; ++i) fn();
-  CHECK_CUDA(cudaStreamSynchronize(stream));
-  std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
-    CHECK_CUDA(cudaEventRecord(start, stream));
-    fn();
-    CHECK_CUDA(cudaEventRecord(stop, stream));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float t = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
-  }
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
-  std::sort(ms.begin(), ms.end());
-  return {ms[ms.size() / 2], ms.front(), ms.back()};
 }
 
 // A launch's geometry and the kernel's resources.

@@ -773,6 +773,18 @@ void MakeSmallTable(const Case& c, const std::vector<Tensor>& host, SmallTable* 
   out->table = std::move(*table);
 }
 
+// `steps` unchecked steps (no gradient statistics, no clipping) of one table, with grad_unscale
+// and seed as given.
+void PlainSteps(DeviceScalars& s, DeviceUpdateTable& table, float grad_unscale, uint64_t seed,
+                int steps, cudaStream_t stream) {
+  ASSERT_OK(s.SetInputs(grad_unscale, 0.0f, seed, stream));
+  for (int step = 0; step < steps; ++step) {
+    ASSERT_OK(s.BeginStep(stream));
+    ASSERT_OK(s.AdvanceSteps(stream));
+    ASSERT_OK(table.Update(s, stream));
+  }
+}
+
 TEST(CudaUpdate, SmallBitwiseRepeatable) {
   SKIP_WITHOUT_DEVICE();
   const Case c{OptimizerKind::kAdamW, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16, false,
@@ -831,13 +843,8 @@ TEST(CudaUpdate, SmallBulkCopyAndPerThreadKernelsAgreeBitwise) {
       if (HasFatalFailure()) return;
       EXPECT_EQ(t.table->bulk_copy_launches(), bulk == 1 && major >= 9 ? 1 : 0);
       Stream stream;
-      DeviceScalars& s = *t.scalars;
-      ASSERT_OK(s.SetInputs(0.5f, 0.0f, 1, stream.s));
-      for (int step = 0; step < 3; ++step) {
-        ASSERT_OK(s.BeginStep(stream.s));
-        ASSERT_OK(s.AdvanceSteps(stream.s));
-        ASSERT_OK(t.table->Update(s, stream.s));
-      }
+      PlainSteps(*t.scalars, *t.table, 0.5f, 1, 3, stream.s);
+      if (HasFatalFailure()) return;
       ASSERT_CUDA(cudaStreamSynchronize(stream.s));
       results[run] = DownloadAll(host, t.dev);
     }
@@ -886,13 +893,8 @@ TEST(CudaUpdate, SmallAccessWindowLeavesResultsBitwiseUnchanged) {
       ASSERT_OK(table.SetAccessWindow({dev[0].exp_avg, bytes, window->window().hitRatio}));
     }
     Stream stream;
-    DeviceScalars& s = *t.scalars;
-    ASSERT_OK(s.SetInputs(1.0f, 0.0f, 5, stream.s));
-    for (int step = 0; step < 3; ++step) {
-      ASSERT_OK(s.BeginStep(stream.s));
-      ASSERT_OK(s.AdvanceSteps(stream.s));
-      ASSERT_OK(table.Update(s, stream.s));
-    }
+    PlainSteps(*t.scalars, table, 1.0f, 5, 3, stream.s);
+    if (HasFatalFailure()) return;
     ASSERT_CUDA(cudaStreamSynchronize(stream.s));
     results[run] = DownloadAll(host, dev);
     window.reset();
