@@ -418,6 +418,9 @@ typedef struct emsa_host_tier_step_stats {
 EMSA_API void emsa_host_tier_tensor_init(emsa_host_tier_tensor* tensor);
 EMSA_API void emsa_host_tier_options_init(emsa_host_tier_options* options);
 EMSA_API void emsa_host_tier_step_stats_init(emsa_host_tier_step_stats* stats);
+/* The CPU update pool's size for `cores` usable cores (emsa::HostTierThreads): one fewer, at
+ * least 1. */
+EMSA_API int32_t emsa_host_tier_threads(int32_t cores);
 EMSA_API emsa_status emsa_host_tier_create(emsa_cpu_updater* updater,
                                            const emsa_host_tier_tensor* tensors, size_t count,
                                            size_t bucket_count, size_t group_count,

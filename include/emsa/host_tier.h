@@ -82,6 +82,11 @@ struct HostTierStepStats {
   bool complete = false;  // every submitted bucket's copies have finished and been timed
 };
 
+// The host tier's CPU update pool for `cores` usable cores: one fewer (the thread launching the
+// GPU's work must not wait for a core, and the memory-bound pool gains nothing from the last
+// one), at least 1. The profile measures the host update bandwidth on as many threads.
+int HostTierThreads(int cores);
+
 class HostTier {
  public:
   // Validates the tensors (CpuUpdater::Validate with step 1 and default hyperparameters),

@@ -305,6 +305,7 @@ _TABLE = {
     "emsa_device_engine_wait": (_S, [_P, ctypes.c_size_t, _P]),
     "emsa_device_engine_wait_all": (_S, [_P, _P]),
     "emsa_device_engine_synchronize": (_S, [_P]),
+    "emsa_host_tier_threads": (ctypes.c_int32, [ctypes.c_int32]),
     "emsa_host_tier_tensor_init": (None, [ctypes.POINTER(HostTierTensor)]),
     "emsa_host_tier_options_init": (None, [ctypes.POINTER(HostTierOptions)]),
     "emsa_host_tier_step_stats_init": (None, [ctypes.POINTER(HostTierStepStats)]),

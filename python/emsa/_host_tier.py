@@ -39,12 +39,11 @@ class HostTier:
         self.buckets = buckets
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
-        # One core fewer than this process may use: the thread launching the forward must not
-        # wait for a core while the pool, memory-bound, gains nothing from the last one.
-        # EMSA_HOST_THREADS and EMSA_HOST_UPLOAD_PIECE (elements; HostTierOptions) are tuning
-        # knobs for benchmarks.
-        threads = int(os.environ.get("EMSA_HOST_THREADS", 0)) or max(
-            1, len(os.sched_getaffinity(0)) - 1)
+        # libemsa's rule for the pool (one core fewer than this process may use; the profile
+        # measures on as many). EMSA_HOST_THREADS and EMSA_HOST_UPLOAD_PIECE (elements;
+        # HostTierOptions) are tuning knobs for benchmarks.
+        threads = int(os.environ.get("EMSA_HOST_THREADS", 0)) or lib.emsa_host_tier_threads(
+            len(os.sched_getaffinity(0)))
         check(lib.emsa_cpu_updater_create(threads, _capi.SIMD["avx512"],
                                           ctypes.byref(self.updater)))
         options = HostTierOptions()

@@ -988,6 +988,8 @@ emsa_status emsa_device_engine_synchronize(emsa_device_engine* engine) {
   });
 }
 
+int32_t emsa_host_tier_threads(int32_t cores) { return emsa::HostTierThreads(cores); }
+
 emsa_status emsa_host_tier_create(emsa_cpu_updater* updater, const emsa_host_tier_tensor* tensors,
                                   size_t count, size_t bucket_count, size_t group_count,
                                   void* d2h_stream, void* h2d_stream,

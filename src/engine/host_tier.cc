@@ -11,6 +11,12 @@
 
 #include "emsa/cpu_update.h"
 
+namespace emsa {
+
+int HostTierThreads(int cores) { return cores > 2 ? cores - 1 : 1; }
+
+}  // namespace emsa
+
 #if EMSA_HAVE_CUDA
 
 #include <algorithm>

@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 
+#include "emsa/host_tier.h"
 #include "emsa/profile.h"
 #include "engine/thread_pool.h"
 
@@ -166,7 +167,7 @@ Result<HostBandwidths> MeasureHostBandwidths(int threads) {
   // GPU's work): with the pass limited by each core's outstanding misses, the core left out is
   // worth ~1/workers of the bandwidth, which the plan must not count on.
   const uint64_t n = slab / 4 / sizeof(float);
-  const int updaters = std::max(workers - 1, 1);
+  const int updaters = HostTierThreads(workers);
   out.update = BestBytesPerSecond(pool, 28.0 * n * updaters, [&](int index, int) {
     if (index >= updaters) return;
     float* base = reinterpret_cast<float*>(scratch + index * slab);

@@ -446,6 +446,8 @@ static void test_host_tier(void) {
   CHECK(emsa_host_tier_begin_step(NULL, NULL, NULL, 0) == EMSA_INVALID_ARGUMENT);
   CHECK(emsa_host_tier_submit(NULL, 0, NULL, 0, NULL) == EMSA_INVALID_ARGUMENT);
   CHECK(emsa_host_tier_wait(NULL, 0, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_host_tier_threads(16) == 15 && emsa_host_tier_threads(2) == 1);
+  CHECK(emsa_host_tier_threads(1) == 1 && emsa_host_tier_threads(0) == 1);
   CHECK(emsa_host_tier_synchronize(NULL) == EMSA_INVALID_ARGUMENT);
   size_t n = 7;
   CHECK(emsa_host_tier_stats(NULL, 1, NULL, 0, &n) == EMSA_INVALID_ARGUMENT);
