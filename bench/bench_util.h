@@ -41,6 +41,18 @@ inline std::string UtcNow() {
   return buf;
 }
 
+// What produced a run, for its JSON: the commit (EMSA_COMMIT, which scripts/gpu-check passes on;
+// the GPU host's copy of the tree has no .git) and the command line.
+inline std::string Commit() {
+  const char* c = std::getenv("EMSA_COMMIT");
+  return c != nullptr && *c != '\0' ? c : "unknown (EMSA_COMMIT not set)";
+}
+inline std::string Command(int argc, char** argv) {
+  std::string out;
+  for (int i = 0; i < argc; ++i) out += (i > 0 ? " " : "") + std::string(argv[i]);
+  return out;
+}
+
 // Device memory freed at scope end.
 struct Buffer {
   void* ptr = nullptr;

@@ -349,6 +349,8 @@ int main(int argc, char** argv) {
     emsa::json::Value doc = emsa::json::Value::MakeObject();
     doc.Set("benchmark", "cuda_update");
     doc.Set("date", emsa_bench::UtcNow());
+    doc.Set("commit", emsa_bench::Commit());
+    doc.Set("command", emsa_bench::Command(argc, argv));
     emsa::json::Value dev = emsa::json::Value::MakeObject();
     dev.Set("name", std::string(prop.name));
     dev.Set("sms", prop.multiProcessorCount);

@@ -240,6 +240,8 @@ int main(int argc, char** argv) {
     emsa::json::Value root = emsa::json::Value::MakeObject();
     root.Set("benchmark", "l0-window");
     root.Set("date", emsa_bench::UtcNow());
+    root.Set("commit", emsa_bench::Commit());
+    root.Set("command", emsa_bench::Command(argc, argv));
     root.Set("device", std::string(prop.name));
     root.Set("l2_bytes", static_cast<double>(limits->l2_bytes));
     root.Set("reserve_granted_bytes", static_cast<double>(granted));
