@@ -281,16 +281,14 @@ class CudaBackend(Backend):
         # tables serve step_in_backward. Measured on the H200 (1.1 B params, 113 buckets):
         # 8.0 ms in one launch against 9.6 ms bucketed.
         self.step_members = [i for m in self.table_slots for i in m]
+        members_of = list(self.table_slots)  # each table's slots
         if len(self.table_slots) > 1:
+            members_of.append(self.step_members)
             self.tables.append(self._make_table(self.step_members, options, state_code))
         self.step_table = len(self.tables) - 1  # index of the table step() runs (-1: none)
         self.step_array = (ctypes.c_void_p * 1)(
             self.tables[self.step_table].value if self.tables else None)
-        self.table_array = (ctypes.c_void_p * max(len(self.tables), 1))(
-            *[t.value for t in self.tables])
-        self.grad_arrays = [(ctypes.c_void_p * len(m))() for m in self.table_slots]
-        if len(self.table_slots) > 1:
-            self.grad_arrays.append((ctypes.c_void_p * len(self.step_members))())
+        self.grad_arrays = [(ctypes.c_void_p * len(m))() for m in members_of]
         self.sent_grads: list[list[int] | None] = [None] * len(self.tables)
 
     def _make_table(self, members: list[int], options, state_code: int) -> ctypes.c_void_p:
@@ -590,8 +588,7 @@ class CudaBackend(Backend):
             if self.host is not None:
                 self.host.synchronize()
             if self.engine:
-                check(lib.emsa_device_engine_wait_all(
-                    self.engine, torch.cuda.current_stream(self.device).cuda_stream))
+                self._follow(torch.cuda.current_stream(self.device))
 
     def step_stats(self) -> list[dict]:
         """Per step since the last call, measured: time_s (from this step's start to the
@@ -672,7 +669,7 @@ class CudaBackend(Backend):
             if self.host is not None:
                 self._claim_unwaited(stream)
                 self.host.begin_step(self.hyper, [s + 1 for s in self.group_steps])
-            check(lib.emsa_device_step(self.scalars, self.table_array, 0, 0, handle))
+            check(lib.emsa_device_step(self.scalars, self.step_array, 0, 0, handle))
             self.calls += 1
             self.noop_last = False
             self.last_stream = stream
@@ -705,7 +702,7 @@ class CudaBackend(Backend):
         if self.engine:
             with _on(self.index):
                 stream = torch.cuda.current_stream(self.device)
-                check(lib.emsa_device_engine_wait_all(self.engine, stream.cuda_stream))
+                self._follow(stream)  # joins the side stream's updates
                 self.last_stream = stream
 
     def _bucket_grads(self, members: list[int]) -> list[torch.Tensor]:

@@ -33,9 +33,8 @@ options of emsa's own:
                    the CPU; on CUDA one of the plan's buckets (one fused launch on the current
                    stream once all its gradients are final, or with EMSA_DEVICE_SIDE_STREAM=1
                    on a side stream overlapped with the rest of backward; the step counts
-                   advance once per
-                   pass, at its first gradient, which is also when lr and the other
-                   hyperparameters are read). Without probe= the optimizer plans at
+                   advance once per pass, at its first gradient, which is also when lr and the
+                   other hyperparameters are read). Without probe= the optimizer plans at
                    construction, from the parameters' shapes. What it rules out, because
                    updates happen before all gradients exist:
                    - gradient accumulation over micro-batches, unless accumulate=N is given:
