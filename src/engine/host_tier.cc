@@ -7,19 +7,19 @@
 // for the worker to drain before a bucket can be submitted again.
 #include "emsa/host_tier.h"
 
+#include <algorithm>
 #include <string>
 
 #include "emsa/cpu_update.h"
 
 namespace emsa {
 
-int HostTierThreads(int cores) { return cores > 2 ? cores - 1 : 1; }
+int HostTierThreads(int cores) { return std::max(cores - 1, 1); }
 
 }  // namespace emsa
 
 #if EMSA_HAVE_CUDA
 
-#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
