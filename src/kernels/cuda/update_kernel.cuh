@@ -371,18 +371,9 @@ struct BulkShape {
 static_assert(kBulkTile % (4 * kUpdateThreads) == 0, "a full tile is whole float4s per thread");
 static_assert(kChunkElems % kBulkTile == 0, "full chunks are whole tiles");
 
-// How blocks share the tiles. 0 (default): block b takes chunks b, b + grid, ... and walks each
-// chunk's tiles in order (as the per-thread kernel walks chunks). 1: block b takes tiles b,
-// b + grid, ... of the chunks' tile sequence (32 tiles a chunk), so neighbouring tiles go to
-// different blocks. A tuning knob (scripts/gpu-check sweep); the product keeps the default.
-#ifndef EMSA_CUDA_BULK_INTERLEAVE
-#define EMSA_CUDA_BULK_INTERLEAVE 0
-#endif
-constexpr int64_t kTilesPerChunk = kChunkElems / kBulkTile;
-
 // A block's walk over its tiles.
 struct TileCursor {
-  int64_t at = 0;     // chunks mode: the chunk's index; interleaved: the tile's global index
+  int64_t chunk = 0;  // the chunk's index in the launch
   int tile = 0;       // within the chunk
   int vec_elems = 0;  // the chunk's elements on the bulk path (whole 4-element vectors)
   int64_t begin = 0;  // the chunk's first element within its tensor
@@ -407,43 +398,22 @@ __device__ __forceinline__ bool LoadChunk(const UpdateLaunch& a, int64_t ci, Til
   return c.vec_elems > 0;
 }
 
-// The block's first tile at or after position `from` (stepping by the grid); false when none
-// is left.
+// The block's first chunk with whole vectors on the bulk path at or after chunk `from`
+// (stepping by the grid), at its first tile; false when none is left.
 __device__ __forceinline__ bool SeekTile(const UpdateLaunch& a, int64_t from, TileCursor& c) {
-#if EMSA_CUDA_BULK_INTERLEAVE
-  int64_t loaded = -1;
-  bool usable = false;
-  for (int64_t g = from; g < a.chunk_count * kTilesPerChunk; g += gridDim.x) {
-    const int64_t ci = g / kTilesPerChunk;
-    if (ci != loaded) {
-      loaded = ci;
-      usable = LoadChunk(a, ci, c);
-    }
-    c.tile = static_cast<int>(g % kTilesPerChunk);
-    if (usable && c.tile * kBulkTile < c.vec_elems) {
-      c.at = g;
-      return true;
-    }
-  }
-#else
   for (int64_t ci = from; ci < a.chunk_count; ci += gridDim.x) {
     if (LoadChunk(a, ci, c)) {
-      c.at = ci;
+      c.chunk = ci;
       c.tile = 0;
       return true;
     }
   }
-#endif
   return false;
 }
 
 __device__ __forceinline__ bool NextTile(const UpdateLaunch& a, TileCursor& c) {
-#if EMSA_CUDA_BULK_INTERLEAVE
-  return SeekTile(a, c.at + gridDim.x, c);
-#else
   if (++c.tile * kBulkTile < c.vec_elems) return true;
-  return SeekTile(a, c.at + gridDim.x, c);
-#endif
+  return SeekTile(a, c.chunk + gridDim.x, c);
 }
 
 template <OptimizerKind kOpt>
