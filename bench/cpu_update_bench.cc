@@ -6,10 +6,11 @@
 //   cmake -S . -B build -DEMSA_BUILD_BENCH=ON && cmake --build build --target cpu_update_bench
 //   (or: g++ -O3 -std=c++17 -Iinclude -Isrc bench/cpu_update_bench.cc build/libemsa_core.a
 //   -lpthread) cpu_update_bench [--params N] [--tensors T] [--threads K] [--simd
-//   scalar|avx2|avx512]
-//                    [--iters I]
-#include <sys/mman.h>
-
+//   scalar|avx2|avx512] [--iters I] [--memory plain|pinned|hostalloc]
+//
+// --memory: where the arrays live, each a HostArena: plain huge-page memory (default), pinned
+// as the host tier's arena is (huge pages registered with CUDA), or cudaHostAlloc's pinned
+// memory (4 KiB pages). The last two need a CUDA build and device.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -20,12 +21,11 @@
 #include <vector>
 
 #include "emsa/cpu_update.h"
+#include "emsa/host_arena.h"
 #include "emsa/profile.h"
 #include "engine/thread_pool.h"
 
 namespace {
-
-constexpr size_t kHugePage = size_t{2} << 20;
 
 struct Args {
   int64_t params = int64_t{64} << 20;
@@ -33,6 +33,7 @@ struct Args {
   int threads = 0;
   std::string simd = "avx512";
   int iters = 10;
+  std::string memory = "plain";
 };
 
 Args Parse(int argc, char** argv) {
@@ -50,23 +51,30 @@ Args Parse(int argc, char** argv) {
       a.simd = v;
     else if (k == "--iters")
       a.iters = std::atoi(v);
+    else if (k == "--memory" && (std::string(v) == "plain" || std::string(v) == "pinned" ||
+                                 std::string(v) == "hostalloc"))
+      a.memory = v;
     else
       std::fprintf(stderr, "unknown flag %s\n", k.c_str()), std::exit(2);
   }
   return a;
 }
 
-// Huge-page backed, first touched by the pool's workers in the split the updater uses.
-void* Alloc(size_t bytes, emsa::ThreadPool& pool) {
-  const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
-  void* p = std::aligned_alloc(kHugePage, rounded);
-  if (p == nullptr) std::fprintf(stderr, "out of memory\n"), std::exit(1);
-  (void)madvise(p, rounded, MADV_HUGEPAGE);
-  char* c = static_cast<char*>(p);
-  pool.ParallelFor(static_cast<int64_t>(rounded), 4096, [c](int64_t b, int64_t e) {
-    std::memset(c + b, 0, static_cast<size_t>(e - b));
-  });
-  return p;
+// A HostArena of the kind --memory names, zero-filled by the pool's workers.
+void* Alloc(size_t bytes, emsa::ThreadPool& pool, const std::string& memory,
+            std::vector<std::unique_ptr<emsa::HostArena>>& keep) {
+  const bool pinned = memory != "plain";
+  auto arena = emsa::HostArena::Create(bytes, pinned, &pool,
+                                       memory == "hostalloc"
+                                           ? emsa::HostArena::Pinning::kHostAlloc
+                                           : emsa::HostArena::Pinning::kRegisteredHugePages);
+  if (!arena.ok()) std::fprintf(stderr, "%s\n", arena.status().ToString().c_str()), std::exit(1);
+  if (pinned && (*arena)->kind() != emsa::HostArena::Kind::kPinned) {
+    std::fprintf(stderr, "--memory %s: no usable CUDA device to pin with\n", memory.c_str());
+    std::exit(1);
+  }
+  keep.push_back(std::move(arena).value());
+  return keep.back()->data();
 }
 
 // p += g, m += 1, v += 1 over [b, e): the update's memory traffic without its arithmetic.
@@ -101,10 +109,11 @@ void Run(emsa::CpuUpdater& updater, const Args& a, emsa::DType state, emsa::Roun
   emsa::ThreadPool& pool = updater.pool();
   const int64_t n = a.params;
   const size_t ss = emsa::DTypeSize(state);
-  float* param = static_cast<float*>(Alloc(n * 4, pool));
-  float* grad = static_cast<float*>(Alloc(n * 4, pool));
-  char* m = static_cast<char*>(Alloc(n * ss, pool));
-  char* v = static_cast<char*>(Alloc(n * ss, pool));
+  std::vector<std::unique_ptr<emsa::HostArena>> arenas;
+  float* param = static_cast<float*>(Alloc(n * 4, pool, a.memory, arenas));
+  float* grad = static_cast<float*>(Alloc(n * 4, pool, a.memory, arenas));
+  char* m = static_cast<char*>(Alloc(n * ss, pool, a.memory, arenas));
+  char* v = static_cast<char*>(Alloc(n * ss, pool, a.memory, arenas));
   pool.ParallelFor(n, 4096, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       param[i] = 0.5f;
@@ -143,10 +152,6 @@ void Run(emsa::CpuUpdater& updater, const Args& a, emsa::DType state, emsa::Roun
   });
   std::printf("%-24s %7.3f Gparam/s  %7.1f GB/s  (plain stream, same bytes)\n", "  ceiling",
               n / stream_sec / 1e9, bytes / stream_sec / 1e9);
-  std::free(param);
-  std::free(grad);
-  std::free(m);
-  std::free(v);
 }
 
 }  // namespace
@@ -160,9 +165,9 @@ int main(int argc, char** argv) {
   o.max_simd = *level;
   auto updater = emsa::CpuUpdater::Create(o);
   if (!updater.ok()) return std::fprintf(stderr, "%s\n", updater.status().ToString().c_str()), 1;
-  std::printf("AdamW, %lld params in %d tensors, %d threads, %s\n",
+  std::printf("AdamW, %lld params in %d tensors, %d threads, %s, %s memory\n",
               static_cast<long long>(a.params), a.tensors, (*updater)->threads(),
-              emsa::SimdLevelName((*updater)->simd()));
+              emsa::SimdLevelName((*updater)->simd()), a.memory.c_str());
   Run(**updater, a, emsa::DType::kFloat32, emsa::Rounding::kNearest, "fp32 param+state");
   Run(**updater, a, emsa::DType::kBFloat16, emsa::Rounding::kNearest, "bf16 state, nearest");
   Run(**updater, a, emsa::DType::kBFloat16, emsa::Rounding::kStochastic, "bf16 state, stochastic");

@@ -144,8 +144,10 @@ EMSA_API emsa_status emsa_device_preset(const char* name, char** json_out);
 /* ---- pinned host arena --------------------------------------------------------------------- */
 typedef struct emsa_host_arena emsa_host_arena;
 
-/* One zero-filled allocation; pinned (page-locked through CUDA) when want_pinned and a device is
- * usable, else plain memory aligned to 2 MiB. *pinned_out tells which. */
+/* One zero-filled allocation of 2 MiB-aligned memory on transparent huge pages; pinned when
+ * want_pinned and a device is usable: 1 registers it with cudaHostRegister, 2 takes
+ * cudaHostAlloc's memory instead (4 KiB pages; an A/B). 0 never touches CUDA. *pinned_out tells
+ * whether it is pinned. */
 EMSA_API emsa_status emsa_host_arena_create(uint64_t bytes, int32_t want_pinned,
                                             emsa_host_arena** arena_out);
 EMSA_API void emsa_host_arena_destroy(emsa_host_arena* arena);
@@ -401,6 +403,9 @@ typedef struct emsa_host_tier_options {
   /* 0 (default): upload a bucket's parameters once its whole update is done; >= 64: update and
    * upload it this many elements at a time (emsa/host_tier.h, HostTierOptions) */
   int64_t upload_piece_elements;
+  /* 0 (default): copy a bucket's gradients down whole; >= 64: this many elements at a time, the
+   * update following them as they land (HostTierOptions.grad_piece_elements) */
+  int64_t grad_piece_elements;
 } emsa_host_tier_options;
 
 /* One step's measurements: busy seconds per engine (sums over buckets). */

@@ -1,9 +1,14 @@
 // emsa/host_arena.h — the pinned host arena: one allocation per plan, state tensors are views.
 //
-// When a CUDA device is usable the memory is page-locked through cudaHostAlloc (portable,
-// never write-combined: the CPU reads state back every step, and write-combined memory is slow
-// to read). Otherwise it is plain memory aligned to 2 MiB. Either way it is zero-filled once, in
-// parallel when given a pool, and freed exactly once by the destructor. Nothing grows later.
+// When a CUDA device is usable the memory is page-locked: by default plain 2 MiB-aligned memory
+// advised to transparent huge pages, zero-filled, then registered with cudaHostRegister
+// (portable); or, as an A/B, allocated by cudaHostAlloc (portable, never write-combined: the CPU
+// reads state back every step, and write-combined memory is slow to read). The two differ in
+// page size: cudaHostAlloc's memory comes in 4 KiB pages, and the CPU update, streaming seven
+// arrays at once, then misses the TLB every 4 KiB of each; the host profile measures the update
+// on huge pages. Without a device it is the plain memory unregistered. Either way it is
+// zero-filled once, in parallel when given a pool, and freed exactly once by the destructor.
+// Nothing grows later.
 #pragma once
 
 #include <cstddef>
@@ -19,11 +24,14 @@ class ThreadPool;
 class HostArena {
  public:
   enum class Kind { kPinned, kPageable };
+  // How pinned memory is obtained (see above).
+  enum class Pinning { kRegisteredHugePages, kHostAlloc };
   // bytes must be in [1, 1 PiB] (else kInvalidArgument); a failed allocation is kOutOfMemory.
   // want_pinned=false never touches CUDA; want_pinned=true without a usable device (or in a
   // build without CUDA) falls back to pageable memory: kind() says which one was obtained.
   static Result<std::unique_ptr<HostArena>> Create(uint64_t bytes, bool want_pinned = true,
-                                                   ThreadPool* zero_fill_pool = nullptr);
+                                                   ThreadPool* zero_fill_pool = nullptr,
+                                                   Pinning pinning = Pinning::kRegisteredHugePages);
   ~HostArena();
   HostArena(const HostArena&) = delete;
   HostArena& operator=(const HostArena&) = delete;
@@ -31,6 +39,8 @@ class HostArena {
   void* data() const { return data_; }
   uint64_t size() const { return size_; }
   Kind kind() const { return kind_; }
+  // Meaningful when kind() is kPinned.
+  Pinning pinning() const { return pinning_; }
   // A typed view at a byte offset; null (never out of range) when the view does not fit or is
   // misaligned for T.
   template <typename T>
@@ -46,6 +56,7 @@ class HostArena {
   void* data_ = nullptr;
   uint64_t size_ = 0;
   Kind kind_ = Kind::kPageable;
+  Pinning pinning_ = Pinning::kRegisteredHugePages;
 };
 
 }  // namespace emsa

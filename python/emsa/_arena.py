@@ -27,9 +27,12 @@ class _Owner:
 
 
 class HostArena:
-    def __init__(self, nbytes: int, pinned: bool):
+    def __init__(self, nbytes: int, pinned: bool, host_alloc: bool = False):
+        """pinned: page-locked (huge pages registered with CUDA; with host_alloc, cudaHostAlloc's
+        4 KiB pages instead, an A/B) when a CUDA device is usable; `self.pinned` says."""
         handle = ctypes.c_void_p()
-        check(lib.emsa_host_arena_create(nbytes, int(pinned), ctypes.byref(handle)))
+        mode = (2 if host_alloc else 1) if pinned else 0
+        check(lib.emsa_host_arena_create(nbytes, mode, ctypes.byref(handle)))
         owner = _Owner(handle)
         data, size, got_pinned = ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_int32()
         check(lib.emsa_host_arena_info(handle, ctypes.byref(data), ctypes.byref(size),

@@ -150,10 +150,14 @@ class CudaBackend(Backend):
                 if plan.device_arena_bytes:
                     self.arena = DeviceArena(plan.device_arena_bytes, self.index)
                 if plan.host_arena_bytes:
-                    self.host_arena = HostArena(plan.host_arena_bytes, pinned=True)
+                    pinning = _env_choice("EMSA_HOST_ARENA_PINNING", "register",
+                                          ("register", "hostalloc"),
+                                          "huge pages registered with CUDA, or cudaHostAlloc")
+                    self.host_arena = HostArena(plan.host_arena_bytes, pinned=True,
+                                                host_alloc=pinning == "hostalloc")
                     if not self.host_arena.pinned:
                         raise RuntimeError(
-                            "emsa could not pin the host arena (cudaHostAlloc failed), and "
+                            "emsa could not pin the host arena, and "
                             "the host tier copies only from pinned memory; free host memory, "
                             "or raise the budget so less state goes to the host")
                 state_code = _capi.DTYPE[DTYPE_NAMES[state_dtype]]

@@ -460,7 +460,15 @@ emsa_status emsa_host_arena_create(uint64_t bytes, int32_t want_pinned,
                                    emsa_host_arena** arena_out) {
   return Guard([&] {
     if (arena_out == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "arena_out is NULL");
-    auto arena = emsa::HostArena::Create(bytes, want_pinned != 0);
+    if (want_pinned < 0 || want_pinned > 2) {
+      return Fail(EMSA_INVALID_ARGUMENT, "want_pinned is " + std::to_string(want_pinned) +
+                                             "; use 0 (plain), 1 (pinned) or 2 (pinned through "
+                                             "cudaHostAlloc)");
+    }
+    auto arena =
+        emsa::HostArena::Create(bytes, want_pinned != 0, nullptr,
+                                want_pinned == 2 ? emsa::HostArena::Pinning::kHostAlloc
+                                                 : emsa::HostArena::Pinning::kRegisteredHugePages);
     if (!arena.ok()) return Report(arena.status());
     *arena_out = new emsa_host_arena{std::move(arena).value()};
     return Report(emsa::Status::Ok());
@@ -1016,6 +1024,7 @@ emsa_status emsa_host_tier_create(emsa_cpu_updater* updater, const emsa_host_tie
     o.seed = options->seed;
     o.device = options->device;
     o.upload_piece_elements = options->upload_piece_elements;
+    o.grad_piece_elements = options->grad_piece_elements;
     std::vector<emsa::HostTierTensor> converted(count);
     for (size_t i = 0; i < count; ++i) {
       const emsa_host_tier_tensor& t = tensors[i];

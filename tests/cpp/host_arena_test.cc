@@ -85,6 +85,47 @@ TEST(HostArena, PinnedRequestFallsBackWithoutADevice) {
   EXPECT_EQ(a.kind(), device_usable ? HostArena::Kind::kPinned : HostArena::Kind::kPageable);
 }
 
+// Both ways of pinning give memory the device copies to and from directly (the pointer is
+// registered host memory), zero-filled, and freed without error; the default is the huge-page
+// registration. GPU only.
+TEST(HostArena, BothPinningsAreCopyableByTheDevice) {
+#if EMSA_HAVE_CUDA
+  if (!CudaDeviceUsable()) GTEST_SKIP() << "no usable CUDA device";
+  for (HostArena::Pinning pinning :
+       {HostArena::Pinning::kRegisteredHugePages, HostArena::Pinning::kHostAlloc}) {
+    SCOPED_TRACE(pinning == HostArena::Pinning::kHostAlloc ? "cudaHostAlloc" : "registered");
+    const uint64_t bytes = 5 * kMiB + 12;  // not a multiple of the huge page
+    ThreadPool pool(2);
+    Result<std::unique_ptr<HostArena>> arena = HostArena::Create(bytes, true, &pool, pinning);
+    ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+    const HostArena& a = **arena;
+    ASSERT_EQ(a.kind(), HostArena::Kind::kPinned);
+    EXPECT_EQ(a.pinning(), pinning);
+    EXPECT_EQ(FirstNonZero(a.data(), bytes), -1);
+    cudaPointerAttributes attr{};
+    ASSERT_EQ(cudaPointerGetAttributes(&attr, a.data()), cudaSuccess);
+    EXPECT_EQ(attr.type, cudaMemoryTypeHost);
+    auto* host = static_cast<unsigned char*>(a.data());
+    for (uint64_t i = 0; i < bytes; ++i) host[i] = static_cast<unsigned char>(i * 7 + 1);
+    void* dev = nullptr;
+    ASSERT_EQ(cudaMalloc(&dev, bytes), cudaSuccess);
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+    std::vector<unsigned char> expect(host, host + bytes);
+    ASSERT_EQ(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    std::memset(host, 0, bytes);
+    ASSERT_EQ(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_EQ(std::memcmp(host, expect.data(), bytes), 0);
+    EXPECT_EQ(cudaFree(dev), cudaSuccess);
+    EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  }
+#else
+  GTEST_SKIP() << "built without CUDA";
+#endif
+}
+
 TEST(HostArena, ViewsAreBoundsAndAlignmentChecked) {
   const uint64_t bytes = 4096 + 8;
   Result<std::unique_ptr<HostArena>> arena = HostArena::Create(bytes, false);
