@@ -6,9 +6,11 @@
 // parameter). Per step and per bucket (the plan's unit, in gradient-ready order):
 //
 //   Submit(b, grads, compute)   an event on the compute stream; the D2H stream waits on it and
-//                               copies the bucket's gradients into their staging buffers, then
-//                               records grads_copied[b]; b joins the worker's queue.
-//   worker thread               takes, of the submitted buckets whose gradients have landed,
+//                               copies the bucket's gradients into their staging buffers (piece
+//                               by piece with grad_piece_elements), then records grads_copied[b];
+//                               b joins the worker's queue.
+//   worker thread               takes, of the submitted buckets whose gradients have landed
+//                               (their first piece),
 //                               the one with the highest index (buckets are numbered in
 //                               gradient-ready order, so that is what the next forward needs
 //                               first), waits for the previous step's upload of it (no DMA may
@@ -68,6 +70,13 @@ struct HostTierOptions {
   // earlier. Results are identical either way. Measured on the H200 host (953 M fp32 params,
   // 4 Mi-element pieces, bench/README.md): steps 5% slower, the CPU busier; hence off.
   int64_t upload_piece_elements = 0;
+  // 0: a bucket's gradients are copied down whole, and its update waits for all of them. N >= 64:
+  // they are copied N elements at a time (the same cuts), an event after each; the worker may
+  // take the bucket once its first piece has landed and, if the rest has not, updates piece by
+  // piece as they land. That only changes anything when the CPU is waiting for the D2H stream,
+  // as at the start of each step, when the first bucket's gradients (the LM head's, the
+  // largest) are on their way. Results are identical either way.
+  int64_t grad_piece_elements = 0;
 };
 
 // What one step took on each engine, measured (CUDA events for copies, a steady clock for the

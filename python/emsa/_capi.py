@@ -173,6 +173,7 @@ class HostTierOptions(ctypes.Structure):
         ("seed", ctypes.c_uint64),
         ("device", ctypes.c_int32),
         ("upload_piece_elements", ctypes.c_int64),
+        ("grad_piece_elements", ctypes.c_int64),
     ]
 
 

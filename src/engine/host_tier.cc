@@ -59,19 +59,28 @@ struct HostTier::Impl {
     size_t copy_begin = 0, copy_end = 0;
     cudaEvent_t start = nullptr, end = nullptr;
   };
+  // Elements [first, last) of a bucket's gradients, copied down together; `landed` is recorded
+  // on the D2H stream after them.
+  struct GradPiece {
+    int64_t first = 0, last = 0;
+    cudaEvent_t landed = nullptr;
+  };
   struct Bucket {
     std::vector<TensorUpdate> updates;
     std::vector<void*> device_params;
     std::vector<int32_t> groups;
     std::vector<Piece> pieces;  // one covering the bucket unless upload_piece_elements
     std::vector<Copy> copies;
-    cudaEvent_t ready = nullptr;  // on the compute stream: the gradients are final
-    cudaEvent_t d2h_start = nullptr, d2h_end = nullptr;
+    std::vector<GradPiece> grad_pieces;  // one covering the bucket unless grad_piece_elements
+    cudaEvent_t ready = nullptr;         // on the compute stream: the gradients are final
+    cudaEvent_t d2h_start = nullptr;
     int64_t submitted = 0;  // step of the last Submit
     int64_t uploaded = 0;   // step whose upload was last enqueued
     bool h2d_timed = true;  // the last upload's time is in the stats
     // The last piece's end: the whole upload is done.
     cudaEvent_t uploaded_event() const { return pieces.back().end; }
+    // The last gradient piece has landed: all of them have (one stream, in order).
+    cudaEvent_t d2h_end() const { return grad_pieces.back().landed; }
     // This step's host times, seconds since its BeginStep (-1: not yet): Trace().
     double t_submit = -1, t_start = -1, t_end = -1;
   };
@@ -133,21 +142,36 @@ struct HostTier::Impl {
     return Status::Ok();
   }
 
-  // The worker's part for one bucket submitted in step s.
+  // The worker's part for one bucket submitted in step s. When its gradients have all landed
+  // it is updated in one pass per upload piece; when some are still on their way (the CPU
+  // caught up with the D2H stream, as at the start of a step) it follows them, gradient piece
+  // by gradient piece, instead of idling until the last has landed.
   Status Process(size_t index, int64_t s) {
     Bucket& b = buckets[index];
-    EMSA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(b.d2h_end));
-    double d2h_seconds = 0.0;
-    EMSA_RETURN_IF_ERROR(ElapsedSeconds(b.d2h_start, b.d2h_end, &d2h_seconds));
+    const cudaError_t q = cudaEventQuery(b.d2h_end());
+    if (q != cudaSuccess && q != cudaErrorNotReady) {
+      return CudaStatus(q, "cudaEventQuery (gradient copy)");
+    }
+    const bool landed = q == cudaSuccess;
     // The previous upload reads what the update is about to write: it must be done.
     EMSA_RETURN_IF_ERROR(TimeUpload(b));
     b.t_start = Since();
     double cpu_seconds = 0.0;
+    size_t g = 0;  // the gradient piece holding `first`
     for (const Piece& piece : b.pieces) {
-      const auto t0 = std::chrono::steady_clock::now();
-      EMSA_RETURN_IF_ERROR(updater->StepRange(b.updates.data(), b.updates.size(), step_options,
-                                              piece.first, piece.last));
-      cpu_seconds += Seconds(std::chrono::steady_clock::now() - t0);
+      for (int64_t first = piece.first; first < piece.last;) {
+        int64_t last = piece.last;
+        if (!landed) {
+          while (b.grad_pieces[g].last <= first) ++g;
+          EMSA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(b.grad_pieces[g].landed));
+          last = std::min(last, b.grad_pieces[g].last);
+        }
+        const auto t0 = std::chrono::steady_clock::now();
+        EMSA_RETURN_IF_ERROR(
+            updater->StepRange(b.updates.data(), b.updates.size(), step_options, first, last));
+        cpu_seconds += Seconds(std::chrono::steady_clock::now() - t0);
+        first = last;
+      }
       EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(piece.start, h2d));
       for (size_t k = piece.copy_begin; k < piece.copy_end; ++k) {
         const Copy& copy = b.copies[k];
@@ -157,6 +181,9 @@ struct HostTier::Impl {
       EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(piece.end, h2d));
     }
     b.t_end = Since();
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(b.d2h_end()));  // done long since
+    double d2h_seconds = 0.0;
+    EMSA_RETURN_IF_ERROR(ElapsedSeconds(b.d2h_start, b.d2h_end(), &d2h_seconds));
     std::lock_guard<std::mutex> lock(mu);
     HostTierStepStats& st = StatsOf(s);
     st.d2h_s += d2h_seconds;
@@ -166,12 +193,12 @@ struct HostTier::Impl {
     return Status::Ok();
   }
 
-  // Which waiting bucket to update next: of those whose gradients are already on the host, the
-  // one the next forward needs first (the highest index: buckets are in gradient-ready order,
-  // the reverse of the forward's). None landed yet: wait for the oldest copy (copies finish in
-  // submission order) and choose again. Updating in arrival order instead would leave the
-  // embedding, which the next forward needs first, for last, and forbid any overlap of CPU
-  // updates with the next forward.
+  // Which waiting bucket to update next: of those whose gradients have begun to land (the first
+  // gradient piece is on the host), the one the next forward needs first (the highest index:
+  // buckets are in gradient-ready order, the reverse of the forward's). None yet: wait for the
+  // oldest copy's first piece (copies finish in submission order) and choose again. Updating in
+  // arrival order instead would leave the embedding, which the next forward needs first, for last,
+  // and forbid any overlap of CPU updates with the next forward.
   Result<size_t> Choose(std::unique_lock<std::mutex>& lock) {
     for (;;) {
       candidates.assign(waiting.begin(), waiting.end());
@@ -181,7 +208,7 @@ struct HostTier::Impl {
       size_t pick = candidates.size();
       Status st;
       for (size_t k = 0; k < candidates.size() && pick == candidates.size(); ++k) {
-        const cudaError_t q = cudaEventQuery(buckets[candidates[k]].d2h_end);
+        const cudaError_t q = cudaEventQuery(buckets[candidates[k]].grad_pieces.front().landed);
         if (q == cudaSuccess) {
           pick = k;
         } else if (q != cudaErrorNotReady) {
@@ -190,7 +217,7 @@ struct HostTier::Impl {
         }
       }
       if (st.ok() && pick == candidates.size()) {
-        st = CudaStatus(cudaEventSynchronize(buckets[oldest].d2h_end),
+        st = CudaStatus(cudaEventSynchronize(buckets[oldest].grad_pieces.front().landed),
                         "cudaEventSynchronize (gradient copy)");
       }
       lock.lock();
@@ -233,36 +260,54 @@ struct HostTier::Impl {
     }
   }
 
-  // Bucket b's pieces and their copies (at Create): one piece for the whole bucket, or cuts every
-  // upload_piece_elements where CpuUpdater::StepRange accepts them.
-  void CutPieces(Bucket& b) {
-    const TensorUpdate* u = b.updates.data();
-    const size_t n = b.updates.size();
+  // Cuts [0, total) every `step` elements (0: not at all) where CpuUpdater::StepRange accepts
+  // a cut; calls cut(first, last) for each part, in order.
+  template <typename Cut>
+  static void CutElements(const Bucket& b, int64_t step, Cut&& cut) {
     int64_t total = 0;
     for (const TensorUpdate& t : b.updates) total += t.numel;
-    const int64_t step = options.upload_piece_elements;
     for (int64_t first = 0;;) {
       const int64_t last =
-          step == 0 || total - first <= step ? total : CpuUpdater::Aligned(u, n, first + step);
-      Piece piece;
-      piece.first = first;
-      piece.last = last;
-      piece.copy_begin = b.copies.size();
-      int64_t start = 0;
-      for (size_t k = 0; k < n; start += u[k].numel, ++k) {
-        const int64_t lo = std::max(first, start) - start;
-        const int64_t hi = std::min(last, start + u[k].numel) - start;
-        if (lo >= hi) continue;
-        const size_t size = DTypeSize(u[k].param_dtype);
-        b.copies.push_back({static_cast<char*>(b.device_params[k]) + lo * size,
-                            static_cast<const char*>(u[k].param) + lo * size,
-                            static_cast<size_t>(hi - lo) * size});
-      }
-      piece.copy_end = b.copies.size();
-      b.pieces.push_back(piece);
+          step == 0 || total - first <= step
+              ? total
+              : CpuUpdater::Aligned(b.updates.data(), b.updates.size(), first + step);
+      cut(first, last);
       if (last >= total) break;
       first = last;
     }
+  }
+
+  // Bucket b's gradient pieces, upload pieces and their copies (at Create): one piece of each
+  // for the whole bucket, or cuts every grad_piece_elements / upload_piece_elements.
+  void CutPieces(Bucket& b) {
+    CutElements(b, options.grad_piece_elements, [&b](int64_t first, int64_t last) {
+      GradPiece piece;
+      piece.first = first;
+      piece.last = last;
+      b.grad_pieces.push_back(piece);
+    });
+    CutElements(b, options.upload_piece_elements,
+                [this, &b](int64_t first, int64_t last) { CutUploadPiece(b, first, last); });
+  }
+
+  void CutUploadPiece(Bucket& b, int64_t first, int64_t last) {
+    const TensorUpdate* u = b.updates.data();
+    Piece piece;
+    piece.first = first;
+    piece.last = last;
+    piece.copy_begin = b.copies.size();
+    int64_t start = 0;
+    for (size_t k = 0; k < b.updates.size(); start += u[k].numel, ++k) {
+      const int64_t lo = std::max(first, start) - start;
+      const int64_t hi = std::min(last, start + u[k].numel) - start;
+      if (lo >= hi) continue;
+      const size_t size = DTypeSize(u[k].param_dtype);
+      b.copies.push_back({static_cast<char*>(b.device_params[k]) + lo * size,
+                          static_cast<const char*>(u[k].param) + lo * size,
+                          static_cast<size_t>(hi - lo) * size});
+    }
+    piece.copy_end = b.copies.size();
+    b.pieces.push_back(piece);
   }
 
   // Under mu: blocks until the worker has no bucket left, or failed.
@@ -279,8 +324,11 @@ struct HostTier::Impl {
     cv.notify_all();
     if (worker.joinable()) worker.join();
     for (Bucket& b : buckets) {
-      for (cudaEvent_t e : {b.ready, b.d2h_start, b.d2h_end}) {
+      for (cudaEvent_t e : {b.ready, b.d2h_start}) {
         if (e != nullptr) (void)cudaEventDestroy(e);
+      }
+      for (const GradPiece& piece : b.grad_pieces) {
+        if (piece.landed != nullptr) (void)cudaEventDestroy(piece.landed);
       }
       for (const Piece& piece : b.pieces) {
         for (cudaEvent_t e : {piece.start, piece.end}) {
@@ -306,6 +354,11 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
     return Status::InvalidArgument("options.upload_piece_elements is " +
                                    std::to_string(options.upload_piece_elements) +
                                    "; use 0 (upload each bucket whole) or at least 64");
+  }
+  if (options.grad_piece_elements != 0 && options.grad_piece_elements < 64) {
+    return Status::InvalidArgument("options.grad_piece_elements is " +
+                                   std::to_string(options.grad_piece_elements) +
+                                   "; use 0 (copy each bucket's gradients whole) or at least 64");
   }
   auto impl = std::make_unique<Impl>();
   impl->updater = updater;
@@ -353,7 +406,9 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
     EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&b.d2h_start));
     // The worker waits on these: blocking sync lets it sleep instead of spinning on a core the
     // CPU pool and the Python thread launching the forward both need.
-    EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&b.d2h_end, cudaEventBlockingSync));
+    for (Impl::GradPiece& piece : b.grad_pieces) {
+      EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&piece.landed, cudaEventBlockingSync));
+    }
     for (Impl::Piece& piece : b.pieces) {
       EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&piece.start));
       EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&piece.end, cudaEventBlockingSync));
@@ -439,14 +494,21 @@ Status HostTier::Submit(size_t bucket, const void* const* grads, size_t count,
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ready, compute));
   EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(m.d2h, b.ready, 0));
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.d2h_start, m.d2h));
-  for (size_t k = 0; k < count; ++k) {
-    const TensorUpdate& u = b.updates[k];
-    if (u.numel == 0) continue;
-    EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-        const_cast<void*>(u.grad), grads[k], static_cast<size_t>(u.numel) * DTypeSize(u.grad_dtype),
-        cudaMemcpyDeviceToHost, m.d2h));
+  for (const Impl::GradPiece& piece : b.grad_pieces) {
+    int64_t start = 0;
+    for (size_t k = 0; k < count; start += b.updates[k].numel, ++k) {
+      const TensorUpdate& u = b.updates[k];
+      const int64_t lo = std::max(piece.first, start) - start;
+      const int64_t hi = std::min(piece.last, start + u.numel) - start;
+      if (lo >= hi) continue;
+      const size_t size = DTypeSize(u.grad_dtype);
+      EMSA_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(static_cast<char*>(const_cast<void*>(u.grad)) + lo * size,
+                          static_cast<const char*>(grads[k]) + lo * size,
+                          static_cast<size_t>(hi - lo) * size, cudaMemcpyDeviceToHost, m.d2h));
+    }
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(piece.landed, m.d2h));
   }
-  EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.d2h_end, m.d2h));
   {
     std::lock_guard<std::mutex> lock(m.mu);
     b.submitted = m.step;
@@ -490,7 +552,7 @@ Status HostTier::WaitGradsCopied(cudaStream_t stream) {
   }
   for (Impl::Bucket& b : m.buckets) {
     if (b.submitted == s && s > 0) {
-      EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, b.d2h_end, 0));
+      EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, b.d2h_end(), 0));
     }
   }
   return Status::Ok();

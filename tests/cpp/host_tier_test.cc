@@ -65,6 +65,9 @@ TEST(HostTierValidation, NamesTheBadField) {
   o.upload_piece_elements = 63;
   ExpectError(create(), StatusCode::kInvalidArgument, "upload_piece_elements is 63");
   o.upload_piece_elements = 0;
+  o.grad_piece_elements = 10;
+  ExpectError(create(), StatusCode::kInvalidArgument, "grad_piece_elements is 10");
+  o.grad_piece_elements = 0;
   ExpectError(HostTier::Create(nullptr, &t, 1, 1, 1, nullptr, nullptr, o).status(),
               StatusCode::kInvalidArgument, "updater");
 #else
@@ -319,6 +322,22 @@ TEST_F(HostTierPipeline, MatchesTheCpuUpdaterBitwiseOverSteps) {
 TEST_F(HostTierPipeline, PiecewiseUploadsMatchTheCpuUpdaterBitwise) {
   HostTierOptions options;
   options.upload_piece_elements = 1000;
+  RunStepsAgainstTheCpuUpdater(options);
+}
+
+// Gradients copied down in pieces of 1000 elements: the 1 MiB tensor's 1049 small copies take
+// milliseconds, so the worker starts on bucket 0 once its first piece has landed and follows the
+// rest as they land. The same bits, also with piecewise uploads cut elsewhere.
+TEST_F(HostTierPipeline, PiecewiseGradientCopiesMatchTheCpuUpdaterBitwise) {
+  HostTierOptions options;
+  options.grad_piece_elements = 1000;
+  RunStepsAgainstTheCpuUpdater(options);
+}
+
+TEST_F(HostTierPipeline, PiecewiseGradientCopiesAndUploadsMatchTheCpuUpdaterBitwise) {
+  HostTierOptions options;
+  options.grad_piece_elements = 1000;
+  options.upload_piece_elements = 4096;
   RunStepsAgainstTheCpuUpdater(options);
 }
 
