@@ -2,8 +2,11 @@
 """Device-tier optimizer step: emsa's fused CUDA update vs torch.optim.AdamW(fused=True).
 
 Same tensors (Llama-1.1B parameter shapes: hidden 2048, 22 layers, intermediate 5632, vocab
-32000, 32 heads / 4 KV heads, untied head), same process, CUDA events, median of --reps after
-warm-up, and the device-to-device copy bandwidth measured in the same run (bytes read + written).
+32000, 32 heads, untied head; 32 KV heads by default, the issue's 1.26 B parameters, or
+--kv-heads 4 for TinyLlama's 1.10 B), same process, CUDA events, median of --reps after warm-up,
+and the device-to-device copy bandwidth measured in the same run (bytes read + written). The
+variants of one dtype are timed interleaved (one step of each per round), so drift on a shared
+machine falls on all of them alike.
 
 Bytes per parameter per step: fp32 everything 28 B; bf16 params, grads and states 14 B.
 Before timing, emsa fp32 is checked element-wise against torch fused after the same steps.
@@ -42,17 +45,24 @@ def llama_shapes(hidden=2048, layers=22, inter=5632, vocab=32000, heads=32, kv_h
 
 
 def cuda_time(fn, warmup, reps):
-    for _ in range(warmup):
-        fn()
+    return cuda_times_interleaved({"": fn}, warmup, reps)[""]
+
+
+def cuda_times_interleaved(fns, warmup, reps):
+    """Seconds per call of each fn: warm-up calls of each, then reps rounds of one call each."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     torch.cuda.synchronize()
-    times = []
+    times = {name: [] for name in fns}
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+        for name, fn in fns.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times[name].append(a.elapsed_time(b) / 1e3)
     return times
 
 
@@ -127,12 +137,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--kv-heads", type=int, default=32,
+                    help="32: the issue's 1.26 B parameters; 4: TinyLlama's 1.10 B")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("cuda_update_vs_torch: no CUDA device; run it on the GPU host (scripts/gpu-check)")
 
-    shapes = llama_shapes()
+    shapes = llama_shapes(kv_heads=args.kv_heads)
     n = sum(torch.Size(s).numel() for s in shapes)
     copy_bw = copy_bandwidth(args.warmup, args.reps)
     rows = {}
@@ -154,30 +166,37 @@ def main():
     e.close()
     del ps, opt, e, p_t, g_t, p_e, g_e
 
-    def run_torch(name, dtype, **kw):
-        params, grads = make_set(shapes, dtype, 0)
-        ps, opt = torch_adamw(params, grads, **kw)
-        times = cuda_time(opt.step, args.warmup, args.reps)
-        bpp = 28 if dtype == torch.float32 else 14
-        rows[name] = dict(times_s=times, bytes_per_param=bpp)
-        del ps, opt, params, grads
+    def run_interleaved(variants):
+        """variants: name -> (kind, dtype, state_dtype, bytes/param, bulk_copy); all of them
+        allocated at once and timed round by round."""
+        fns, keep, meta = {}, [], {}
+        for name, (kind, dtype, state_dtype, bpp, bulk) in variants.items():
+            params, grads = make_set(shapes, dtype, 0)
+            if kind == "torch":
+                ps, opt = torch_adamw(params, grads, fused=True)
+                fns[name], meta[name] = opt.step, {}
+                keep.append((ps, opt))
+            else:
+                e = EmsaDevice(params, grads, state_dtype, bulk)
+                fns[name] = e.step
+                meta[name] = dict(launches=e.launches, table_bytes_per_update=e.bytes)
+                keep.append(e)
+            keep.append((params, grads))
+        times = cuda_times_interleaved(fns, args.warmup, args.reps)
+        for name, (_, _, _, bpp, _) in variants.items():
+            rows[name] = dict(times_s=times[name], bytes_per_param=bpp, **meta[name])
+        for k in keep:
+            if isinstance(k, EmsaDevice):
+                k.close()
+        del keep, fns
         torch.cuda.empty_cache()
 
-    def run_emsa(name, dtype, state_dtype, bpp, bulk_copy=True):
-        params, grads = make_set(shapes, dtype, 0)
-        e = EmsaDevice(params, grads, state_dtype, bulk_copy)
-        times = cuda_time(e.step, args.warmup, args.reps)
-        rows[name] = dict(times_s=times, bytes_per_param=bpp, launches=e.launches,
-                          table_bytes_per_update=e.bytes)
-        e.close()
-        del e, params, grads
-        torch.cuda.empty_cache()
-
-    run_torch("torch fused=True fp32", torch.float32, fused=True)
-    run_emsa("emsa fp32", torch.float32, torch.float32, 28)
-    run_emsa("emsa fp32, per-thread loads (A/B)", torch.float32, torch.float32, 28, False)
-    run_torch("torch fused=True bf16", torch.bfloat16, fused=True)
-    run_emsa("emsa bf16 (stochastic rounding)", torch.bfloat16, torch.bfloat16, 14)
+    f32, b16 = torch.float32, torch.bfloat16
+    run_interleaved({"torch fused=True fp32": ("torch", f32, f32, 28, True),
+                     "emsa fp32": ("emsa", f32, f32, 28, True),
+                     "emsa fp32, per-thread loads (A/B)": ("emsa", f32, f32, 28, False)})
+    run_interleaved({"torch fused=True bf16": ("torch", b16, b16, 14, True),
+                     "emsa bf16 (stochastic rounding)": ("emsa", b16, b16, 14, True)})
 
     base = statistics.median(rows["torch fused=True fp32"]["times_s"])
     for r in rows.values():
