@@ -139,6 +139,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--kv-heads", type=int, default=32,
                     help="32: the issue's 1.26 B parameters; 4: TinyLlama's 1.10 B")
+    ap.add_argument("--order", choices=("interleaved", "sequential"), default="interleaved",
+                    help="time the variants of one dtype round by round, or each in a block")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -182,7 +184,10 @@ def main():
                 meta[name] = dict(launches=e.launches, table_bytes_per_update=e.bytes)
                 keep.append(e)
             keep.append((params, grads))
-        times = cuda_times_interleaved(fns, args.warmup, args.reps)
+        if args.order == "interleaved":
+            times = cuda_times_interleaved(fns, args.warmup, args.reps)
+        else:
+            times = {name: cuda_time(fn, args.warmup, args.reps) for name, fn in fns.items()}
         for name, (_, _, _, bpp, _) in variants.items():
             rows[name] = dict(times_s=times[name], bytes_per_param=bpp, **meta[name])
         for k in keep:
