@@ -6,11 +6,11 @@
 //   cmake -S . -B build -DEMSA_BUILD_BENCH=ON && cmake --build build --target cpu_update_bench
 //   (or: g++ -O3 -std=c++17 -Iinclude -Isrc bench/cpu_update_bench.cc build/libemsa_core.a
 //   -lpthread) cpu_update_bench [--params N] [--tensors T] [--threads K] [--simd
-//   scalar|avx2|avx512] [--iters I] [--memory plain|pinned|hostalloc]
+//   scalar|avx2|avx512] [--iters I] [--memory plain|hostalloc|registered]
 //
-// --memory: where the arrays live, each a HostArena: plain huge-page memory (default), pinned
-// as the host tier's arena is (huge pages registered with CUDA), or cudaHostAlloc's pinned
-// memory (4 KiB pages). The last two need a CUDA build and device.
+// --memory: where the arrays live, each a HostArena: plain huge-page memory (default),
+// cudaHostAlloc's pinned memory (4 KiB pages, as the host tier's arena), or huge pages
+// registered with CUDA (the arena's A/B). The last two need a CUDA build and device.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -51,7 +51,7 @@ Args Parse(int argc, char** argv) {
       a.simd = v;
     else if (k == "--iters")
       a.iters = std::atoi(v);
-    else if (k == "--memory" && (std::string(v) == "plain" || std::string(v) == "pinned" ||
+    else if (k == "--memory" && (std::string(v) == "plain" || std::string(v) == "registered" ||
                                  std::string(v) == "hostalloc"))
       a.memory = v;
     else

@@ -124,18 +124,24 @@ def torch_adamw(params, grads, **kw):
                                  weight_decay=HP["weight_decay"], **kw)
 
 
-def copy_bandwidth(warmup, reps):
-    n = 1 << 29  # 2 GiB of fp32: far beyond L2
-    src = torch.randn(n, device="cuda")
-    dst = torch.empty_like(src)
-    t = statistics.median(cuda_time(lambda: dst.copy_(src), warmup, reps))
-    del src, dst
-    return 2 * 4 * n / t
+class Copy:
+    """The reference: a device-to-device copy of 2 GiB of fp32, far beyond L2; timed among the
+    fp32 variants, so its bandwidth is measured under the same conditions."""
+
+    ELEMS = 1 << 29
+    BYTES = 2 * ELEMS * 4  # read + written
+
+    def __init__(self):
+        self.src = torch.randn(self.ELEMS, device="cuda")
+        self.dst = torch.empty_like(self.src)
+
+    def __call__(self):
+        self.dst.copy_(self.src)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--kv-heads", type=int, default=32,
                     help="32: the issue's 1.26 B parameters; 4: TinyLlama's 1.10 B")
@@ -148,7 +154,6 @@ def main():
 
     shapes = llama_shapes(kv_heads=args.kv_heads)
     n = sum(torch.Size(s).numel() for s in shapes)
-    copy_bw = copy_bandwidth(args.warmup, args.reps)
     rows = {}
 
     # Correctness first: a few steps of emsa fp32 vs torch fused on identical inputs.
@@ -168,10 +173,14 @@ def main():
     e.close()
     del ps, opt, e, p_t, g_t, p_e, g_e
 
-    def run_interleaved(variants):
+    copy_times = []
+
+    def run_interleaved(variants, copy=None):
         """variants: name -> (kind, dtype, state_dtype, bytes/param, bulk_copy); all of them
-        allocated at once and timed round by round."""
+        allocated at once and timed round by round (with the copy when given)."""
         fns, keep, meta = {}, [], {}
+        if copy is not None:
+            fns["copy"] = copy
         for name, (kind, dtype, state_dtype, bpp, bulk) in variants.items():
             params, grads = make_set(shapes, dtype, 0)
             if kind == "torch":
@@ -188,6 +197,8 @@ def main():
             times = cuda_times_interleaved(fns, args.warmup, args.reps)
         else:
             times = {name: cuda_time(fn, args.warmup, args.reps) for name, fn in fns.items()}
+        if copy is not None:
+            copy_times.extend(times["copy"])
         for name, (_, _, _, bpp, _) in variants.items():
             rows[name] = dict(times_s=times[name], bytes_per_param=bpp, **meta[name])
         for k in keep:
@@ -199,7 +210,9 @@ def main():
     f32, b16 = torch.float32, torch.bfloat16
     run_interleaved({"torch fused=True fp32": ("torch", f32, f32, 28, True),
                      "emsa fp32": ("emsa", f32, f32, 28, True),
-                     "emsa fp32, per-thread loads (A/B)": ("emsa", f32, f32, 28, False)})
+                     "emsa fp32, per-thread loads (A/B)": ("emsa", f32, f32, 28, False)},
+                    copy=Copy())
+    copy_bw = Copy.BYTES / statistics.median(copy_times)
     run_interleaved({"torch fused=True bf16": ("torch", b16, b16, 14, True),
                      "emsa bf16 (stochastic rounding)": ("emsa", b16, b16, 14, True)})
 
@@ -220,7 +233,8 @@ def main():
     result = dict(benchmark="cuda-update", date=now.strftime("%Y-%m-%d"), time_utc=now.isoformat(),
                   device=torch.cuda.get_device_name(), torch=torch.__version__, commit=commit,
                   command=" ".join([sys.executable] + sys.argv), params=n, tensors=len(shapes),
-                  copy_bandwidth_bytes_per_s=copy_bw, fp32_worst_tolerance_ratio_vs_torch_5_steps=worst,
+                  order=args.order, copy_bandwidth_bytes_per_s=copy_bw, copy_times_s=copy_times,
+                  fp32_worst_tolerance_ratio_vs_torch_5_steps=worst,
                   rows=rows)
     print(f"\nAdamW step on {n / 1e9:.3f} B params ({len(shapes)} tensors), "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "

@@ -144,10 +144,10 @@ EMSA_API emsa_status emsa_device_preset(const char* name, char** json_out);
 /* ---- pinned host arena --------------------------------------------------------------------- */
 typedef struct emsa_host_arena emsa_host_arena;
 
-/* One zero-filled allocation of 2 MiB-aligned memory on transparent huge pages; pinned when
- * want_pinned and a device is usable: 1 registers it with cudaHostRegister, 2 takes
- * cudaHostAlloc's memory instead (4 KiB pages; an A/B). 0 never touches CUDA. *pinned_out tells
- * whether it is pinned. */
+/* One zero-filled allocation; pinned when want_pinned and a device is usable: 1 through
+ * cudaHostAlloc, 2 as 2 MiB-aligned memory on transparent huge pages registered with
+ * cudaHostRegister (an A/B; no gain measured). Otherwise plain memory aligned to 2 MiB. 0 never
+ * touches CUDA. *pinned_out tells whether it is pinned. */
 EMSA_API emsa_status emsa_host_arena_create(uint64_t bytes, int32_t want_pinned,
                                             emsa_host_arena** arena_out);
 EMSA_API void emsa_host_arena_destroy(emsa_host_arena* arena);

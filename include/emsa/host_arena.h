@@ -1,12 +1,12 @@
 // emsa/host_arena.h — the pinned host arena: one allocation per plan, state tensors are views.
 //
-// When a CUDA device is usable the memory is page-locked: by default plain 2 MiB-aligned memory
-// advised to transparent huge pages, zero-filled, then registered with cudaHostRegister
-// (portable); or, as an A/B, allocated by cudaHostAlloc (portable, never write-combined: the CPU
-// reads state back every step, and write-combined memory is slow to read). The two differ in
-// page size: cudaHostAlloc's memory comes in 4 KiB pages, and the CPU update, streaming seven
-// arrays at once, then misses the TLB every 4 KiB of each; the host profile measures the update
-// on huge pages. Without a device it is the plain memory unregistered. Either way it is
+// When a CUDA device is usable the memory is page-locked: by default allocated by cudaHostAlloc
+// (portable, never write-combined: the CPU reads state back every step, and write-combined
+// memory is slow to read), which hands out 4 KiB pages; or, as an A/B, plain 2 MiB-aligned
+// memory advised to transparent huge pages, zero-filled, then registered with cudaHostRegister.
+// Huge pages were meant to spare the CPU update, which streams seven arrays at once, a TLB miss
+// every 4 KiB of each; on the H200 host they measured no gain (bench/README.md), hence not the
+// default. Without a device it is the plain huge-page memory, unregistered. Either way it is
 // zero-filled once, in parallel when given a pool, and freed exactly once by the destructor.
 // Nothing grows later.
 #pragma once
@@ -31,7 +31,7 @@ class HostArena {
   // build without CUDA) falls back to pageable memory: kind() says which one was obtained.
   static Result<std::unique_ptr<HostArena>> Create(uint64_t bytes, bool want_pinned = true,
                                                    ThreadPool* zero_fill_pool = nullptr,
-                                                   Pinning pinning = Pinning::kRegisteredHugePages);
+                                                   Pinning pinning = Pinning::kHostAlloc);
   ~HostArena();
   HostArena(const HostArena&) = delete;
   HostArena& operator=(const HostArena&) = delete;
@@ -56,7 +56,7 @@ class HostArena {
   void* data_ = nullptr;
   uint64_t size_ = 0;
   Kind kind_ = Kind::kPageable;
-  Pinning pinning_ = Pinning::kRegisteredHugePages;
+  Pinning pinning_ = Pinning::kHostAlloc;
 };
 
 }  // namespace emsa

@@ -27,11 +27,11 @@ class _Owner:
 
 
 class HostArena:
-    def __init__(self, nbytes: int, pinned: bool, host_alloc: bool = False):
-        """pinned: page-locked (huge pages registered with CUDA; with host_alloc, cudaHostAlloc's
-        4 KiB pages instead, an A/B) when a CUDA device is usable; `self.pinned` says."""
+    def __init__(self, nbytes: int, pinned: bool, huge_pages: bool = False):
+        """pinned: page-locked (cudaHostAlloc; with huge_pages, transparent huge pages registered
+        with CUDA instead, an A/B) when a CUDA device is usable; `self.pinned` says."""
         handle = ctypes.c_void_p()
-        mode = (2 if host_alloc else 1) if pinned else 0
+        mode = (2 if huge_pages else 1) if pinned else 0
         check(lib.emsa_host_arena_create(nbytes, mode, ctypes.byref(handle)))
         owner = _Owner(handle)
         data, size, got_pinned = ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_int32()

@@ -150,11 +150,11 @@ class CudaBackend(Backend):
                 if plan.device_arena_bytes:
                     self.arena = DeviceArena(plan.device_arena_bytes, self.index)
                 if plan.host_arena_bytes:
-                    pinning = _env_choice("EMSA_HOST_ARENA_PINNING", "register",
-                                          ("register", "hostalloc"),
-                                          "huge pages registered with CUDA, or cudaHostAlloc")
+                    pinning = _env_choice("EMSA_HOST_ARENA_PINNING", "hostalloc",
+                                          ("hostalloc", "register"),
+                                          "cudaHostAlloc, or huge pages registered with CUDA")
                     self.host_arena = HostArena(plan.host_arena_bytes, pinned=True,
-                                                host_alloc=pinning == "hostalloc")
+                                                huge_pages=pinning == "register")
                     if not self.host_arena.pinned:
                         raise RuntimeError(
                             "emsa could not pin the host arena, and "

@@ -460,15 +460,16 @@ emsa_status emsa_host_arena_create(uint64_t bytes, int32_t want_pinned,
                                    emsa_host_arena** arena_out) {
   return Guard([&] {
     if (arena_out == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "arena_out is NULL");
+    *arena_out = nullptr;
     if (want_pinned < 0 || want_pinned > 2) {
       return Fail(EMSA_INVALID_ARGUMENT, "want_pinned is " + std::to_string(want_pinned) +
-                                             "; use 0 (plain), 1 (pinned) or 2 (pinned through "
-                                             "cudaHostAlloc)");
+                                             "; use 0 (plain), 1 (pinned) or 2 (pinned huge "
+                                             "pages, registered)");
     }
     auto arena =
         emsa::HostArena::Create(bytes, want_pinned != 0, nullptr,
-                                want_pinned == 2 ? emsa::HostArena::Pinning::kHostAlloc
-                                                 : emsa::HostArena::Pinning::kRegisteredHugePages);
+                                want_pinned == 2 ? emsa::HostArena::Pinning::kRegisteredHugePages
+                                                 : emsa::HostArena::Pinning::kHostAlloc);
     if (!arena.ok()) return Report(arena.status());
     *arena_out = new emsa_host_arena{std::move(arena).value()};
     return Report(emsa::Status::Ok());

@@ -1,6 +1,6 @@
-// host_arena.cc — one host allocation per plan: 2 MiB-aligned memory on transparent huge pages,
-// registered with CUDA (pinned) when a device can use it, or cudaHostAlloc'd as an A/B;
-// zero-filled once and freed once with the matching call.
+// host_arena.cc — one host allocation per plan: cudaHostAlloc'd (pinned) when a CUDA device can
+// use it, or 2 MiB-aligned memory on transparent huge pages, registered with CUDA as an A/B and
+// plain without a device; zero-filled once and freed once with the matching call.
 #include "emsa/host_arena.h"
 
 #include <sys/mman.h>

@@ -235,6 +235,9 @@ static void test_plan_and_arena(void) {
   o.struct_size = 1;
   CHECK(emsa_plan_create(probe, profile, &o, &plan, NULL) == EMSA_INVALID_ARGUMENT);
   CHECK(emsa_host_arena_create(0, 0, &arena) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_host_arena_create(4096, 3, &arena) == EMSA_INVALID_ARGUMENT);
+  CHECK(arena == NULL);
+  CHECK(strstr(emsa_last_error(), "want_pinned is 3") != NULL);
   free(probe);
   free(profile);
 }
