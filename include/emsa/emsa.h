@@ -406,6 +406,10 @@ typedef struct emsa_host_tier_options {
   /* 0 (default): copy a bucket's gradients down whole; >= 64: this many elements at a time, the
    * update following them as they land (HostTierOptions.grad_piece_elements) */
   int64_t grad_piece_elements;
+  /* 0 (default): uploads enqueued per piece by the tier's worker; >= 64: each CPU pool thread
+   * enqueues the upload of every this many elements it has written, while they are in its cache
+   * (HostTierOptions.worker_upload_elements) */
+  int64_t worker_upload_elements;
 } emsa_host_tier_options;
 
 /* One step's measurements: busy seconds per engine (sums over buckets). */

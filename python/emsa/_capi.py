@@ -174,6 +174,7 @@ class HostTierOptions(ctypes.Structure):
         ("device", ctypes.c_int32),
         ("upload_piece_elements", ctypes.c_int64),
         ("grad_piece_elements", ctypes.c_int64),
+        ("worker_upload_elements", ctypes.c_int64),
     ]
 
 

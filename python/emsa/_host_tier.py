@@ -40,8 +40,8 @@ class HostTier:
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
         # libemsa's rule for the pool (one core fewer than this process may use; the profile
-        # measures on as many). EMSA_HOST_THREADS, EMSA_HOST_UPLOAD_PIECE and
-        # EMSA_HOST_GRAD_PIECE (elements; HostTierOptions) are tuning knobs for benchmarks.
+        # measures on as many). EMSA_HOST_THREADS, EMSA_HOST_UPLOAD_PIECE, EMSA_HOST_GRAD_PIECE
+        # and EMSA_HOST_WORKER_UPLOAD (elements; HostTierOptions) are tuning knobs for benchmarks.
         threads = int(os.environ.get("EMSA_HOST_THREADS", 0)) or lib.emsa_host_tier_threads(
             len(os.sched_getaffinity(0)))
         check(lib.emsa_cpu_updater_create(threads, _capi.SIMD["avx512"],
@@ -52,6 +52,7 @@ class HostTier:
         options.device = device.index
         options.upload_piece_elements = int(os.environ.get("EMSA_HOST_UPLOAD_PIECE", 0))
         options.grad_piece_elements = int(os.environ.get("EMSA_HOST_GRAD_PIECE", 0))
+        options.worker_upload_elements = int(os.environ.get("EMSA_HOST_WORKER_UPLOAD", 0))
         array = (HostTierTensor * max(len(tensors), 1))(*tensors)
         try:
             check(lib.emsa_host_tier_create(self.updater, array, len(tensors), len(buckets),

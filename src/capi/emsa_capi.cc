@@ -1026,6 +1026,7 @@ emsa_status emsa_host_tier_create(emsa_cpu_updater* updater, const emsa_host_tie
     o.device = options->device;
     o.upload_piece_elements = options->upload_piece_elements;
     o.grad_piece_elements = options->grad_piece_elements;
+    o.worker_upload_elements = options->worker_upload_elements;
     std::vector<emsa::HostTierTensor> converted(count);
     for (size_t i = 0; i < count; ++i) {
       const emsa_host_tier_tensor& t = tensors[i];

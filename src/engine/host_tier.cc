@@ -20,6 +20,7 @@ int HostTierThreads(int cores) { return std::max(cores - 1, 1); }
 
 #if EMSA_HAVE_CUDA
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -142,6 +143,35 @@ struct HostTier::Impl {
     return Status::Ok();
   }
 
+  // With worker_upload_elements: what the pool's threads need to enqueue the uploads of what they
+  // have just written, and the first CUDA error any of them met.
+  struct WorkerUploads {
+    Impl* m = nullptr;
+    Bucket* b = nullptr;
+    std::atomic<int> error{0};
+  };
+  static void UploadWritten(void* context, size_t tensor, int64_t begin, int64_t end) {
+    auto* u = static_cast<WorkerUploads*>(context);
+    const TensorUpdate& t = u->b->updates[tensor];
+    const size_t size = DTypeSize(t.param_dtype);
+    thread_local int current_device = -1;  // the pool's threads start on device 0
+    cudaError_t err = cudaSuccess;
+    if (current_device != u->m->options.device) {
+      err = cudaSetDevice(u->m->options.device);
+      if (err == cudaSuccess) current_device = u->m->options.device;
+    }
+    if (err == cudaSuccess) {
+      err = cudaMemcpyAsync(static_cast<char*>(u->b->device_params[tensor]) + begin * size,
+                            static_cast<const char*>(t.param) + begin * size,
+                            static_cast<size_t>(end - begin) * size, cudaMemcpyHostToDevice,
+                            u->m->h2d);
+    }
+    if (err != cudaSuccess) {
+      int none = 0;
+      u->error.compare_exchange_strong(none, static_cast<int>(err));
+    }
+  }
+
   // The worker's part for one bucket submitted in step s. When its gradients have all landed
   // it is updated in one pass per upload piece; when some are still on their way (the CPU
   // caught up with the D2H stream, as at the start of a step) it follows them, gradient piece
@@ -157,8 +187,18 @@ struct HostTier::Impl {
     EMSA_RETURN_IF_ERROR(TimeUpload(b));
     b.t_start = Since();
     double cpu_seconds = 0.0;
+    WorkerUploads uploads;
+    uploads.m = this;
+    uploads.b = &b;
+    RangeDone done;
+    done.fn = &UploadWritten;
+    done.context = &uploads;
+    done.elements = options.worker_upload_elements;
+    const RangeDone* by_workers = options.worker_upload_elements > 0 ? &done : nullptr;
     size_t g = 0;  // the gradient piece holding `first`
     for (const Piece& piece : b.pieces) {
+      // Worker uploads start during the update: the H2D time is then the piece's span.
+      if (by_workers != nullptr) EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(piece.start, h2d));
       for (int64_t first = piece.first; first < piece.last;) {
         int64_t last = piece.last;
         if (!landed) {
@@ -167,16 +207,21 @@ struct HostTier::Impl {
           last = std::min(last, b.grad_pieces[g].last);
         }
         const auto t0 = std::chrono::steady_clock::now();
-        EMSA_RETURN_IF_ERROR(
-            updater->StepRange(b.updates.data(), b.updates.size(), step_options, first, last));
+        EMSA_RETURN_IF_ERROR(updater->StepRange(b.updates.data(), b.updates.size(), step_options,
+                                                first, last, by_workers));
         cpu_seconds += Seconds(std::chrono::steady_clock::now() - t0);
+        if (const int err = uploads.error.load()) {
+          return CudaStatus(static_cast<cudaError_t>(err), "cudaMemcpyAsync (parameter upload)");
+        }
         first = last;
       }
-      EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(piece.start, h2d));
-      for (size_t k = piece.copy_begin; k < piece.copy_end; ++k) {
-        const Copy& copy = b.copies[k];
-        EMSA_CUDA_RETURN_IF_ERROR(
-            cudaMemcpyAsync(copy.dst, copy.src, copy.bytes, cudaMemcpyHostToDevice, h2d));
+      if (by_workers == nullptr) {
+        EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(piece.start, h2d));
+        for (size_t k = piece.copy_begin; k < piece.copy_end; ++k) {
+          const Copy& copy = b.copies[k];
+          EMSA_CUDA_RETURN_IF_ERROR(
+              cudaMemcpyAsync(copy.dst, copy.src, copy.bytes, cudaMemcpyHostToDevice, h2d));
+        }
       }
       EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(piece.end, h2d));
     }
@@ -354,6 +399,11 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
     return Status::InvalidArgument("options.upload_piece_elements is " +
                                    std::to_string(options.upload_piece_elements) +
                                    "; use 0 (upload each bucket whole) or at least 64");
+  }
+  if (options.worker_upload_elements != 0 && options.worker_upload_elements < 64) {
+    return Status::InvalidArgument("options.worker_upload_elements is " +
+                                   std::to_string(options.worker_upload_elements) +
+                                   "; use 0 (the worker uploads each piece) or at least 64");
   }
   if (options.grad_piece_elements != 0 && options.grad_piece_elements < 64) {
     return Status::InvalidArgument("options.grad_piece_elements is " +

@@ -68,6 +68,9 @@ TEST(HostTierValidation, NamesTheBadField) {
   o.grad_piece_elements = 10;
   ExpectError(create(), StatusCode::kInvalidArgument, "grad_piece_elements is 10");
   o.grad_piece_elements = 0;
+  o.worker_upload_elements = 32;
+  ExpectError(create(), StatusCode::kInvalidArgument, "worker_upload_elements is 32");
+  o.worker_upload_elements = 0;
   ExpectError(HostTier::Create(nullptr, &t, 1, 1, 1, nullptr, nullptr, o).status(),
               StatusCode::kInvalidArgument, "updater");
 #else
@@ -337,6 +340,16 @@ TEST_F(HostTierPipeline, PiecewiseGradientCopiesMatchTheCpuUpdaterBitwise) {
 TEST_F(HostTierPipeline, PiecewiseGradientCopiesAndUploadsMatchTheCpuUpdaterBitwise) {
   HostTierOptions options;
   options.grad_piece_elements = 1000;
+  options.upload_piece_elements = 4096;
+  RunStepsAgainstTheCpuUpdater(options);
+}
+
+// The pool's threads upload every 1000 elements they write (cut at multiples of 64: 960), with
+// gradients copied in pieces and uploads grouped in pieces too: the same bits.
+TEST_F(HostTierPipeline, UploadsFromThePoolThreadsMatchTheCpuUpdaterBitwise) {
+  HostTierOptions options;
+  options.worker_upload_elements = 1000;
+  options.grad_piece_elements = 5000;
   options.upload_piece_elements = 4096;
   RunStepsAgainstTheCpuUpdater(options);
 }
