@@ -7,6 +7,7 @@
 //   (or: g++ -O3 -std=c++17 -Iinclude -Isrc bench/cpu_update_bench.cc build/libemsa_core.a
 //   -lpthread) cpu_update_bench [--params N] [--tensors T] [--threads K] [--simd
 //   scalar|avx2|avx512] [--iters I] [--memory plain|hostalloc|registered]
+//   [--guided MIN_ELEMENTS]
 //
 // --memory: where the arrays live, each a HostArena: plain huge-page memory (default),
 // cudaHostAlloc's pinned memory (4 KiB pages, as the host tier's arena), or huge pages
@@ -34,6 +35,7 @@ struct Args {
   std::string simd = "avx512";
   int iters = 10;
   std::string memory = "plain";
+  int64_t guided = 0;  // CpuUpdater::SetGuidedScheduling
 };
 
 Args Parse(int argc, char** argv) {
@@ -51,6 +53,8 @@ Args Parse(int argc, char** argv) {
       a.simd = v;
     else if (k == "--iters")
       a.iters = std::atoi(v);
+    else if (k == "--guided")
+      a.guided = std::atoll(v);
     else if (k == "--memory" && (std::string(v) == "plain" || std::string(v) == "registered" ||
                                  std::string(v) == "hostalloc"))
       a.memory = v;
@@ -179,9 +183,12 @@ int main(int argc, char** argv) {
   o.max_simd = *level;
   auto updater = emsa::CpuUpdater::Create(o);
   if (!updater.ok()) return std::fprintf(stderr, "%s\n", updater.status().ToString().c_str()), 1;
-  std::printf("AdamW, %lld params in %d tensors, %d threads, %s, %s memory\n",
+  const emsa::Status guided = (*updater)->SetGuidedScheduling(a.guided);
+  if (!guided.ok()) return std::fprintf(stderr, "%s\n", guided.ToString().c_str()), 2;
+  std::printf("AdamW, %lld params in %d tensors, %d threads, %s, %s memory, guided %lld\n",
               static_cast<long long>(a.params), a.tensors, (*updater)->threads(),
-              emsa::SimdLevelName((*updater)->simd()), a.memory.c_str());
+              emsa::SimdLevelName((*updater)->simd()), a.memory.c_str(),
+              static_cast<long long>(a.guided));
   Run(**updater, a, emsa::DType::kFloat32, emsa::Rounding::kNearest, "fp32 param+state");
   Run(**updater, a, emsa::DType::kBFloat16, emsa::Rounding::kNearest, "bf16 state, nearest");
   Run(**updater, a, emsa::DType::kBFloat16, emsa::Rounding::kStochastic, "bf16 state, stochastic");

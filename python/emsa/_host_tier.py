@@ -40,12 +40,15 @@ class HostTier:
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
         # libemsa's rule for the pool (one core fewer than this process may use; the profile
-        # measures on as many). EMSA_HOST_THREADS, EMSA_HOST_UPLOAD_PIECE, EMSA_HOST_GRAD_PIECE
-        # and EMSA_HOST_WORKER_UPLOAD (elements; HostTierOptions) are tuning knobs for benchmarks.
+        # measures on as many). EMSA_HOST_THREADS, EMSA_HOST_GUIDED (CpuUpdater's guided
+        # scheduling), EMSA_HOST_UPLOAD_PIECE, EMSA_HOST_GRAD_PIECE and EMSA_HOST_WORKER_UPLOAD
+        # (elements; HostTierOptions) are tuning knobs for benchmarks.
         threads = int(os.environ.get("EMSA_HOST_THREADS", 0)) or lib.emsa_host_tier_threads(
             len(os.sched_getaffinity(0)))
         check(lib.emsa_cpu_updater_create(threads, _capi.SIMD["avx512"],
                                           ctypes.byref(self.updater)))
+        check(lib.emsa_cpu_updater_set_guided(self.updater,
+                                              int(os.environ.get("EMSA_HOST_GUIDED", 0))))
         options = HostTierOptions()
         lib.emsa_host_tier_options_init(ctypes.byref(options))
         options.optimizer = _capi.OPTIMIZER[optimizer]

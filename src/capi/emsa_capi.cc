@@ -540,6 +540,11 @@ emsa_status emsa_cpu_updater_create(int32_t threads, int32_t max_simd,
   });
 }
 
+emsa_status emsa_cpu_updater_set_guided(emsa_cpu_updater* updater, int64_t min_elements) {
+  if (updater == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "updater is NULL");
+  return Report(updater->updater->SetGuidedScheduling(min_elements));
+}
+
 void emsa_cpu_updater_destroy(emsa_cpu_updater* updater) { delete updater; }
 
 emsa_status emsa_cpu_updater_info(const emsa_cpu_updater* updater, int32_t* threads_out,

@@ -1,6 +1,7 @@
 // cpu_updater.cc — CpuUpdater: validate, optionally scan gradients, split the elements evenly
 // over the pool, run the ISA's kernels.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <exception>
@@ -330,25 +331,54 @@ Status CpuUpdater::StepRange(const TensorUpdate* tensors, size_t count, const St
   return Status::Ok();
 }
 
+Status CpuUpdater::SetGuidedScheduling(int64_t min_elements) {
+  if (min_elements != 0 && min_elements < kSplitAlign) {
+    return Status::InvalidArgument(
+        "guided scheduling's min_elements is " + std::to_string(min_elements) +
+        "; use 0 (equal shares) or at least " + std::to_string(kSplitAlign));
+  }
+  guided_min_ = min_elements;
+  return Status::Ok();
+}
+
 void CpuUpdater::Update(const TensorUpdate* tensors, size_t count, const StepOptions& options,
                         int64_t first, int64_t total, const RangeDone* done) {
   if (total == 0) return;
   const cpu::KernelTable& kernels = *kernels_;
   const int64_t step = done == nullptr ? 0 : done->elements / kSplitAlign * kSplitAlign;
-  pool_->Run([&](int index, int workers) {
-    ForEachPiece(tensors, count, first, total, index, workers,
-                 [&](size_t t, int64_t begin, int64_t end) {
-                   if (done == nullptr) {
-                     UpdatePiece(kernels, tensors[t], options, begin, end);
-                     return;
-                   }
-                   while (begin < end) {
-                     const int64_t stop = std::min(end, (begin + step) / kSplitAlign * kSplitAlign);
-                     UpdatePiece(kernels, tensors[t], options, begin, stop);
-                     done->fn(done->context, t, begin, stop);
-                     begin = stop;
-                   }
-                 });
+  // Updates [begin, end) of tensor t, reporting pieces of `step` elements when asked to.
+  const auto piece = [&](size_t t, int64_t begin, int64_t end) {
+    if (done == nullptr) {
+      UpdatePiece(kernels, tensors[t], options, begin, end);
+      return;
+    }
+    while (begin < end) {
+      const int64_t stop = std::min(end, (begin + step) / kSplitAlign * kSplitAlign);
+      UpdatePiece(kernels, tensors[t], options, begin, stop);
+      done->fn(done->context, t, begin, stop);
+      begin = stop;
+    }
+  };
+  if (guided_min_ == 0) {
+    pool_->Run([&](int index, int workers) {
+      ForEachPiece(tensors, count, first, total, index, workers, piece);
+    });
+    return;
+  }
+  // Guided: claims are [at, Aligned(at + take)), which moves past `at` since take >= 64 and `at`
+  // is always an aligned position.
+  const int64_t end = first + total;
+  std::atomic<int64_t> next{first};
+  pool_->Run([&](int, int workers) {
+    int64_t at = next.load(std::memory_order_relaxed);
+    for (;;) {
+      if (at >= end) return;
+      const int64_t take = std::max(guided_min_, (end - at) / (2 * static_cast<int64_t>(workers)));
+      const int64_t stop = take >= end - at ? end : Aligned(tensors, count, at + take);
+      if (!next.compare_exchange_weak(at, stop, std::memory_order_relaxed)) continue;
+      ForEachPiece(tensors, count, at, stop - at, 0, 1, piece);
+      at = next.load(std::memory_order_relaxed);
+    }
   });
 }
 

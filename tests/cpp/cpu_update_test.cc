@@ -729,6 +729,45 @@ TEST(CpuUpdate, StepRangeReportsWrittenPiecesOnceEach) {
               StatusCode::kInvalidArgument, "elements >= 64");
 }
 
+// Guided self-scheduling deals the same elements to whichever thread claims them first: the
+// same bits as equal shares, for Step and for StepRange with pieces reported (each once).
+TEST(CpuUpdate, GuidedSchedulingWritesTheSameBits) {
+  const Combo c{OptimizerKind::kAdamW, DType::kBFloat16, true,
+                DType::kFloat32,       DType::kBFloat16, Rounding::kStochastic};
+  auto reference = MakeUpdater(DetectSimdLevel(), 1);
+  Batch want(c, kSizes, 41);
+  const Batch start = want;
+  ASSERT_TRUE(want.Step(*reference, want.Options()).ok());
+  int64_t total = 0;
+  for (int64_t n : kSizes) total += n;
+  for (int threads : {2, 3, 5}) {
+    for (int64_t min_elements : {int64_t{64}, int64_t{1000}, int64_t{1} << 22}) {
+      auto updater = MakeUpdater(DetectSimdLevel(), threads);
+      ASSERT_TRUE(updater->SetGuidedScheduling(min_elements).ok());
+      Batch whole = start;
+      ASSERT_TRUE(whole.Step(*updater, whole.Options()).ok());
+      EXPECT_EQ(FirstDiff(want.t, whole.t), "") << threads << " threads, " << min_elements;
+      Batch ranged = start;
+      std::vector<TensorUpdate> ups = ranged.Updates();
+      std::atomic<int64_t> reported{0};
+      RangeDone done;
+      done.context = &reported;
+      done.elements = 777;
+      done.fn = [](void* context, size_t, int64_t begin, int64_t end) {
+        static_cast<std::atomic<int64_t>*>(context)->fetch_add(end - begin);
+      };
+      const int64_t mid = CpuUpdater::Aligned(ups.data(), ups.size(), total / 2);
+      ASSERT_TRUE(updater->StepRange(ups.data(), ups.size(), ranged.Options(), 0, mid, &done).ok());
+      ASSERT_TRUE(updater->StepRange(ups.data(), ups.size(), ranged.Options(), mid, total).ok());
+      EXPECT_EQ(reported.load(), mid);
+      EXPECT_EQ(FirstDiff(want.t, ranged.t), "") << threads << " threads, " << min_elements;
+    }
+  }
+  auto updater = MakeUpdater(DetectSimdLevel(), 2);
+  ExpectError(updater->SetGuidedScheduling(63), StatusCode::kInvalidArgument, "at least 64");
+  ExpectError(updater->SetGuidedScheduling(-1), StatusCode::kInvalidArgument, "at least 64");
+}
+
 TEST(CpuUpdate, StepRangeRejectsBadRangesAndChangesNothing) {
   const Combo c{OptimizerKind::kAdamW, DType::kFloat32, false,
                 DType::kFloat32,       DType::kFloat32, Rounding::kStochastic};
