@@ -35,7 +35,7 @@ struct Args {
   std::string simd = "avx512";
   int iters = 10;
   std::string memory = "plain";
-  int64_t guided = 0;  // CpuUpdater::SetGuidedScheduling
+  int64_t guided = emsa::CpuUpdater::kGuidedMinElements;  // SetGuidedScheduling
 };
 
 Args Parse(int argc, char** argv) {

@@ -47,8 +47,9 @@ class HostTier:
             len(os.sched_getaffinity(0)))
         check(lib.emsa_cpu_updater_create(threads, _capi.SIMD["avx512"],
                                           ctypes.byref(self.updater)))
-        check(lib.emsa_cpu_updater_set_guided(self.updater,
-                                              int(os.environ.get("EMSA_HOST_GUIDED", 0))))
+        if "EMSA_HOST_GUIDED" in os.environ:
+            check(lib.emsa_cpu_updater_set_guided(self.updater,
+                                                  int(os.environ["EMSA_HOST_GUIDED"])))
         options = HostTierOptions()
         lib.emsa_host_tier_options_init(ctypes.byref(options))
         options.optimizer = _capi.OPTIMIZER[optimizer]

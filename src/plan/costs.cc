@@ -62,7 +62,8 @@ uint64_t HostUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions& 
 }
 
 uint64_t HostMemoryTraffic(int64_t numel, DType param_dtype, const PlanOptions& options) {
-  return HostUpdateTraffic(numel, param_dtype, options);
+  const uint64_t dma = 2 * U(numel) * DTypeSize(param_dtype);  // gradient in, parameter out
+  return HostUpdateTraffic(numel, param_dtype, options) + dma;
 }
 
 }  // namespace emsa::plan_internal

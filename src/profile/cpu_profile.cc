@@ -1,11 +1,12 @@
 // cpu_profile.cc — the CPU half of the device profile: model, usable cores, SIMD level, and two
-// measured host-memory bandwidths (a streaming copy, and an Adam-shaped pass that predicts the
-// host tier's update speed).
+// measured host-memory bandwidths (a streaming read-modify-write, and the host tier's own AdamW
+// update on its own pool, which predicts the host tier's update speed).
 #include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include <memory>
 #include <string>
 
+#include "emsa/cpu_update.h"
 #include "emsa/host_tier.h"
 #include "emsa/profile.h"
 #include "engine/thread_pool.h"
@@ -33,8 +35,9 @@ constexpr uint64_t kHugePage = 2 * kMiB;
 // host's, not the slice they get. Bigger only costs time: the first touch of fresh pages
 // dominates the measurement, and on a VM it is several times slower than on metal.
 constexpr uint64_t kMinScratchBytes = 256 * kMiB;
-constexpr uint64_t kScratchBytesPerThread = 32 * kMiB;
-constexpr int kRepetitions = 4;
+constexpr uint64_t kScratchBytesPerThread = 128 * kMiB;
+constexpr int kRepetitions = 6;
+constexpr int64_t kClaimFloats = 64 * 1024;  // the streaming pass's unit of work
 
 std::string CpuModel() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -81,25 +84,10 @@ uint64_t ScratchBytes(int threads) {
   if (pages > 0 && page_size > 0) {
     bytes = std::min(bytes, static_cast<uint64_t>(pages) * page_size / 8);
   }
-  // Each thread owns a slab split in halves (copy) and quarters (update), all page-aligned.
+  // A multiple of 16 KiB per thread: the halves (copy) and quarters (update) stay page-aligned.
   const uint64_t slab_unit = uint64_t{4} * 4096;
   const uint64_t slab = std::max(bytes / threads / slab_unit, uint64_t{1}) * slab_unit;
   return slab * threads;
-}
-
-// The Adam shape: 4 fp32 streams read, 3 written back in place. The arithmetic stands in for
-// the real update without sqrt: with math-errno (the default) the compiler will not vectorize
-// sqrtf, and a scalar sqrt would time the square-root unit instead of the memory system.
-void AdamShapedPass(float* __restrict param, const float* __restrict grad,
-                    float* __restrict exp_avg, float* __restrict exp_avg_sq, uint64_t n) {
-  const float beta1 = 0.9f, beta2 = 0.999f, lr = 1e-3f, eps = 1e-8f, weight_decay = 1e-2f;
-  for (uint64_t i = 0; i < n; ++i) {
-    const float m = beta1 * exp_avg[i] + (1.0f - beta1) * grad[i];
-    const float v = beta2 * exp_avg_sq[i] + (1.0f - beta2) * grad[i] * grad[i];
-    exp_avg[i] = m;
-    exp_avg_sq[i] = v;
-    param[i] -= lr * (m / (v + eps) + weight_decay * param[i]);
-  }
 }
 
 void StreamTriad(float* __restrict a, const float* __restrict b, uint64_t n) {
@@ -113,12 +101,12 @@ struct HostBandwidths {
 
 // Best of a few passes: the interesting number is what the memory system can do, and the
 // slower passes are the ones disturbed by other processes.
-template <typename Fn>
-double BestBytesPerSecond(ThreadPool& pool, double bytes_per_pass, Fn&& pass) {
+template <typename Pass>
+double BestBytesPerSecond(double bytes_per_pass, Pass&& pass) {
   double best_seconds = 0.0;
   for (int rep = 0; rep < kRepetitions; ++rep) {
     const auto start = std::chrono::steady_clock::now();
-    pool.Run(pass);
+    if (!pass()) return 0.0;
     const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
     if (rep == 0 || took.count() < best_seconds) best_seconds = took.count();
   }
@@ -138,7 +126,6 @@ Result<HostBandwidths> MeasureHostBandwidths(int threads) {
   ThreadPool& pool = *owned;
   const int workers = pool.size();
   const uint64_t total = ScratchBytes(workers);
-  const uint64_t slab = total / workers;
   const uint64_t alloc_bytes = (total + kHugePage - 1) / kHugePage * kHugePage;
   char* scratch = static_cast<char*>(std::aligned_alloc(kHugePage, alloc_bytes));
   if (scratch == nullptr) {
@@ -146,34 +133,57 @@ Result<HostBandwidths> MeasureHostBandwidths(int threads) {
                                std::to_string(alloc_bytes) +
                                " bytes of scratch; free memory or set measure_bandwidth=false");
   }
+  std::unique_ptr<char, decltype(&std::free)> owner(scratch, &std::free);
   // Huge pages shorten the first touch and match the host arena, which asks for them too.
   (void)madvise(scratch, alloc_bytes, MADV_HUGEPAGE);
-
-  // Each worker touches, and later streams through, only its own slab, so on a NUMA host the
-  // pages sit on the node of the thread that uses them.
-  pool.Run([&](int index, int) { std::memset(scratch + index * slab, 0, slab); });
+  float* const floats = reinterpret_cast<float*>(scratch);
+  const int64_t count = static_cast<int64_t>(total / sizeof(float));
+  pool.ParallelFor(count, kClaimFloats, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) floats[i] = 1e-3f * static_cast<float>(i % 1000);
+  });
 
   HostBandwidths out;
-  const uint64_t half = slab / 2;
-  // In place, a += s*b: every written line was just read, so no write-allocate traffic hides
-  // in the count (a memcpy's stores read their lines first, so 2 bytes counted move 3). This
-  // is the pattern of an optimizer update, which writes back what it read.
-  const uint64_t m = half / sizeof(float);
-  out.copy = BestBytesPerSecond(pool, 12.0 * m * workers, [&](int index, int) {
-    float* a = reinterpret_cast<float*>(scratch + index * slab);
-    StreamTriad(a, a + m, m);
+  // In place, a += s*b over the two halves: every written line was just read, so no
+  // write-allocate traffic hides in the count (a memcpy's stores read their lines first, so 2
+  // bytes counted move 3). Work is claimed in runs, as the update's pool does, so that one
+  // thread held up by the OS does not hold up the pass.
+  const int64_t half = count / 2;
+  out.copy = BestBytesPerSecond(12.0 * static_cast<double>(half), [&] {
+    std::atomic<int64_t> next{0};
+    pool.Run([&](int, int) {
+      for (int64_t at; (at = next.fetch_add(kClaimFloats, std::memory_order_relaxed)) < half;) {
+        StreamTriad(floats + at, floats + half + at, std::min(kClaimFloats, half - at));
+      }
+    });
+    return true;
   });
-  // The update runs on one core fewer, as the host tier's pool does (the last core launches the
-  // GPU's work): with the pass limited by each core's outstanding misses, the core left out is
-  // worth ~1/workers of the bandwidth, which the plan must not count on.
-  const uint64_t n = slab / 4 / sizeof(float);
-  const int updaters = HostTierThreads(workers);
-  out.update = BestBytesPerSecond(pool, 28.0 * n * updaters, [&](int index, int) {
-    if (index >= updaters) return;
-    float* base = reinterpret_cast<float*>(scratch + index * slab);
-    AdamShapedPass(base, base + n, base + 2 * n, base + 3 * n, n);
+  owned.reset();  // the update brings its own pool
+
+  // The host tier's update itself: the same kernels, pool size (one core fewer than usable:
+  // the last core launches the GPU's work) and scheduling as the host tier's CpuUpdater, on
+  // four fp32 arrays (param, grad, two moments: 28 B per parameter moved).
+  CpuUpdaterOptions options;
+  options.threads = HostTierThreads(workers);
+  Result<std::unique_ptr<CpuUpdater>> updater = CpuUpdater::Create(options);
+  if (!updater.ok()) return updater.status();
+  const int64_t n = count / 4;
+  HyperParams hyper;
+  TensorUpdate t;
+  t.param = floats;
+  t.grad = floats + n;
+  t.exp_avg = floats + 2 * n;
+  t.exp_avg_sq = floats + 3 * n;
+  t.numel = n;
+  t.hyper = &hyper;
+  StepOptions step;
+  step.rounding = Rounding::kNearest;
+  Status failed;
+  out.update = BestBytesPerSecond(28.0 * static_cast<double>(n), [&] {
+    failed = (*updater)->Step(&t, 1, step);
+    ++t.step;
+    return failed.ok();
   });
-  std::free(scratch);
+  EMSA_RETURN_IF_ERROR(failed);
   return out;
 }
 

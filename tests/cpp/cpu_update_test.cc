@@ -729,12 +729,14 @@ TEST(CpuUpdate, StepRangeReportsWrittenPiecesOnceEach) {
               StatusCode::kInvalidArgument, "elements >= 64");
 }
 
-// Guided self-scheduling deals the same elements to whichever thread claims them first: the
-// same bits as equal shares, for Step and for StepRange with pieces reported (each once).
+// Guided self-scheduling (the default) deals the same elements to whichever thread claims them
+// first: the same bits as equal shares, for Step and for StepRange with pieces reported (each
+// once).
 TEST(CpuUpdate, GuidedSchedulingWritesTheSameBits) {
   const Combo c{OptimizerKind::kAdamW, DType::kBFloat16, true,
                 DType::kFloat32,       DType::kBFloat16, Rounding::kStochastic};
-  auto reference = MakeUpdater(DetectSimdLevel(), 1);
+  auto reference = MakeUpdater(DetectSimdLevel(), 3);
+  ASSERT_TRUE(reference->SetGuidedScheduling(0).ok());  // equal shares
   Batch want(c, kSizes, 41);
   const Batch start = want;
   ASSERT_TRUE(want.Step(*reference, want.Options()).ok());
