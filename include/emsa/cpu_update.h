@@ -2,9 +2,10 @@
 //
 // CpuUpdater owns a persistent worker pool (threads made once, none per step) and the SIMD
 // variant chosen at construction from cpuid (AVX-512, AVX2 or scalar; a lower one can be forced
-// for tests). Step() splits the elements of all tensors so every worker gets an equal share
-// (cut at multiples of 64 elements within a tensor; a worker's share may span tensors), runs,
-// and returns when all are done. It is synchronous and must not be called from two threads at
+// for tests). Step() deals the elements of all tensors to the workers in runs they claim as
+// they finish the last (guided scheduling, SetGuidedScheduling; or one equal share each), cut
+// at multiples of 64 elements within a tensor (a run may span tensors), and returns when all
+// are done. It is synchronous and must not be called from two threads at
 // once on the same updater. It allocates nothing.
 //
 // Numerics (the math is in emsa/update.h):

@@ -30,7 +30,7 @@ struct CpuProfile {
   int logical_cores = 0;  // threads the OS lets this process use (affinity mask)
   SimdLevel simd = SimdLevel::kScalar;
   double host_mem_bandwidth = 0.0;  // B/s, multi-threaded in-place a += s*b, read+write, measured
-  double host_update_bandwidth = 0.0;  // B/s, an Adam-shaped pass (4 fp32 streams in, 3 out:
+  double host_update_bandwidth = 0.0;  // B/s, the host tier's fp32 AdamW update (CpuUpdater,
                                        // 28 bytes per element), measured on one core fewer
                                        // than logical_cores, as the host tier's pool runs
 };
