@@ -77,6 +77,12 @@ static void test_cpu_step(void) {
   CHECK(emsa_cpu_updater_info(up, &threads, &level) == EMSA_OK);
   CHECK(threads == 2);
   CHECK(level == emsa_simd_level());
+  /* Scheduling: guided runs of >= 64 elements or equal shares (0); results are the same. */
+  CHECK(emsa_cpu_updater_set_guided(up, 10) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "at least 64") != NULL);
+  CHECK(emsa_cpu_updater_set_guided(NULL, 64) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_cpu_updater_set_guided(up, 0) == EMSA_OK);
+  CHECK(emsa_cpu_updater_set_guided(up, 64) == EMSA_OK);
 
   emsa_hyperparams h;
   emsa_hyperparams_init(&h);
