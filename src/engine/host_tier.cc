@@ -60,10 +60,18 @@ struct HostTier::Impl {
     size_t copy_begin = 0, copy_end = 0;
     cudaEvent_t start = nullptr, end = nullptr;
   };
-  // Elements [first, last) of a bucket's gradients, copied down together; `landed` is recorded
-  // on the D2H stream after them.
+  // Part of tensor `tensor`'s gradient: `bytes` at byte `offset`, copied from the device buffer
+  // Submit is given into the staging buffer.
+  struct GradCopy {
+    size_t tensor;
+    size_t offset;
+    size_t bytes;
+  };
+  // Elements [first, last) of a bucket's gradients, copied down together by grad_copies
+  // [copy_begin, copy_end); `landed` is recorded on the D2H stream after them.
   struct GradPiece {
     int64_t first = 0, last = 0;
+    size_t copy_begin = 0, copy_end = 0;
     cudaEvent_t landed = nullptr;
   };
   struct Bucket {
@@ -73,7 +81,8 @@ struct HostTier::Impl {
     std::vector<Piece> pieces;  // one covering the bucket unless upload_piece_elements
     std::vector<Copy> copies;
     std::vector<GradPiece> grad_pieces;  // one covering the bucket unless grad_piece_elements
-    cudaEvent_t ready = nullptr;         // on the compute stream: the gradients are final
+    std::vector<GradCopy> grad_copies;
+    cudaEvent_t ready = nullptr;  // on the compute stream: the gradients are final
     cudaEvent_t d2h_start = nullptr;
     int64_t submitted = 0;  // step of the last Submit
     int64_t uploaded = 0;   // step whose upload was last enqueued
@@ -84,6 +93,13 @@ struct HostTier::Impl {
     cudaEvent_t d2h_end() const { return grad_pieces.back().landed; }
     // This step's host times, seconds since its BeginStep (-1: not yet): Trace().
     double t_submit = -1, t_start = -1, t_end = -1;
+    // The upload of tensor k's elements [lo, hi).
+    Copy Upload(size_t k, int64_t lo, int64_t hi) const {
+      const size_t size = DTypeSize(updates[k].param_dtype);
+      return {static_cast<char*>(device_params[k]) + lo * size,
+              static_cast<const char*>(updates[k].param) + lo * size,
+              static_cast<size_t>(hi - lo) * size};
+    }
   };
 
   CpuUpdater* updater = nullptr;
@@ -152,8 +168,6 @@ struct HostTier::Impl {
   };
   static void UploadWritten(void* context, size_t tensor, int64_t begin, int64_t end) {
     auto* u = static_cast<WorkerUploads*>(context);
-    const TensorUpdate& t = u->b->updates[tensor];
-    const size_t size = DTypeSize(t.param_dtype);
     thread_local int current_device = -1;  // the pool's threads start on device 0
     cudaError_t err = cudaSuccess;
     if (current_device != u->m->options.device) {
@@ -161,10 +175,8 @@ struct HostTier::Impl {
       if (err == cudaSuccess) current_device = u->m->options.device;
     }
     if (err == cudaSuccess) {
-      err = cudaMemcpyAsync(static_cast<char*>(u->b->device_params[tensor]) + begin * size,
-                            static_cast<const char*>(t.param) + begin * size,
-                            static_cast<size_t>(end - begin) * size, cudaMemcpyHostToDevice,
-                            u->m->h2d);
+      const Copy copy = u->b->Upload(tensor, begin, end);
+      err = cudaMemcpyAsync(copy.dst, copy.src, copy.bytes, cudaMemcpyHostToDevice, u->m->h2d);
     }
     if (err != cudaSuccess) {
       int none = 0;
@@ -322,6 +334,18 @@ struct HostTier::Impl {
     }
   }
 
+  // Calls fn(k, lo, hi) for each tensor k of bucket b holding some of the bucket's elements
+  // [first, last): its elements [lo, hi).
+  template <typename Fn>
+  static void ForEachTensorRange(const Bucket& b, int64_t first, int64_t last, Fn&& fn) {
+    int64_t start = 0;
+    for (size_t k = 0; k < b.updates.size(); start += b.updates[k].numel, ++k) {
+      const int64_t lo = std::max(first, start) - start;
+      const int64_t hi = std::min(last, start + b.updates[k].numel) - start;
+      if (lo < hi) fn(k, lo, hi);
+    }
+  }
+
   // Bucket b's gradient pieces, upload pieces and their copies (at Create): one piece of each
   // for the whole bucket, or cuts every grad_piece_elements / upload_piece_elements.
   void CutPieces(Bucket& b) {
@@ -329,30 +353,26 @@ struct HostTier::Impl {
       GradPiece piece;
       piece.first = first;
       piece.last = last;
+      piece.copy_begin = b.grad_copies.size();
+      ForEachTensorRange(b, first, last, [&b](size_t k, int64_t lo, int64_t hi) {
+        const size_t size = DTypeSize(b.updates[k].grad_dtype);
+        b.grad_copies.push_back(
+            {k, static_cast<size_t>(lo) * size, static_cast<size_t>(hi - lo) * size});
+      });
+      piece.copy_end = b.grad_copies.size();
       b.grad_pieces.push_back(piece);
     });
-    CutElements(b, options.upload_piece_elements,
-                [this, &b](int64_t first, int64_t last) { CutUploadPiece(b, first, last); });
-  }
-
-  void CutUploadPiece(Bucket& b, int64_t first, int64_t last) {
-    const TensorUpdate* u = b.updates.data();
-    Piece piece;
-    piece.first = first;
-    piece.last = last;
-    piece.copy_begin = b.copies.size();
-    int64_t start = 0;
-    for (size_t k = 0; k < b.updates.size(); start += u[k].numel, ++k) {
-      const int64_t lo = std::max(first, start) - start;
-      const int64_t hi = std::min(last, start + u[k].numel) - start;
-      if (lo >= hi) continue;
-      const size_t size = DTypeSize(u[k].param_dtype);
-      b.copies.push_back({static_cast<char*>(b.device_params[k]) + lo * size,
-                          static_cast<const char*>(u[k].param) + lo * size,
-                          static_cast<size_t>(hi - lo) * size});
-    }
-    piece.copy_end = b.copies.size();
-    b.pieces.push_back(piece);
+    CutElements(b, options.upload_piece_elements, [&b](int64_t first, int64_t last) {
+      Piece piece;
+      piece.first = first;
+      piece.last = last;
+      piece.copy_begin = b.copies.size();
+      ForEachTensorRange(b, first, last, [&b](size_t k, int64_t lo, int64_t hi) {
+        b.copies.push_back(b.Upload(k, lo, hi));
+      });
+      piece.copy_end = b.copies.size();
+      b.pieces.push_back(piece);
+    });
   }
 
   // Under mu: blocks until the worker has no bucket left, or failed.
@@ -545,17 +565,12 @@ Status HostTier::Submit(size_t bucket, const void* const* grads, size_t count,
   EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(m.d2h, b.ready, 0));
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.d2h_start, m.d2h));
   for (const Impl::GradPiece& piece : b.grad_pieces) {
-    int64_t start = 0;
-    for (size_t k = 0; k < count; start += b.updates[k].numel, ++k) {
-      const TensorUpdate& u = b.updates[k];
-      const int64_t lo = std::max(piece.first, start) - start;
-      const int64_t hi = std::min(piece.last, start + u.numel) - start;
-      if (lo >= hi) continue;
-      const size_t size = DTypeSize(u.grad_dtype);
-      EMSA_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(static_cast<char*>(const_cast<void*>(u.grad)) + lo * size,
-                          static_cast<const char*>(grads[k]) + lo * size,
-                          static_cast<size_t>(hi - lo) * size, cudaMemcpyDeviceToHost, m.d2h));
+    for (size_t c = piece.copy_begin; c < piece.copy_end; ++c) {
+      const Impl::GradCopy& copy = b.grad_copies[c];
+      EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+          static_cast<char*>(const_cast<void*>(b.updates[copy.tensor].grad)) + copy.offset,
+          static_cast<const char*>(grads[copy.tensor]) + copy.offset, copy.bytes,
+          cudaMemcpyDeviceToHost, m.d2h));
     }
     EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(piece.landed, m.d2h));
   }
