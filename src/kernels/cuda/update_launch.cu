@@ -51,6 +51,22 @@ size_t BulkSmemBytes(OptimizerKind optimizer) {
                                            : BulkShape<OptimizerKind::kAdamW>::kSmemBytes;
 }
 
+// The kernel a launch runs and the dynamic shared memory it needs.
+struct Kernel {
+  UpdateKernelFn fn = nullptr;
+  size_t smem = 0;
+};
+Result<Kernel> KernelFor(OptimizerKind optimizer, Variant variant, bool bulk) {
+  if (!bulk) {
+    EMSA_ASSIGN_OR_RETURN(UpdateKernelFn fn, Find(optimizer, variant));
+    return Kernel{fn, 0};
+  }
+  if (!BulkVariant(variant)) {
+    return Status::Internal("the bulk-copy kernel was asked for a variant it does not serve");
+  }
+  return Kernel{BulkKernel(optimizer), BulkSmemBytes(optimizer)};
+}
+
 }  // namespace
 
 Result<bool> BulkAvailable(OptimizerKind optimizer) {
@@ -69,18 +85,10 @@ Result<bool> BulkAvailable(OptimizerKind optimizer) {
 }
 
 Result<int> UpdateBlocksPerSm(OptimizerKind optimizer, Variant variant, bool bulk) {
-  const void* fn = nullptr;
-  size_t smem = 0;
-  if (bulk) {
-    fn = reinterpret_cast<const void*>(BulkKernel(optimizer));
-    smem = BulkSmemBytes(optimizer);
-  } else {
-    EMSA_ASSIGN_OR_RETURN(UpdateKernelFn f, Find(optimizer, variant));
-    fn = reinterpret_cast<const void*>(f);
-  }
+  EMSA_ASSIGN_OR_RETURN(Kernel k, KernelFor(optimizer, variant, bulk));
   int blocks = 0;
-  EMSA_CUDA_RETURN_IF_ERROR(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, kUpdateThreads, smem));
+  EMSA_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &blocks, reinterpret_cast<const void*>(k.fn), kUpdateThreads, k.smem));
   if (blocks < 1) {
     return Status::Internal("the update kernel fits no block of " + std::to_string(kUpdateThreads) +
                             " threads on an SM");
@@ -91,17 +99,9 @@ Result<int> UpdateBlocksPerSm(OptimizerKind optimizer, Variant variant, bool bul
 Status LaunchUpdate(OptimizerKind optimizer, Variant variant, const UpdateLaunch& launch,
                     cudaStream_t stream, const DeviceAccessWindow* window) {
   if (launch.chunk_count == 0) return Status::Ok();
-  UpdateKernelFn fn = nullptr;
-  size_t smem = 0;
-  if (launch.bulk != 0) {
-    if (!BulkVariant(variant)) {
-      return Status::Internal("the bulk-copy kernel was asked for a variant it does not serve");
-    }
-    fn = BulkKernel(optimizer);
-    smem = BulkSmemBytes(optimizer);
-  } else {
-    EMSA_ASSIGN_OR_RETURN(fn, Find(optimizer, variant));
-  }
+  EMSA_ASSIGN_OR_RETURN(Kernel k, KernelFor(optimizer, variant, launch.bulk != 0));
+  const UpdateKernelFn fn = k.fn;
+  const size_t smem = k.smem;
   UpdateLaunch arg = launch;
   void* args[] = {&arg};
   if (window == nullptr || window->bytes == 0) {
