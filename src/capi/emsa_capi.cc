@@ -94,6 +94,16 @@ emsa_status Guard(Fn&& fn) {
   }
 }
 
+// A guarded call on a handle: NULL is EMSA_INVALID_ARGUMENT naming it; otherwise the Status
+// fn(*handle) returns.
+template <typename Handle, typename Fn>
+emsa_status OnHandle(Handle* handle, const char* name, Fn&& fn) {
+  return Guard([&] {
+    if (handle == nullptr) return Fail(EMSA_INVALID_ARGUMENT, std::string(name) + " is NULL");
+    return Report(fn(*handle));
+  });
+}
+
 char* CopyString(const std::string& s) {
   char* out = static_cast<char*>(std::malloc(s.size() + 1));
   if (out != nullptr) std::memcpy(out, s.c_str(), s.size() + 1);
@@ -541,8 +551,8 @@ emsa_status emsa_cpu_updater_create(int32_t threads, int32_t max_simd,
 }
 
 emsa_status emsa_cpu_updater_set_guided(emsa_cpu_updater* updater, int64_t min_elements) {
-  if (updater == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "updater is NULL");
-  return Report(updater->updater->SetGuidedScheduling(min_elements));
+  return OnHandle(updater, "updater",
+                  [&](auto& h) { return h.updater->SetGuidedScheduling(min_elements); });
 }
 
 void emsa_cpu_updater_destroy(emsa_cpu_updater* updater) { delete updater; }
@@ -709,10 +719,8 @@ emsa_status emsa_device_scalars_set_group(emsa_device_scalars* scalars, size_t g
 
 emsa_status emsa_device_scalars_set_inputs(emsa_device_scalars* scalars, float grad_unscale,
                                            float max_norm, uint64_t seed, void* stream) {
-  return Guard([&] {
-    if (scalars == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "scalars is NULL");
-    return Report(scalars->scalars->SetInputs(grad_unscale, max_norm, seed,
-                                              static_cast<cudaStream_t>(stream)));
+  return OnHandle(scalars, "scalars", [&](auto& h) {
+    return h.scalars->SetInputs(grad_unscale, max_norm, seed, static_cast<cudaStream_t>(stream));
   });
 }
 
@@ -863,9 +871,8 @@ emsa_status emsa_device_scalars_copy_header(const emsa_device_scalars* scalars,
 
 emsa_status emsa_device_table_set_grads(emsa_device_table* table, const void* const* grads,
                                         size_t count, void* stream) {
-  return Guard([&] {
-    if (table == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "table is NULL");
-    return Report(table->table->SetGradPointers(grads, count, static_cast<cudaStream_t>(stream)));
+  return OnHandle(table, "table", [&](auto& h) {
+    return h.table->SetGradPointers(grads, count, static_cast<cudaStream_t>(stream));
   });
 }
 
@@ -975,31 +982,24 @@ emsa_status emsa_device_engine_create(emsa_device_table* const* tables, size_t c
 void emsa_device_engine_destroy(emsa_device_engine* engine) { delete engine; }
 
 emsa_status emsa_device_engine_submit(emsa_device_engine* engine, size_t bucket, void* stream) {
-  return Guard([&] {
-    if (engine == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "engine is NULL");
-    return Report(engine->engine->Submit(bucket, static_cast<cudaStream_t>(stream)));
+  return OnHandle(engine, "engine", [&](auto& h) {
+    return h.engine->Submit(bucket, static_cast<cudaStream_t>(stream));
   });
 }
 
 emsa_status emsa_device_engine_wait(emsa_device_engine* engine, size_t bucket, void* stream) {
-  return Guard([&] {
-    if (engine == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "engine is NULL");
-    return Report(engine->engine->Wait(bucket, static_cast<cudaStream_t>(stream)));
+  return OnHandle(engine, "engine", [&](auto& h) {
+    return h.engine->Wait(bucket, static_cast<cudaStream_t>(stream));
   });
 }
 
 emsa_status emsa_device_engine_wait_all(emsa_device_engine* engine, void* stream) {
-  return Guard([&] {
-    if (engine == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "engine is NULL");
-    return Report(engine->engine->WaitAll(static_cast<cudaStream_t>(stream)));
-  });
+  return OnHandle(engine, "engine",
+                  [&](auto& h) { return h.engine->WaitAll(static_cast<cudaStream_t>(stream)); });
 }
 
 emsa_status emsa_device_engine_synchronize(emsa_device_engine* engine) {
-  return Guard([&] {
-    if (engine == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "engine is NULL");
-    return Report(engine->engine->Synchronize());
-  });
+  return OnHandle(engine, "engine", [&](auto& h) { return h.engine->Synchronize(); });
 }
 
 int32_t emsa_host_tier_threads(int32_t cores) { return emsa::HostTierThreads(cores); }
@@ -1079,31 +1079,24 @@ emsa_status emsa_host_tier_begin_step(emsa_host_tier* tier, const emsa_hyperpara
 
 emsa_status emsa_host_tier_submit(emsa_host_tier* tier, size_t bucket, const void* const* grads,
                                   size_t count, void* stream) {
-  return Guard([&] {
-    if (tier == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "tier is NULL");
-    return Report(tier->tier->Submit(bucket, grads, count, static_cast<cudaStream_t>(stream)));
+  return OnHandle(tier, "tier", [&](auto& h) {
+    return h.tier->Submit(bucket, grads, count, static_cast<cudaStream_t>(stream));
   });
 }
 
 emsa_status emsa_host_tier_wait(emsa_host_tier* tier, size_t bucket, void* stream) {
-  return Guard([&] {
-    if (tier == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "tier is NULL");
-    return Report(tier->tier->Wait(bucket, static_cast<cudaStream_t>(stream)));
-  });
+  return OnHandle(tier, "tier",
+                  [&](auto& h) { return h.tier->Wait(bucket, static_cast<cudaStream_t>(stream)); });
 }
 
 emsa_status emsa_host_tier_wait_grads_copied(emsa_host_tier* tier, void* stream) {
-  return Guard([&] {
-    if (tier == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "tier is NULL");
-    return Report(tier->tier->WaitGradsCopied(static_cast<cudaStream_t>(stream)));
+  return OnHandle(tier, "tier", [&](auto& h) {
+    return h.tier->WaitGradsCopied(static_cast<cudaStream_t>(stream));
   });
 }
 
 emsa_status emsa_host_tier_synchronize(emsa_host_tier* tier) {
-  return Guard([&] {
-    if (tier == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "tier is NULL");
-    return Report(tier->tier->Synchronize());
-  });
+  return OnHandle(tier, "tier", [&](auto& h) { return h.tier->Synchronize(); });
 }
 
 emsa_status emsa_host_tier_trace(const emsa_host_tier* tier, double* submit, double* start,
