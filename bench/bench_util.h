@@ -1,5 +1,5 @@
-// bench_util.h — what the device benchmarks share: fail-fast checks, the UTC timestamp, device
-// buffers and event timing.
+// bench_util.h — what the device benchmarks share: fail-fast checks, flag parsing, the UTC
+// timestamp, device buffers and event timing.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <functional>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -33,6 +35,25 @@
   } while (0)
 
 namespace emsa_bench {
+
+// One `--name value` option and what to do with its value.
+struct Flag {
+  const char* name;
+  std::function<void(const char*)> set;
+};
+// Applies the `--name value` pairs of argv; false on an unknown name or a missing value.
+inline bool ParseFlags(int argc, char** argv, std::initializer_list<Flag> flags) {
+  for (int i = 1; i < argc; i += 2) {
+    if (i + 1 >= argc) return false;
+    const Flag* match = nullptr;
+    for (const Flag& f : flags) {
+      if (argv[i] == std::string(f.name)) match = &f;
+    }
+    if (match == nullptr) return false;
+    match->set(argv[i + 1]);
+  }
+  return true;
+}
 
 inline std::string UtcNow() {
   const std::time_t now = std::time(nullptr);

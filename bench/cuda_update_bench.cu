@@ -266,23 +266,14 @@ int main(int argc, char** argv) {
   std::string out_path, variants = "fp32,fp32-bf16state,amp,bf16,lion-fp32";
   int reps = 30, warmup = 5;
   int64_t bucket_mib = 32;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (i + 1 >= argc) return Usage();
-    const char* val = argv[++i];
-    if (a == "--out") {
-      out_path = val;
-    } else if (a == "--reps") {
-      reps = std::atoi(val);
-    } else if (a == "--warmup") {
-      warmup = std::atoi(val);
-    } else if (a == "--variants") {
-      variants = val;
-    } else if (a == "--bucket-mib") {
-      bucket_mib = std::atoll(val);
-    } else {
-      return Usage();
-    }
+  if (!emsa_bench::ParseFlags(
+          argc, argv,
+          {{"--out", [&](const char* v) { out_path = v; }},
+           {"--reps", [&](const char* v) { reps = std::atoi(v); }},
+           {"--warmup", [&](const char* v) { warmup = std::atoi(v); }},
+           {"--variants", [&](const char* v) { variants = v; }},
+           {"--bucket-mib", [&](const char* v) { bucket_mib = std::atoll(v); }}})) {
+    return Usage();
   }
   if (reps < 1 || warmup < 0 || bucket_mib < 1) return Usage();
 

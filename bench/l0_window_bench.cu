@@ -112,23 +112,14 @@ int main(int argc, char** argv) {
   std::string out;
   int rounds = 6, reps = 20;
   uint64_t traffic_mib = 2048, rest_m = 200;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (i + 1 >= argc) return Usage();
-    const char* val = argv[++i];
-    if (a == "--out") {
-      out = val;
-    } else if (a == "--rounds") {
-      rounds = std::atoi(val);
-    } else if (a == "--reps") {
-      reps = std::atoi(val);
-    } else if (a == "--traffic-mib") {
-      traffic_mib = std::strtoull(val, nullptr, 10);
-    } else if (a == "--rest-m") {
-      rest_m = std::strtoull(val, nullptr, 10);
-    } else {
-      return Usage();
-    }
+  if (!emsa_bench::ParseFlags(
+          argc, argv,
+          {{"--out", [&](const char* v) { out = v; }},
+           {"--rounds", [&](const char* v) { rounds = std::atoi(v); }},
+           {"--reps", [&](const char* v) { reps = std::atoi(v); }},
+           {"--traffic-mib", [&](const char* v) { traffic_mib = std::strtoull(v, nullptr, 10); }},
+           {"--rest-m", [&](const char* v) { rest_m = std::strtoull(v, nullptr, 10); }}})) {
+    return Usage();
   }
   if (rounds < 1 || reps < 1 || traffic_mib == 0) return Usage();
 

@@ -696,23 +696,13 @@ int main(int argc, char** argv) {
   Bench b;
   std::string out_path;
   b.n = int64_t{1} << 28;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (i + 1 >= argc) return Usage();
-    const char* val = argv[++i];
-    if (a == "--out") {
-      out_path = val;
-    } else if (a == "--elems") {
-      b.n = std::atoll(val);
-    } else if (a == "--reps") {
-      b.reps = std::atoi(val);
-    } else if (a == "--warmup") {
-      b.warmup = std::atoi(val);
-    } else if (a == "--only") {
-      b.only = val;
-    } else {
-      return Usage();
-    }
+  if (!emsa_bench::ParseFlags(argc, argv,
+                              {{"--out", [&](const char* v) { out_path = v; }},
+                               {"--elems", [&](const char* v) { b.n = std::atoll(v); }},
+                               {"--reps", [&](const char* v) { b.reps = std::atoi(v); }},
+                               {"--warmup", [&](const char* v) { b.warmup = std::atoi(v); }},
+                               {"--only", [&](const char* v) { b.only = v; }}})) {
+    return Usage();
   }
   if (b.reps < 1 || b.warmup < 0) return Usage();
   if (b.n < kChunkElems || b.n % kChunkElems != 0) {
