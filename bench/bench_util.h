@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/json.h"
 #include "emsa/status.h"
 
 #define CHECK_CUDA(call)                                                 \
@@ -72,6 +73,16 @@ inline std::string Command(int argc, char** argv) {
   std::string out;
   for (int i = 0; i < argc; ++i) out += (i > 0 ? " " : "") + std::string(argv[i]);
   return out;
+}
+
+// A result document's opening: which benchmark, when, at which commit, by which command.
+inline emsa::json::Value ResultDoc(const char* benchmark, int argc, char** argv) {
+  emsa::json::Value doc = emsa::json::Value::MakeObject();
+  doc.Set("benchmark", benchmark);
+  doc.Set("date", UtcNow());
+  doc.Set("commit", Commit());
+  doc.Set("command", Command(argc, argv));
+  return doc;
 }
 
 // Device memory freed at scope end.

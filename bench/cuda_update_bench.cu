@@ -337,11 +337,7 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaStreamDestroy(stream));
 
   if (!out_path.empty()) {
-    emsa::json::Value doc = emsa::json::Value::MakeObject();
-    doc.Set("benchmark", "cuda_update");
-    doc.Set("date", emsa_bench::UtcNow());
-    doc.Set("commit", emsa_bench::Commit());
-    doc.Set("command", emsa_bench::Command(argc, argv));
+    emsa::json::Value doc = emsa_bench::ResultDoc("cuda_update", argc, argv);
     emsa::json::Value dev = emsa::json::Value::MakeObject();
     dev.Set("name", std::string(prop.name));
     dev.Set("sms", prop.multiProcessorCount);

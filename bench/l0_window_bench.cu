@@ -228,11 +228,7 @@ int main(int argc, char** argv) {
               hot_bytes / (ms(off.hot) * 1e-3) / 1e9, hot_bytes / (ms(on.hot) * 1e-3) / 1e9);
 
   if (!out.empty()) {
-    emsa::json::Value root = emsa::json::Value::MakeObject();
-    root.Set("benchmark", "l0-window");
-    root.Set("date", emsa_bench::UtcNow());
-    root.Set("commit", emsa_bench::Commit());
-    root.Set("command", emsa_bench::Command(argc, argv));
+    emsa::json::Value root = emsa_bench::ResultDoc("l0-window", argc, argv);
     root.Set("device", std::string(prop.name));
     root.Set("l2_bytes", static_cast<double>(limits->l2_bytes));
     root.Set("reserve_granted_bytes", static_cast<double>(granted));

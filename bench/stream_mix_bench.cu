@@ -907,11 +907,7 @@ int main(int argc, char** argv) {
   std::printf("%s\n", b.failed ? "SOME CHECKS FAILED" : "all checks passed");
 
   if (!out_path.empty()) {
-    emsa::json::Value doc = emsa::json::Value::MakeObject();
-    doc.Set("benchmark", "stream_mix");
-    doc.Set("date", emsa_bench::UtcNow());
-    doc.Set("commit", emsa_bench::Commit());
-    doc.Set("command", emsa_bench::Command(argc, argv));
+    emsa::json::Value doc = emsa_bench::ResultDoc("stream_mix", argc, argv);
     emsa::json::Value dev = emsa::json::Value::MakeObject();
     dev.Set("name", std::string(b.prop.name));
     dev.Set("sms", b.prop.multiProcessorCount);
