@@ -75,6 +75,16 @@ inline std::string Command(int argc, char** argv) {
   return out;
 }
 
+// A uniform float in [0, 1) from a hash (splitmix64) of (seed, index): fills that are the same
+// on every run and never need host memory.
+__device__ __forceinline__ float Uniform(uint64_t seed, int64_t i) {
+  uint64_t z = seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(i + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> 40) * 0x1.0p-24f;  // [0, 1)
+}
+
 // A result document's opening: which benchmark, when, at which commit, by which command.
 inline emsa::json::Value ResultDoc(const char* benchmark, int argc, char** argv) {
   emsa::json::Value doc = emsa::json::Value::MakeObject();

@@ -39,6 +39,7 @@ namespace {
 using emsa_bench::Buffer;
 using emsa_bench::Time;
 using emsa_bench::Timing;
+using emsa_bench::Uniform;
 
 using emsa::DType;
 using emsa::OptimizerKind;
@@ -77,14 +78,6 @@ const Variant kVariants[] = {
 };
 
 // ---- random fill on the device ------------------------------------------------------------------
-
-__device__ __forceinline__ float Uniform(uint64_t seed, int64_t i) {
-  uint64_t z = seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(i + 1);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  return static_cast<float>(z >> 40) * 0x1.0p-24f;  // [0, 1)
-}
 
 // x in +-[lo, hi) (or [lo, hi) when !sign), stored as `dtype`.
 __global__ void FillKernel(void* out, int dtype, int64_t n, uint64_t seed, float lo, float hi,

@@ -84,6 +84,7 @@ namespace {
 using emsa_bench::Buffer;
 using emsa_bench::Time;
 using emsa_bench::Timing;
+using emsa_bench::Uniform;
 
 using emsa::OptimizerKind;
 using emsa::cuda::BulkCommit;  // the bulk-copy helpers (kernels/cuda/bulk_copy.cuh)
@@ -320,14 +321,6 @@ __global__ void __launch_bounds__(kBlock) TmaKernel(Streams s, Op op, int64_t ti
 }
 
 // ---- fill, compare, step constants -------------------------------------------------------------
-
-__device__ __forceinline__ float Uniform(uint64_t seed, int64_t i) {
-  uint64_t z = seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(i + 1);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  return static_cast<float>(z >> 40) * 0x1.0p-24f;  // [0, 1)
-}
 
 // x in +-[lo, hi) (or [lo, hi) when !sign), from a hash of (seed, index): never zero.
 __global__ void FillKernel(float* out, int64_t n, uint64_t seed, float lo, float hi, bool sign) {
