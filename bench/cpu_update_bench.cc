@@ -7,11 +7,14 @@
 //   (or: g++ -O3 -std=c++17 -Iinclude -Isrc bench/cpu_update_bench.cc build/libemsa_core.a
 //   -lpthread) cpu_update_bench [--params N] [--tensors T] [--threads K] [--simd
 //   scalar|avx2|avx512] [--iters I] [--memory plain|hostalloc|registered]
-//   [--guided MIN_ELEMENTS]
+//   [--guided MIN_ELEMENTS] [--range ELEMENTS] [--states all|fp32]
 //
 // --memory: where the arrays live, each a HostArena: plain huge-page memory (default),
 // cudaHostAlloc's pinned memory (4 KiB pages, as the host tier's arena), or huge pages
 // registered with CUDA (the arena's A/B). The last two need a CUDA build and device.
+// --range: the step as consecutive CpuUpdater::StepRange calls of about ELEMENTS each (cut where
+// StepRange accepts a cut), as the host tier updates one gradient bucket at a time; 0 (default):
+// one Step over everything. Shows what the per-call fork, join and tail cost.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -36,6 +39,8 @@ struct Args {
   int iters = 10;
   std::string memory = "plain";
   int64_t guided = emsa::CpuUpdater::kGuidedMinElements;  // SetGuidedScheduling
+  int64_t range = 0;                                      // StepRange calls of this many
+  bool bf16_states = true;                                // --states all: the bf16 rows too
 };
 
 Args Parse(int argc, char** argv) {
@@ -55,6 +60,10 @@ Args Parse(int argc, char** argv) {
       a.iters = std::atoi(v);
     else if (k == "--guided")
       a.guided = std::atoll(v);
+    else if (k == "--range")
+      a.range = std::atoll(v);
+    else if (k == "--states" && (std::string(v) == "all" || std::string(v) == "fp32"))
+      a.bf16_states = std::string(v) == "all";
     else if (k == "--memory" && (std::string(v) == "plain" || std::string(v) == "registered" ||
                                  std::string(v) == "hostalloc"))
       a.memory = v;
@@ -156,7 +165,18 @@ void Run(emsa::CpuUpdater& updater, const Args& a, emsa::DType state, emsa::Roun
   emsa::StepOptions options;
   options.rounding = rounding;
   const double sec = MedianSeconds(a.iters, [&] {
-    emsa::Status s = updater.Step(ups.data(), ups.size(), options);
+    emsa::Status s;
+    if (a.range <= 0) {
+      s = updater.Step(ups.data(), ups.size(), options);
+    } else {
+      for (int64_t first = 0; first < n && s.ok();) {
+        const int64_t last = n - first <= a.range ? n
+                                                  : emsa::CpuUpdater::Aligned(
+                                                        ups.data(), ups.size(), first + a.range);
+        s = updater.StepRange(ups.data(), ups.size(), options, first, last);
+        first = last;
+      }
+    }
     if (!s.ok()) std::fprintf(stderr, "%s\n", s.ToString().c_str()), std::exit(1);
     for (auto& u : ups) ++u.step;
   });
@@ -185,11 +205,13 @@ int main(int argc, char** argv) {
   if (!updater.ok()) return std::fprintf(stderr, "%s\n", updater.status().ToString().c_str()), 1;
   const emsa::Status guided = (*updater)->SetGuidedScheduling(a.guided);
   if (!guided.ok()) return std::fprintf(stderr, "%s\n", guided.ToString().c_str()), 2;
-  std::printf("AdamW, %lld params in %d tensors, %d threads, %s, %s memory, guided %lld\n",
-              static_cast<long long>(a.params), a.tensors, (*updater)->threads(),
-              emsa::SimdLevelName((*updater)->simd()), a.memory.c_str(),
-              static_cast<long long>(a.guided));
+  std::printf(
+      "AdamW, %lld params in %d tensors, %d threads, %s, %s memory, guided %lld, range %lld\n",
+      static_cast<long long>(a.params), a.tensors, (*updater)->threads(),
+      emsa::SimdLevelName((*updater)->simd()), a.memory.c_str(), static_cast<long long>(a.guided),
+      static_cast<long long>(a.range));
   Run(**updater, a, emsa::DType::kFloat32, emsa::Rounding::kNearest, "fp32 param+state");
+  if (!a.bf16_states) return 0;
   Run(**updater, a, emsa::DType::kBFloat16, emsa::Rounding::kNearest, "bf16 state, nearest");
   Run(**updater, a, emsa::DType::kBFloat16, emsa::Rounding::kStochastic, "bf16 state, stochastic");
   return 0;

@@ -408,9 +408,16 @@ def host_trace(opt) -> dict | None:
         return None
     last = max(submitted)
     before = sum(max(0.0, min(b, last) - a) for a, b in spans)
+    # Each bucket's parameter count, so its CPU time reads as a rate (rows: submit, start, end).
+    numel = [0] * len(rows)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            k = host._bucket_of.get(id(p))
+            if k is not None:
+                numel[k] += p.numel()
     return dict(buckets=len(rows), last_submit_s=last, first_cpu_start_s=min(a for a, _ in spans),
                 last_cpu_end_s=max(b for _, b in spans), cpu_busy_s=sum(b - a for a, b in spans),
-                cpu_busy_before_last_submit_s=before,
+                cpu_busy_before_last_submit_s=before, bucket_numel=numel,
                 rows=[[round(x, 6) for x in r] for r in rows])
 
 
