@@ -208,7 +208,7 @@ EMSA_API emsa_status emsa_cpu_updater_create(int32_t threads, int32_t max_simd,
                                              emsa_cpu_updater** updater_out);
 EMSA_API void emsa_cpu_updater_destroy(emsa_cpu_updater* updater);
 /* How the pool shares out a step: >= 64 guided self-scheduling with runs of at least this many
- * elements (default 65536; CpuUpdater::SetGuidedScheduling), 0 equal contiguous shares. Same
+ * elements (default 16384; CpuUpdater::SetGuidedScheduling), 0 equal contiguous shares. Same
  * results either way. */
 EMSA_API emsa_status emsa_cpu_updater_set_guided(emsa_cpu_updater* updater, int64_t min_elements);
 EMSA_API emsa_status emsa_cpu_updater_info(const emsa_cpu_updater* updater, int32_t* threads_out,
