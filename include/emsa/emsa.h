@@ -414,6 +414,12 @@ typedef struct emsa_host_tier_options {
    * enqueues the upload of every this many elements it has written, while they are in its cache
    * (HostTierOptions.worker_upload_elements) */
   int64_t worker_upload_elements;
+  /* 0 (default): the CPU updates the host copy of each parameter, which is uploaded; 1: for fp32
+   * parameters with fp32 gradients under AdamW or Lion, the CPU writes only the change and the
+   * device applies it (HostTierOptions.device_delta), through a device staging buffer of
+   * delta_staging_elements floats (default 4 Mi) */
+  int32_t device_delta;
+  int64_t delta_staging_elements;
 } emsa_host_tier_options;
 
 /* One step's measurements: busy seconds per engine (sums over buckets). */

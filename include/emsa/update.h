@@ -45,6 +45,14 @@ struct TensorUpdate {
   DType state_dtype = DType::kFloat32;
   int64_t step = 1;                    // this update's step number, >= 1 (bias correction)
   const HyperParams* hyper = nullptr;  // per-tensor (param group) hyperparameters
+  // CPU only (CpuUpdater), AdamW and Lion, fp32 param without master: when set, param is
+  // neither read nor written (it may be null); the update writes numel fp32 values here
+  // instead, the change after weight decay, so that the parameter's new value is
+  // p * (1 - lr * wd) + delta, each operation rounded on its own (no FMA), bitwise what the
+  // update would have stored in param. May be grad itself when grad is fp32 (each element is
+  // read before it is written). The host tier uses it to apply the update where the parameter
+  // lives, so the host neither reads nor writes the parameter.
+  float* delta = nullptr;
 };
 
 struct StepOptions {

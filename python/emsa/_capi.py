@@ -175,6 +175,8 @@ class HostTierOptions(ctypes.Structure):
         ("upload_piece_elements", ctypes.c_int64),
         ("grad_piece_elements", ctypes.c_int64),
         ("worker_upload_elements", ctypes.c_int64),
+        ("device_delta", ctypes.c_int32),
+        ("delta_staging_elements", ctypes.c_int64),
     ]
 
 

@@ -27,6 +27,10 @@ from . import _capi
 from ._capi import HostTierOptions, HostTierStepStats, HostTierTensor, check, lib
 
 
+# Whether the host tier applies fp32 parameters' updates on the device (bench/README.md A/B).
+DEVICE_DELTA = 0
+
+
 class HostTier:
     def __init__(self, tensors: list[HostTierTensor], buckets: list[list[int]],
                  group_count: int, optimizer: str, device: torch.device,
@@ -57,6 +61,9 @@ class HostTier:
         options.upload_piece_elements = int(os.environ.get("EMSA_HOST_UPLOAD_PIECE", 0))
         options.grad_piece_elements = int(os.environ.get("EMSA_HOST_GRAD_PIECE", 0))
         options.worker_upload_elements = int(os.environ.get("EMSA_HOST_WORKER_UPLOAD", 0))
+        # fp32 parameters: the CPU writes the update's change and the device applies it
+        # (HostTierOptions.device_delta); EMSA_HOST_DELTA=0/1 overrides for A/B.
+        options.device_delta = int(os.environ.get("EMSA_HOST_DELTA", DEVICE_DELTA))
         array = (HostTierTensor * max(len(tensors), 1))(*tensors)
         try:
             check(lib.emsa_host_tier_create(self.updater, array, len(tensors), len(buckets),

@@ -948,6 +948,7 @@ void emsa_host_tier_options_init(emsa_host_tier_options* options) {
   options->struct_size = sizeof(emsa_host_tier_options);
   options->optimizer = EMSA_OPTIMIZER_ADAMW;
   options->rounding = EMSA_ROUNDING_STOCHASTIC;
+  options->delta_staging_elements = emsa::HostTierOptions{}.delta_staging_elements;
 }
 
 void emsa_host_tier_step_stats_init(emsa_host_tier_step_stats* stats) {
@@ -1032,6 +1033,11 @@ emsa_status emsa_host_tier_create(emsa_cpu_updater* updater, const emsa_host_tie
     o.upload_piece_elements = options->upload_piece_elements;
     o.grad_piece_elements = options->grad_piece_elements;
     o.worker_upload_elements = options->worker_upload_elements;
+    if (options->device_delta != 0 && options->device_delta != 1) {
+      return Fail(EMSA_INVALID_ARGUMENT, "device_delta must be 0 or 1");
+    }
+    o.device_delta = options->device_delta == 1;
+    o.delta_staging_elements = options->delta_staging_elements;
     std::vector<emsa::HostTierTensor> converted(count);
     for (size_t i = 0; i < count; ++i) {
       const emsa_host_tier_tensor& t = tensors[i];

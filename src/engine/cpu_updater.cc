@@ -101,8 +101,23 @@ Status ValidateTensor(size_t i, const TensorUpdate& t, const StepOptions& o) {
                           "(round-to-nearest would drop small updates); pass a master copy or "
                           "stochastic rounding");
   }
+  if (t.delta != nullptr) {
+    if (o.optimizer == OptimizerKind::kAdam) {
+      return Invalid(i,
+                     "delta is set, but Adam's L2 decay reads the parameter into the gradient; "
+                     "use AdamW or Lion, or pass null");
+    }
+    if (t.param_dtype != DType::kFloat32) {
+      return Invalid(i, std::string("delta is set for a ") + DTypeName(t.param_dtype) +
+                            " parameter; it is for fp32 parameters only: pass null");
+    }
+    if (t.grad == t.delta && t.grad_dtype != DType::kFloat32) {
+      return Invalid(i, std::string("delta is grad, but grad is ") + DTypeName(t.grad_dtype) +
+                            "; only an fp32 gradient can hold the delta in place");
+    }
+  }
   if (t.numel == 0) return Status::Ok();
-  if (t.param == nullptr) return Invalid(i, "param is null");
+  if (t.param == nullptr && t.delta == nullptr) return Invalid(i, "param is null");
   if (t.grad == nullptr) return Invalid(i, "grad is null");
   if (t.exp_avg == nullptr) return Invalid(i, "exp_avg is null");
   if (t.exp_avg_sq == nullptr && o.optimizer != OptimizerKind::kLion) {
@@ -182,8 +197,10 @@ void ForEachPiece(const TensorUpdate* tensors, size_t count, int64_t first, int6
 void UpdatePiece(const cpu::KernelTable& kernels, const TensorUpdate& t, const StepOptions& options,
                  int64_t begin, int64_t end) {
   const int state = t.state_dtype == DType::kBFloat16 ? 1 : 0;
-  const cpu::UpdateRangeFn fn = kernels.update[static_cast<int>(options.optimizer)]
-                                              [static_cast<int>(cpu::ParamKindOf(t))][state];
+  const int opt = static_cast<int>(options.optimizer);
+  const cpu::UpdateRangeFn fn =
+      t.delta != nullptr ? kernels.update_delta[opt][state]
+                         : kernels.update[opt][static_cast<int>(cpu::ParamKindOf(t))][state];
   cpu::UpdateArgs args = cpu::MakeUpdateArgs(t, options);
   // Rounding keys depend on the index's high 32 bits; kernels hash the low 32.
   constexpr int64_t kSegment = int64_t{1} << 32;

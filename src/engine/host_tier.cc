@@ -28,6 +28,8 @@ int HostTierThreads(int cores) { return std::max(cores - 1, 1); }
 #include <thread>
 
 #include "common/cuda_util.h"
+#include "kernels/cpu/kernels.h"
+#include "kernels/cuda/apply_delta.h"
 
 namespace emsa {
 
@@ -47,11 +49,14 @@ Status ElapsedSeconds(cudaEvent_t start, cudaEvent_t end, double* out) {
 }  // namespace
 
 struct HostTier::Impl {
-  // One host-to-device copy: part of a tensor's parameter.
+  // One host-to-device copy: part of a tensor's parameter or, under device_delta, part of its
+  // change (into the device staging buffer), then applied to `apply` with group's decay.
   struct Copy {
     void* dst;
     const void* src;
     size_t bytes;
+    float* apply = nullptr;  // device parameters p = p * decay + dst, bytes / 4 of them
+    int32_t group = 0;
   };
   // Elements [first, last) of a bucket (counted across its tensors), updated together and then
   // uploaded by copies [copy_begin, copy_end) between the two events.
@@ -93,12 +98,24 @@ struct HostTier::Impl {
     cudaEvent_t d2h_end() const { return grad_pieces.back().landed; }
     // This step's host times, seconds since its BeginStep (-1: not yet): Trace().
     double t_submit = -1, t_start = -1, t_end = -1;
-    // The upload of tensor k's elements [lo, hi).
-    Copy Upload(size_t k, int64_t lo, int64_t hi) const {
-      const size_t size = DTypeSize(updates[k].param_dtype);
-      return {static_cast<char*>(device_params[k]) + lo * size,
-              static_cast<const char*>(updates[k].param) + lo * size,
-              static_cast<size_t>(hi - lo) * size};
+    // The upload of tensor k's elements [lo, hi): fn(copy) for each copy, in order. A tensor
+    // under device_delta goes through `staging` (of staging_elements floats) a part at a time.
+    template <typename Fn>
+    void ForEachUpload(size_t k, int64_t lo, int64_t hi, float* staging, int64_t staging_elements,
+                       Fn&& fn) const {
+      const TensorUpdate& u = updates[k];
+      if (u.delta == nullptr) {
+        const size_t size = DTypeSize(u.param_dtype);
+        fn(Copy{static_cast<char*>(device_params[k]) + lo * size,
+                static_cast<const char*>(u.param) + lo * size,
+                static_cast<size_t>(hi - lo) * size});
+        return;
+      }
+      for (int64_t at = lo; at < hi; at += staging_elements) {
+        const int64_t n = std::min(hi - at, staging_elements);
+        fn(Copy{staging, u.delta + at, static_cast<size_t>(n) * sizeof(float),
+                static_cast<float*>(device_params[k]) + at, groups[k]});
+      }
     }
   };
 
@@ -108,6 +125,8 @@ struct HostTier::Impl {
   cudaStream_t d2h = nullptr, h2d = nullptr;
   std::vector<Bucket> buckets;
   std::vector<HyperParams> hypers;
+  std::vector<float> decays;  // per group, this step: 1 - lr*wd as the CPU kernels round it
+  float* staging = nullptr;   // device, delta_staging_elements floats (device_delta only)
 
   std::mutex mu;
   std::condition_variable cv;
@@ -174,9 +193,10 @@ struct HostTier::Impl {
       err = cudaSetDevice(u->m->options.device);
       if (err == cudaSuccess) current_device = u->m->options.device;
     }
-    if (err == cudaSuccess) {
-      const Copy copy = u->b->Upload(tensor, begin, end);
-      err = cudaMemcpyAsync(copy.dst, copy.src, copy.bytes, cudaMemcpyHostToDevice, u->m->h2d);
+    if (err == cudaSuccess) {  // no deltas here: Create refuses them with worker uploads
+      u->b->ForEachUpload(tensor, begin, end, nullptr, 0, [&](const Copy& copy) {
+        err = cudaMemcpyAsync(copy.dst, copy.src, copy.bytes, cudaMemcpyHostToDevice, u->m->h2d);
+      });
     }
     if (err != cudaSuccess) {
       int none = 0;
@@ -233,6 +253,12 @@ struct HostTier::Impl {
           const Copy& copy = b.copies[k];
           EMSA_CUDA_RETURN_IF_ERROR(
               cudaMemcpyAsync(copy.dst, copy.src, copy.bytes, cudaMemcpyHostToDevice, h2d));
+          if (copy.apply != nullptr) {
+            EMSA_RETURN_IF_ERROR(
+                cuda::LaunchApplyDelta(copy.apply, static_cast<const float*>(copy.dst),
+                                       static_cast<int64_t>(copy.bytes / sizeof(float)),
+                                       decays[static_cast<size_t>(copy.group)], h2d));
+          }
         }
       }
       EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(piece.end, h2d));
@@ -362,13 +388,14 @@ struct HostTier::Impl {
       piece.copy_end = b.grad_copies.size();
       b.grad_pieces.push_back(piece);
     });
-    CutElements(b, options.upload_piece_elements, [&b](int64_t first, int64_t last) {
+    CutElements(b, options.upload_piece_elements, [&](int64_t first, int64_t last) {
       Piece piece;
       piece.first = first;
       piece.last = last;
       piece.copy_begin = b.copies.size();
-      ForEachTensorRange(b, first, last, [&b](size_t k, int64_t lo, int64_t hi) {
-        b.copies.push_back(b.Upload(k, lo, hi));
+      ForEachTensorRange(b, first, last, [&](size_t k, int64_t lo, int64_t hi) {
+        b.ForEachUpload(k, lo, hi, staging, options.delta_staging_elements,
+                        [&b](const Copy& copy) { b.copies.push_back(copy); });
       });
       piece.copy_end = b.copies.size();
       b.pieces.push_back(piece);
@@ -388,6 +415,7 @@ struct HostTier::Impl {
     }
     cv.notify_all();
     if (worker.joinable()) worker.join();
+    if (staging != nullptr) (void)cudaFree(staging);
     for (Bucket& b : buckets) {
       for (cudaEvent_t e : {b.ready, b.d2h_start}) {
         if (e != nullptr) (void)cudaEventDestroy(e);
@@ -430,6 +458,16 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
                                    std::to_string(options.grad_piece_elements) +
                                    "; use 0 (copy each bucket's gradients whole) or at least 64");
   }
+  if (options.device_delta && options.worker_upload_elements != 0) {
+    return Status::InvalidArgument(
+        "options.device_delta and options.worker_upload_elements cannot be combined (the pool's "
+        "threads would share the device staging buffer); set one of them");
+  }
+  if (options.device_delta && options.delta_staging_elements < 64) {
+    return Status::InvalidArgument("options.delta_staging_elements is " +
+                                   std::to_string(options.delta_staging_elements) +
+                                   "; use at least 64 (default 4 Mi)");
+  }
   auto impl = std::make_unique<Impl>();
   impl->updater = updater;
   impl->options = options;
@@ -439,6 +477,8 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
   impl->d2h = d2h_stream;
   impl->h2d = h2d_stream;
   impl->hypers.assign(group_count, HyperParams{});
+  impl->decays.assign(group_count, 1.0f);
+  bool any_delta = false;
   impl->buckets.resize(bucket_count);
   for (size_t i = 0; i < count; ++i) {
     const HostTierTensor& t = tensors[i];
@@ -457,6 +497,13 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
     TensorUpdate u = t.update;
     u.step = 1;
     u.hyper = &impl->hypers[static_cast<size_t>(t.group)];
+    u.delta = nullptr;
+    if (options.device_delta && options.optimizer != OptimizerKind::kAdam &&
+        u.param_dtype == DType::kFloat32 && u.master == nullptr &&
+        u.grad_dtype == DType::kFloat32 && u.numel > 0) {
+      u.delta = static_cast<float*>(const_cast<void*>(u.grad));  // in place of the gradient
+      any_delta = true;
+    }
     Status valid = updater->Validate(&u, 1, impl->step_options);
     if (!valid.ok()) return valid.Annotate(where);
     Impl::Bucket& b = impl->buckets[static_cast<size_t>(t.bucket)];
@@ -469,8 +516,20 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
       return Status::InvalidArgument("bucket " + std::to_string(i) + " has no tensors");
     }
   }
-  for (Impl::Bucket& b : impl->buckets) impl->CutPieces(b);
   EMSA_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  if (any_delta) {
+    void* staging = nullptr;
+    const size_t bytes = static_cast<size_t>(options.delta_staging_elements) * sizeof(float);
+    const cudaError_t err = cudaMalloc(&staging, bytes);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return Status::OutOfMemory("the host tier's device staging buffer for deltas (" +
+                                 std::to_string(bytes) + " bytes): " + cudaGetErrorString(err) +
+                                 "; lower options.delta_staging_elements or turn device_delta off");
+    }
+    impl->staging = static_cast<float*>(staging);
+  }
+  for (Impl::Bucket& b : impl->buckets) impl->CutPieces(b);
   for (Impl::Bucket& b : impl->buckets) {
     EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&b.ready, cudaEventDisableTiming));
     EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&b.d2h_start));
@@ -517,7 +576,13 @@ Status HostTier::BeginStep(const HyperParams* hypers, const int64_t* steps, size
   std::unique_lock<std::mutex> lock(m.mu);
   m.Drain(lock);
   EMSA_RETURN_IF_ERROR(m.error);
-  for (size_t g = 0; g < group_count; ++g) m.hypers[g] = hypers[g];
+  for (size_t g = 0; g < group_count; ++g) {
+    m.hypers[g] = hypers[g];
+    TensorUpdate probe;  // the decay exactly as the CPU kernels round it
+    probe.hyper = &m.hypers[g];
+    probe.step = steps[g];
+    m.decays[g] = cpu::MakeUpdateArgs(probe, m.step_options).decay;
+  }
   for (Impl::Bucket& b : m.buckets) {
     for (size_t k = 0; k < b.updates.size(); ++k) {
       b.updates[k].step = steps[static_cast<size_t>(b.groups[k])];
@@ -546,10 +611,12 @@ Status HostTier::Submit(size_t bucket, const void* const* grads, size_t count,
                                    std::to_string(b.updates.size()) + " tensors; got " +
                                    std::to_string(count) + " gradients");
   }
+  bool after_upload = false;  // under device_delta: the last upload read the staging buffer
   {
     std::lock_guard<std::mutex> lock(m.mu);
     EMSA_RETURN_IF_ERROR(m.error);
     if (m.step == 0) return Status::InvalidArgument("Submit before the first BeginStep");
+    after_upload = m.staging != nullptr && b.uploaded > 0;
     if (b.submitted == m.step) {
       return Status::InvalidArgument("bucket " + std::to_string(bucket) +
                                      " was submitted already in this step");
@@ -563,6 +630,11 @@ Status HostTier::Submit(size_t bucket, const void* const* grads, size_t count,
   }
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ready, compute));
   EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(m.d2h, b.ready, 0));
+  if (after_upload) {
+    // Under device_delta the last upload read this bucket's deltas from the gradient staging
+    // buffer the copies below overwrite (the forward's wait on it usually orders them already).
+    EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(m.d2h, b.uploaded_event(), 0));
+  }
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.d2h_start, m.d2h));
   for (const Impl::GradPiece& piece : b.grad_pieces) {
     for (size_t c = piece.copy_begin; c < piece.copy_end; ++c) {

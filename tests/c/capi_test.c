@@ -436,7 +436,12 @@ static void test_host_tier(void) {
   emsa_host_tier_options o;
   emsa_host_tier_options_init(&o);
   CHECK(o.struct_size == sizeof o && o.optimizer == EMSA_OPTIMIZER_ADAMW);
+  CHECK(o.device_delta == 0 && o.delta_staging_elements == 4 << 20);
   emsa_host_tier* tier = NULL;
+  o.device_delta = 2;
+  CHECK(emsa_host_tier_create(up, &t, 1, 1, 1, NULL, NULL, &o, &tier) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "device_delta must be 0 or 1") != NULL && tier == NULL);
+  o.device_delta = 0;
   CHECK(emsa_host_tier_create(NULL, &t, 1, 1, 1, NULL, NULL, &o, &tier) == EMSA_INVALID_ARGUMENT);
   CHECK(tier == NULL);
   o.struct_size = 3;

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "engine/thread_pool.h"
+#include "kernels/cpu/kernels.h"
 #include "kernels/cpu/numerics.h"
 #include "status_test_support.h"
 
@@ -311,27 +312,27 @@ struct Batch {
   }
 };
 
-// Index of the first differing element over all buffers, as "buffer k[i]", or "".
-std::string FirstDiff(const Tensors& a, const Tensors& b) {
-  struct Pair {
-    const char* name;
-    const std::vector<Buffer>& x;
-    const std::vector<Buffer>& y;
-  };
-  const Pair pairs[] = {{"param", a.param, b.param},
-                        {"grad", a.grad, b.grad},
-                        {"exp_avg", a.m, b.m},
-                        {"exp_avg_sq", a.v, b.v},
-                        {"master", a.master, b.master}};
-  for (const Pair& p : pairs) {
-    for (size_t k = 0; k < p.x.size(); ++k) {
-      const int64_t i = p.x[k].FirstDiff(p.y[k]);
-      if (i >= 0) {
-        return std::string(p.name) + " of tensor " + std::to_string(k) + " at " +
-               std::to_string(i) + ": " + std::to_string(p.x[k].Get(i)) + " vs " +
-               std::to_string(p.y[k].Get(i));
-      }
+// The first element whose bits differ between two sets of buffers, as "name of tensor k at i:
+// x vs y", or "".
+std::string FirstDiff(const char* name, const std::vector<Buffer>& x,
+                      const std::vector<Buffer>& y) {
+  for (size_t k = 0; k < x.size(); ++k) {
+    const int64_t i = x[k].FirstDiff(y[k]);
+    if (i >= 0) {
+      return std::string(name) + " of tensor " + std::to_string(k) + " at " + std::to_string(i) +
+             ": " + std::to_string(x[k].Get(i)) + " vs " + std::to_string(y[k].Get(i));
     }
+  }
+  return "";
+}
+
+// The same over all of a batch's buffers.
+std::string FirstDiff(const Tensors& a, const Tensors& b) {
+  for (const std::string& diff :
+       {FirstDiff("param", a.param, b.param), FirstDiff("grad", a.grad, b.grad),
+        FirstDiff("exp_avg", a.m, b.m), FirstDiff("exp_avg_sq", a.v, b.v),
+        FirstDiff("master", a.master, b.master)}) {
+    if (!diff.empty()) return diff;
   }
   return "";
 }
@@ -768,6 +769,85 @@ TEST(CpuUpdate, GuidedSchedulingWritesTheSameBits) {
   auto updater = MakeUpdater(DetectSimdLevel(), 2);
   ExpectError(updater->SetGuidedScheduling(63), StatusCode::kInvalidArgument, "at least 64");
   ExpectError(updater->SetGuidedScheduling(-1), StatusCode::kInvalidArgument, "at least 64");
+}
+
+// TensorUpdate::delta: the update's change to an fp32 parameter is written out instead of the
+// parameter, which is not read. p * (1 - lr*wd) + delta, each operation rounded, must be the
+// parameter the ordinary update stores, and the moments the same bits; on every ISA, for AdamW
+// and Lion, fp32 and bf16 state, the delta in its own buffer or in place of an fp32 gradient.
+TEST(CpuUpdate, DeltaKernelsGiveTheParameterTheOrdinaryUpdateStores) {
+  for (SimdLevel level : kLevels) {
+    if (!Supported(level)) continue;
+    auto updater = MakeUpdater(level, 3);
+    ASSERT_NE(updater, nullptr);
+    for (OptimizerKind opt : {OptimizerKind::kAdamW, OptimizerKind::kLion}) {
+      for (DType state : {DType::kFloat32, DType::kBFloat16}) {
+        for (DType grad : {DType::kFloat32, DType::kBFloat16}) {
+          const Combo c{opt, DType::kFloat32, false, grad, state, Rounding::kStochastic};
+          const std::string name = std::string(SimdLevelName(level)) + " " + ComboName(c);
+          Batch want(c, kSizes, 77);
+          const Batch start = want;
+          ASSERT_TRUE(want.Step(*updater, want.Options()).ok()) << name;
+          Batch got = start;
+          std::vector<TensorUpdate> ups = got.Updates();
+          std::vector<Buffer> own;  // a delta buffer per tensor unless it goes in the gradient
+          for (size_t k = 0; k < ups.size(); ++k) {
+            own.emplace_back(DType::kFloat32, kSizes[k], 1);
+            ups[k].delta = grad == DType::kFloat32 ? static_cast<float*>(got.t.grad[k].data())
+                                                   : static_cast<float*>(own[k].data());
+            if (k % 2 == 0) ups[k].param = nullptr;  // not read: null is fine
+          }
+          ASSERT_TRUE(updater->Step(ups.data(), ups.size(), got.Options()).ok()) << name;
+          EXPECT_EQ(FirstDiff("exp_avg", want.t.m, got.t.m), "") << name;
+          EXPECT_EQ(FirstDiff("exp_avg_sq", want.t.v, got.t.v), "") << name;
+          EXPECT_EQ(FirstDiff("param", start.t.param, got.t.param), "") << name;
+          for (size_t k = 0; k < ups.size(); ++k) {
+            const float decay = cpu::MakeUpdateArgs(ups[k], got.Options()).decay;
+            for (int64_t i = 0; i < kSizes[k]; ++i) {
+              volatile float decayed = static_cast<float>(start.t.param[k].Get(i)) * decay;
+              const float p = decayed + ups[k].delta[i];
+              ASSERT_EQ(cpu::FloatBits(p), want.t.param[k].Raw(i))
+                  << name << " tensor " << k << " element " << i;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuUpdate, DeltaIsRejectedWhereItCannotHoldTheUpdateAndNothingChanges) {
+  auto updater = MakeUpdater(DetectSimdLevel(), 2);
+  struct Case {
+    Combo combo;
+    bool in_grad;
+    const char* message;
+  };
+  const Case cases[] = {
+      {{OptimizerKind::kAdam, DType::kFloat32, false, DType::kFloat32, DType::kFloat32,
+        Rounding::kStochastic},
+       false,
+       "use AdamW or Lion"},
+      {{OptimizerKind::kAdamW, DType::kBFloat16, true, DType::kFloat32, DType::kFloat32,
+        Rounding::kStochastic},
+       false,
+       "fp32 parameters only"},
+      {{OptimizerKind::kAdamW, DType::kFloat32, false, DType::kBFloat16, DType::kFloat32,
+        Rounding::kStochastic},
+       true,
+       "only an fp32 gradient can hold the delta"},
+  };
+  for (const Case& k : cases) {
+    Batch b(k.combo, {64, 100}, 5);
+    const Batch before = b;
+    Buffer own(DType::kFloat32, 100, 0);
+    std::vector<TensorUpdate> ups = b.Updates();
+    ups[1].delta = k.in_grad ? static_cast<float*>(const_cast<void*>(ups[1].grad))
+                             : static_cast<float*>(own.data());
+    ExpectError(updater->Step(ups.data(), ups.size(), b.Options()), StatusCode::kInvalidArgument,
+                k.message);
+    EXPECT_EQ(FirstDiff(before.t, b.t), "") << k.message;
+  }
 }
 
 TEST(CpuUpdate, StepRangeRejectsBadRangesAndChangesNothing) {

@@ -71,6 +71,14 @@ TEST(HostTierValidation, NamesTheBadField) {
   o.worker_upload_elements = 32;
   ExpectError(create(), StatusCode::kInvalidArgument, "worker_upload_elements is 32");
   o.worker_upload_elements = 0;
+  o.device_delta = true;
+  o.delta_staging_elements = 10;
+  ExpectError(create(), StatusCode::kInvalidArgument, "delta_staging_elements is 10");
+  o.delta_staging_elements = 1000;
+  o.worker_upload_elements = 1000;
+  ExpectError(create(), StatusCode::kInvalidArgument, "cannot be combined");
+  o.worker_upload_elements = 0;
+  o.device_delta = false;
   ExpectError(HostTier::Create(nullptr, &t, 1, 1, 1, nullptr, nullptr, o).status(),
               StatusCode::kInvalidArgument, "updater");
 #else
@@ -273,6 +281,17 @@ class HostTierPipeline : public ::testing::Test {
     RunSteps();
   }
   void RunSteps();
+
+  // Under device_delta: the fp32 tensors' host copies still hold their initial values.
+  void ExpectHostParamsUntouched() {
+    for (size_t i = 0; i < cases_.size(); ++i) {
+      if (cases_[i].dtype != DType::kFloat32) continue;
+      for (int64_t k = 0; k < cases_[i].numel; ++k) {
+        ASSERT_EQ(tier_side_.master[i][k], Random(100 + static_cast<uint32_t>(i), k))
+            << "tensor " << i << "'s host copy was written (element " << k << ")";
+      }
+    }
+  }
 };
 
 void HostTierPipeline::RunSteps() {
@@ -352,6 +371,29 @@ TEST_F(HostTierPipeline, UploadsFromThePoolThreadsMatchTheCpuUpdaterBitwise) {
   options.grad_piece_elements = 5000;
   options.upload_piece_elements = 4096;
   RunStepsAgainstTheCpuUpdater(options);
+}
+
+// device_delta: the fp32 tensors' updates are written over their gradients on the host and
+// applied on the device through a staging buffer of 1000 floats (the 1 Mi tensor in 1049 parts,
+// copy then kernel, reusing it); the bf16 tensor with its master takes the ordinary path. The
+// device parameters are the CpuUpdater's bits; the host copies of the fp32 parameters were
+// never written.
+TEST_F(HostTierPipeline, DeviceDeltasMatchTheCpuUpdaterBitwise) {
+  HostTierOptions options;
+  options.device_delta = true;
+  options.delta_staging_elements = 1000;
+  RunStepsAgainstTheCpuUpdater(options);
+  ExpectHostParamsUntouched();
+}
+
+TEST_F(HostTierPipeline, DeviceDeltasInUploadPiecesMatchTheCpuUpdaterBitwise) {
+  HostTierOptions options;
+  options.device_delta = true;
+  options.delta_staging_elements = 3000;
+  options.upload_piece_elements = 4096;
+  options.grad_piece_elements = 5000;
+  RunStepsAgainstTheCpuUpdater(options);
+  ExpectHostParamsUntouched();
 }
 
 TEST_F(HostTierPipeline, RefusesCallsOutOfOrder) {

@@ -40,6 +40,7 @@ struct UpdateArgs {
   void* exp_avg = nullptr;
   void* exp_avg_sq = nullptr;
   float* master = nullptr;
+  float* delta = nullptr;  // TensorUpdate::delta (the update_delta kernels)
   DType grad_dtype = DType::kFloat32;
   bool stochastic = false;  // bf16 state stores round stochastically (else to nearest even)
 
@@ -79,6 +80,9 @@ using GradStatsFn = void (*)(const void* grad, DType dtype, int64_t begin, int64
 struct KernelTable {
   SimdLevel level = SimdLevel::kScalar;
   UpdateRangeFn update[kOptimizers][kParamKinds][kStateKinds] = {};
+  // fp32 parameters whose change is written to UpdateArgs::delta (TensorUpdate::delta); null for
+  // Adam, whose L2 decay needs the parameter.
+  UpdateRangeFn update_delta[kOptimizers][kStateKinds] = {};
   GradStatsFn grad_stats = nullptr;
 };
 

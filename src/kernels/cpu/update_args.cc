@@ -37,6 +37,7 @@ UpdateArgs MakeUpdateArgs(const TensorUpdate& t, const StepOptions& options) {
   a.exp_avg = t.exp_avg;
   a.exp_avg_sq = t.exp_avg_sq;
   a.master = t.master;
+  a.delta = t.delta;
   a.grad_dtype = t.grad_dtype;
   a.stochastic = options.rounding == Rounding::kStochastic;
   a.grad_scale = h.maximize ? -options.grad_multiplier : options.grad_multiplier;

@@ -19,34 +19,35 @@ namespace emsa {
 namespace cpu {
 namespace {
 
-template <class Ops, class TailOps, OptimizerKind kOpt, ParamKind kP, int kS, bool kSr>
+template <class Ops, class TailOps, OptimizerKind kOpt, ParamKind kP, int kS, bool kSr, bool kD>
 EMSA_CPU_INLINE void UpdateLoop(const UpdateArgs& a, int64_t begin, int64_t end) {
   constexpr int64_t kW = Ops::kWidth;
   const auto c = Broadcast<Ops>(a);
   const auto all = Ops::All();
   int64_t i = begin;
   for (; i + 4 * kW <= end; i += 4 * kW) {
-    UpdateVector<Ops, kOpt, kP, kS, kSr>(a, c, i, all);
-    UpdateVector<Ops, kOpt, kP, kS, kSr>(a, c, i + kW, all);
-    UpdateVector<Ops, kOpt, kP, kS, kSr>(a, c, i + 2 * kW, all);
-    UpdateVector<Ops, kOpt, kP, kS, kSr>(a, c, i + 3 * kW, all);
+    UpdateVector<Ops, kOpt, kP, kS, kSr, kD>(a, c, i, all);
+    UpdateVector<Ops, kOpt, kP, kS, kSr, kD>(a, c, i + kW, all);
+    UpdateVector<Ops, kOpt, kP, kS, kSr, kD>(a, c, i + 2 * kW, all);
+    UpdateVector<Ops, kOpt, kP, kS, kSr, kD>(a, c, i + 3 * kW, all);
   }
-  for (; i + kW <= end; i += kW) UpdateVector<Ops, kOpt, kP, kS, kSr>(a, c, i, all);
+  for (; i + kW <= end; i += kW) UpdateVector<Ops, kOpt, kP, kS, kSr, kD>(a, c, i, all);
   if (i == end) return;
   if constexpr (Ops::kMaskedTail) {
-    UpdateVector<Ops, kOpt, kP, kS, kSr>(a, c, i, Ops::FirstN(end - i));
+    UpdateVector<Ops, kOpt, kP, kS, kSr, kD>(a, c, i, Ops::FirstN(end - i));
   } else {
     const auto tail = Broadcast<TailOps>(a);
-    for (; i < end; ++i) UpdateVector<TailOps, kOpt, kP, kS, kSr>(a, tail, i, TailOps::All());
+    for (; i < end; ++i) UpdateVector<TailOps, kOpt, kP, kS, kSr, kD>(a, tail, i, TailOps::All());
   }
 }
 
-template <class Ops, class TailOps, OptimizerKind kOpt, ParamKind kP, int kS>
+// kD: the delta kernels (UpdateVector's kDelta).
+template <class Ops, class TailOps, OptimizerKind kOpt, ParamKind kP, int kS, bool kD = false>
 void UpdateRange(const UpdateArgs& a, int64_t begin, int64_t end) {
   if (kS == 1 && a.stochastic) {
-    UpdateLoop<Ops, TailOps, kOpt, kP, kS, true>(a, begin, end);
+    UpdateLoop<Ops, TailOps, kOpt, kP, kS, true, kD>(a, begin, end);
   } else {
-    UpdateLoop<Ops, TailOps, kOpt, kP, kS, false>(a, begin, end);
+    UpdateLoop<Ops, TailOps, kOpt, kP, kS, false, kD>(a, begin, end);
   }
 }
 
@@ -99,6 +100,12 @@ void FillOptimizer(KernelTable* t) {
   row[4][0] = &UpdateRange<Ops, TailOps, kOpt, ParamKind::kF16Master, 0>;
   row[4][1] = &UpdateRange<Ops, TailOps, kOpt, ParamKind::kF16Master, 1>;
   static_assert(kParamKinds == 5 && kStateKinds == 2, "fill every ParamKind x state kind");
+  if constexpr (kOpt != OptimizerKind::kAdam) {
+    t->update_delta[static_cast<int>(kOpt)][0] =
+        &UpdateRange<Ops, TailOps, kOpt, ParamKind::kF32, 0, true>;
+    t->update_delta[static_cast<int>(kOpt)][1] =
+        &UpdateRange<Ops, TailOps, kOpt, ParamKind::kF32, 1, true>;
+  }
 }
 
 template <class Ops, class TailOps>

@@ -122,35 +122,45 @@ EMSA_CPU_INLINE void StoreState(void* s, typename Ops::V x, typename Ops::U rand
 
 // Updates elements [i, i + kWidth) of one tensor (only the lanes in mask). kSr: bf16 state
 // rounds stochastically (a template flag: a run-time test here costs a fifth of the speed).
-template <class Ops, OptimizerKind kOpt, ParamKind kP, int kS, bool kSr, class Mask>
+// kDelta (AdamW and Lion, fp32 parameters): the parameter is not touched; the term added to
+// p * decay goes to a.delta instead (the same operations, so p * decay + delta is the same bits).
+template <class Ops, OptimizerKind kOpt, ParamKind kP, int kS, bool kSr, bool kDelta, class Mask>
 EMSA_CPU_INLINE void UpdateVector(const UpdateArgs& a, const VecConsts<typename Ops::V>& c,
                                   int64_t i, Mask mask) {
   using V = typename Ops::V;
   using U = typename Ops::U;
+  static_assert(!kDelta || (kP == ParamKind::kF32 && kOpt != OptimizerKind::kAdam),
+                "delta kernels are for fp32 parameters under AdamW or Lion");
   // grad_multiplier first; maximize's negation is folded into grad_scale (exact).
   V g = LoadGrad<Ops>(a, i, mask) * c.grad_scale;
-  V p = LoadParam<Ops, kP>(a, i, mask);
+  V p{};
+  if constexpr (!kDelta) p = LoadParam<Ops, kP>(a, i, mask);
   V m = LoadState<Ops, kS>(a.exp_avg, i, mask);
   U random{};
   if constexpr (kS == 1 && kSr) random = Ops::Hash(static_cast<uint32_t>(i), a.state_key);
+  V step;  // what is added to p * decay
   if constexpr (kOpt == OptimizerKind::kLion) {
     const V update = Lerp(m, g, c.lerp1, a.lerp1.from_end);  // c = lerp(m, g, 1-b1)
-    p = p * c.decay;                                         // p *= 1 - lr*wd
-    p = p + c.neg_step_size * Ops::Sign(update);             // p.add_(sign(c), alpha=-lr)
+    if constexpr (!kDelta) p = p * c.decay;                  // p *= 1 - lr*wd
+    step = c.neg_step_size * Ops::Sign(update);              // p.add_(sign(c), alpha=-lr)
     m = Lerp(m, g, c.lerp2, a.lerp2.from_end);               // m.lerp_(g, 1-b2)
     StoreState<Ops, kS, kSr>(a.exp_avg, m, random, i, mask);
   } else {
     if constexpr (kOpt == OptimizerKind::kAdam) g = g + c.decay * p;  // grad.add(p, alpha=wd)
     V v = LoadState<Ops, kS>(a.exp_avg_sq, i, mask);
-    if constexpr (kOpt == OptimizerKind::kAdamW) p = p * c.decay;  // p.mul_(1 - lr*wd)
-    m = Lerp(m, g, c.lerp1, a.lerp1.from_end);                     // m.lerp_(g, 1-b1)
+    if constexpr (kOpt == OptimizerKind::kAdamW && !kDelta) p = p * c.decay;  // p.mul_(1-lr*wd)
+    m = Lerp(m, g, c.lerp1, a.lerp1.from_end);                                // m.lerp_(g, 1-b1)
     v = v * c.beta2 + (c.one_minus_beta2 * g) * g;      // v.mul_(b2).addcmul_(g, g, value=1-b2)
     const V denom = Ops::Sqrt(v) / c.bc2_sqrt + c.eps;  // (v.sqrt() / bc2_sqrt).add_(eps)
-    p = p + (c.neg_step_size * m) / denom;              // p.addcdiv_(m, denom, value=-step_size)
+    step = (c.neg_step_size * m) / denom;               // p.addcdiv_(m, denom, value=-step_size)
     StoreState<Ops, kS, kSr>(a.exp_avg, m, random, i, mask);
     StoreState<Ops, kS, kSr>(a.exp_avg_sq, v, Ops::High16(random), i, mask);
   }
-  StoreParam<Ops, kP>(a, p, i, mask);
+  if constexpr (kDelta) {
+    Ops::StoreF32(a.delta + i, step, mask);
+  } else {
+    StoreParam<Ops, kP>(a, p + step, i, mask);
+  }
 }
 
 }  // namespace

@@ -94,6 +94,11 @@ Status ValidateTensor(size_t i, const TensorUpdate& t, int32_t group, const Devi
                                DTypeName(t.param_dtype) +
                                " param; on the device the grad is float32 or the param's dtype");
   }
+  if (t.delta != nullptr) {
+    return Status::Unsupported(Name(i) +
+                               ".delta is set; the device kernels update the parameter in place "
+                               "(delta is for the CPU updater): pass null");
+  }
   const bool low_param = t.param_dtype != DType::kFloat32;
   if (!low_param && t.master != nullptr) {
     return invalid("master is set but param is float32, which is its own master; pass null");
