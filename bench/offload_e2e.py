@@ -32,8 +32,11 @@ and peak, the fraction of parameters on the host tier (L2), and the engine's own
 The bound for a host-tier step is the slowest of the three engines that must each do its part:
   max(fwd+bwd of (a), host-tier update bytes / measured host update bandwidth,
       host-tier copy bytes / measured PCIe bandwidth (each direction on its own copy engine)).
+The host update's bytes are those of a CPU AdamW over the host tier's state (28 B/param for fp32).
 Ratios: (c)/(a), (h)/(a), (i)/(a), (h)/(i), (d)/bound, (e)/bound, (b)/(e), predicted/measured; each bound also with the
-DMA's own host-memory traffic counted (8 B/param for fp32: gradient in, parameter out).
+DMA's own host-memory traffic counted (8 B/param for fp32: gradient in, parameter out), and
+"as built" with the bytes emsa's host tier moves instead (fp32 under device_delta: the CPU's 24 B
+plus the DMA's 8).
 Numerics: 20 steps of (e) and (a) on a smaller Llama, fp32 without autocast, eager attention,
 identical batches; parameters compared element-wise, with (a) against a second run of (a) as
 the noise floor of the forward and backward themselves.
@@ -302,15 +305,24 @@ def l2_split(plan) -> dict:
     host = [p for p in trainable if p["tier"] == "L2"]
     size = {"float32": 4, "bfloat16": 2, "float16": 2}
     total = sum(p["numel"] for p in trainable) or 1
-    update_bytes = copy_bytes = 0
+    from emsa import _host_tier
+
+    delta = int(os.environ.get("EMSA_HOST_DELTA", _host_tier.DEVICE_DELTA)) == 1
+    update_bytes = built_bytes = copy_bytes = 0
     for p in host:
         n, ps, ss = p["numel"], size[p["param_dtype"]], size[p["state_dtype"]]
-        # As src/plan/costs.cc HostUpdateTraffic: grad in, fp32 master and both moments read and
-        # written, a low-precision parameter written out.
+        # A CPU AdamW update of the host tier's state: grad in, fp32 master and both moments
+        # read and written, a low-precision parameter written out (the bound's bytes).
         update_bytes += n * (ps + 8 + 4 * ss + (ps if ps != 4 else 0))
-        copy_bytes += n * ps  # the gradient one way, the parameter the other
+        # What emsa's host update moves (src/plan/costs.cc HostUpdateTraffic): an fp32
+        # parameter's update is applied on the device from a delta written over the gradient,
+        # so the CPU neither reads nor writes the parameter.
+        built_bytes += n * (8 + 4 * ss) if delta and ps == 4 else n * (ps + 8 + 4 * ss +
+                                                                        (ps if ps != 4 else 0))
+        copy_bytes += n * ps  # the gradient one way, the parameter (or its delta) the other
     return dict(l2_fraction=sum(p["numel"] for p in host) / total, l2_params=len(host),
                 l2_numel=sum(p["numel"] for p in host), host_update_bytes=update_bytes,
+                host_update_bytes_as_built=built_bytes, device_delta=delta,
                 host_copy_bytes_each_way=copy_bytes)
 
 
@@ -594,11 +606,16 @@ def ratios(results: dict, profile: dict) -> dict:
         # parameter read out): not a floor (a DMA may hit the CPU's cache), the traffic as built.
         host_dma_s = ((r["host_update_bytes"] + 2 * r["host_copy_bytes_each_way"]) / host_bw
                       if host_bw else 0.0)
+        # emsa's own host-memory traffic: its CPU update's bytes (24 B/param for fp32 under
+        # device_delta) plus the DMA's.
+        built = r.get("host_update_bytes_as_built", r["host_update_bytes"])
+        built_s = (built + 2 * r["host_copy_bytes_each_way"]) / host_bw if host_bw else 0.0
         pcie_s = max(r["host_copy_bytes_each_way"] / d2h if d2h else 0.0,
                      r["host_copy_bytes_each_way"] / h2d if h2d else 0.0)
         bounds[k] = dict(bound_s=max(fwd_bwd, host_s, pcie_s), fwd_bwd_s=fwd_bwd,
                          host_update_s=host_s, pcie_s=pcie_s,
-                         bound_with_dma_s=max(fwd_bwd, host_dma_s, pcie_s))
+                         bound_with_dma_s=max(fwd_bwd, host_dma_s, pcie_s),
+                         bound_as_built_s=max(fwd_bwd, built_s, pcie_s))
         pred = r["predicted"]
         if pred.get("step_time"):
             predicted[f"{k}_predicted_over_measured_time"] = pred["step_time"] / r["step_s"]
@@ -615,6 +632,7 @@ def ratios(results: dict, profile: dict) -> dict:
         if k in bounds:
             main[f"{k}_over_bound"] = ok[k]["step_s"] / bounds[k]["bound_s"]
             main[f"{k}_over_bound_with_dma"] = ok[k]["step_s"] / bounds[k]["bound_with_dma_s"]
+            main[f"{k}_over_bound_as_built"] = ok[k]["step_s"] / bounds[k]["bound_as_built_s"]
     for k in ("e", "f"):
         if k in ok:
             main[f"{k}_over_a"] = ok[k]["step_s"] / ok["a"]["step_s"]
@@ -655,7 +673,8 @@ def table(result: dict) -> str:
             lines.append(f"  bound ({k}): {b['bound_s'] * 1e3:.1f} ms = max(fwd+bwd "
                          f"{b['fwd_bwd_s'] * 1e3:.1f}, host update {b['host_update_s'] * 1e3:.1f}, "
                          f"PCIe {b['pcie_s'] * 1e3:.1f}); with the DMA's host-memory traffic "
-                         f"{b['bound_with_dma_s'] * 1e3:.1f} ms")
+                         f"{b['bound_with_dma_s'] * 1e3:.1f} ms; emsa's own host-memory traffic "
+                         f"{b.get('bound_as_built_s', 0.0) * 1e3:.1f} ms")
         for k in "defg":
             t = s["configs"].get(k, {}).get("host_trace")
             if t:

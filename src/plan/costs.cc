@@ -57,6 +57,9 @@ uint64_t HostUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions& 
   const uint64_t n = U(numel);
   const uint64_t param = n * DTypeSize(param_dtype);
   const uint64_t moments = n * DTypeSize(options.state_dtype) * StateCount(options.optimizer);
+  if (param_dtype == DType::kFloat32 && options.optimizer != OptimizerKind::kAdam) {
+    return 2 * n * 4 + 2 * moments;  // grad r, delta w (device_delta)
+  }
   const uint64_t param_out = param_dtype == DType::kFloat32 ? 0 : param;
   return param + 2 * n * 4 + 2 * moments + param_out;
 }

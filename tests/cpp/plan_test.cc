@@ -254,8 +254,9 @@ TEST(PlanHotness, SlackCostAndHotnessFollowTheModel) {
   r.params = {Param("a", "m", 1000, 0, 0.002, 1, 0.025), Param("b", "m", 500, 1, 0.004, 0, 0.02)};
   const DeviceProfile profile = Gpu();
   const Plan plan = MustPlan(r, profile, PlanOptions{});
-  // AdamW fp32: 4 B down, 4 B up per element; host memory moves the CPU's 28 B and the DMA's 8.
-  const double per_element = 4 / 10e9 + 36 / 20e9 + 4 / 10e9;
+  // AdamW fp32: 4 B down, 4 B up per element; host memory moves the CPU's 24 B (the update
+  // applied on the device from a delta) and the DMA's 8.
+  const double per_element = 4 / 10e9 + 32 / 20e9 + 4 / 10e9;
   EXPECT_NEAR(plan.params[0].slack, 0.03 + 0.002 - 0.025, 1e-15);
   EXPECT_NEAR(plan.params[1].slack, 0.03 + 0.004 - 0.02, 1e-15);
   EXPECT_DOUBLE_EQ(plan.params[0].cost, 1000 * per_element);
@@ -585,8 +586,8 @@ TEST(PlanSchedule, TimelineMatchesHandComputation) {
   o.release_grads = true;    // each bucket's gradients go down as soon as it is ready
   const Plan host = MustPlan(r, profile, o);
   ASSERT_EQ(host.buckets.size(), 2u);
-  // Host memory: the CPU's 28 B per element and the DMA's 8 (costs.h, HostMemoryTraffic).
-  const double down = 4e6 / 10e9, cpu = 36e6 / 20e9, up = 4e6 / 10e9;
+  // Host memory: the CPU's 24 B per element and the DMA's 8 (costs.h, HostMemoryTraffic).
+  const double down = 4e6 / 10e9, cpu = 32e6 / 20e9, up = 4e6 / 10e9;
   EXPECT_DOUBLE_EQ(host.prediction.d2h_time, 2 * down);
   EXPECT_DOUBLE_EQ(host.prediction.cpu_time, 2 * cpu);
   EXPECT_DOUBLE_EQ(host.prediction.h2d_time, 2 * up);
@@ -599,7 +600,7 @@ TEST(PlanSchedule, TimelineMatchesHandComputation) {
   DeviceProfile slow = profile;
   slow.cpu.host_update_bandwidth = 1e9;
   const Plan queued = MustPlan(r, slow, o);
-  const double slow_cpu = 36e6 / 1e9;
+  const double slow_cpu = 32e6 / 1e9;
   const double b_cpu_done = 0.015 + down + slow_cpu;
   ASSERT_GT(b_cpu_done, 0.03 + down);
   const double a_done = b_cpu_done + slow_cpu + up;
