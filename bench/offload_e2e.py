@@ -81,8 +81,15 @@ LEAK_WARN_BYTES = 256 << 20
 # ---- provenance and the model ----------------------------------------------------------------
 
 def commit() -> str:
+    """EMSA_COMMIT, else the stamp scripts/stage-prebuilt leaves beside the library in use
+    (what actually ran), else the checkout's HEAD."""
     if os.environ.get("EMSA_COMMIT"):
         return os.environ["EMSA_COMMIT"]
+    stamp = Path(os.environ.get("EMSA_LIBRARY", "")).parent / "stamp"
+    if os.environ.get("EMSA_LIBRARY") and stamp.is_file():
+        words = stamp.read_text().split()
+        if len(words) >= 2 and words[0] == "commit":
+            return words[1].rstrip(",")
     try:
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, timeout=10).stdout.strip()
