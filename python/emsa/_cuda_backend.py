@@ -49,9 +49,12 @@ becomes ready, which hides the copies under backward and frees each gradient onc
 read it. A host-tier step cannot be skipped on a non-finite gradient (the decision would need
 every gradient before the first bucket's update): the optimizer turns skip_nonfinite off for
 such plans (GradScaler still skips, before step() is called), and refuses an explicit True.
-The "master" of an fp32 host-tier parameter is internal (equal to the parameter after each
-step) and not in the state; after step() a parameter is current on the device once a module
-forward reading it has run, or after synchronize().
+The "master" of an fp32 host-tier parameter is internal and not in the state: under AdamW and
+Lion the update is applied on the device from a delta the CPU writes over the gradient
+(HostTierOptions.device_delta; EMSA_HOST_DELTA=0 turns it off), and the host copy goes unused;
+otherwise (Adam) the CPU updates it and it equals the parameter after each step. After step() a
+parameter is current on the device once a module forward reading it has run, or after
+synchronize().
 """
 
 from __future__ import annotations

@@ -4,10 +4,12 @@ from the CUDA backend, and the forward pre-hook that makes the next forward wait
 For each host-tier bucket of a step: submit() enqueues its gradients' copy to pinned staging on
 a D2H stream after an event on the compute stream (record_stream keeps each gradient's memory
 until the copy has read it, so the caller may drop .grad at once); libemsa's worker updates the
-bucket on the CPU pool and enqueues the upload of its parameters on an H2D stream. The bucket is
-then pending: the first module forward that reads one of its parameters makes the compute stream
-wait for that upload (a global module forward pre-hook looks at the module's own parameters,
-not its children's, so a parent's forward does not wait for the whole model). Nothing here
+bucket on the CPU pool and enqueues the upload of its parameters on an H2D stream (for fp32
+parameters under AdamW or Lion, by default, the upload of the update's delta and a kernel that
+applies it: HostTierOptions.device_delta). The bucket is then pending: the first module
+forward that reads one of its parameters makes the compute stream wait for that upload (a
+global module forward pre-hook looks at the module's own parameters, not its children's, so a
+parent's forward does not wait for the whole model). Nothing here
 synchronizes the compute stream with the host; wait() may block the host only while the worker
 has not yet enqueued the upload that forward is about to need.
 
