@@ -20,6 +20,7 @@
 #include <cuda_runtime.h>
 
 #include "gpu_test_support.h"
+#include "kernels/cuda/apply_delta.h"
 #endif
 
 namespace emsa {
@@ -418,6 +419,50 @@ TEST_F(HostTierPipeline, RefusesCallsOutOfOrder) {
   ASSERT_OK(tier_->Wait(1, compute_));
   ASSERT_OK(tier_->Wait(0, compute_));
   ASSERT_OK(tier_->Synchronize());
+}
+
+// The device half of device_delta on its own: p = p * decay + delta for every combination of
+// the two pointers' misalignment (0..3 floats past 16 bytes: the vector path when they agree,
+// the scalar one when not) and sizes around the vector width, against the host's float
+// arithmetic (no FMA), every element checked, the neighbours untouched.
+TEST(HostTierApplyDelta, MatchesTheHostForEveryAlignmentAndSize) {
+  SKIP_WITHOUT_DEVICE();
+  ASSERT_CUDA(cudaSetDevice(0));
+  constexpr int64_t kPad = 8;
+  const float decay = 0.99997f;
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{4}, int64_t{5}, int64_t{4097},
+                    (int64_t{1} << 20) + 3}) {
+    const size_t total = static_cast<size_t>(n + 2 * kPad);
+    std::vector<float> p0(total), d0(total);
+    for (size_t k = 0; k < total; ++k) {
+      p0[k] = Random(7, static_cast<int64_t>(k));
+      d0[k] = Random(8, static_cast<int64_t>(k)) * 1e-3f;
+    }
+    float* param = nullptr;
+    float* delta = nullptr;
+    ASSERT_CUDA(cudaMalloc(&param, total * sizeof(float)));
+    ASSERT_CUDA(cudaMalloc(&delta, total * sizeof(float)));
+    for (int64_t po = 0; po < 4; ++po) {
+      for (int64_t dof = 0; dof < 4; ++dof) {
+        ASSERT_CUDA(cudaMemcpy(param, p0.data(), total * sizeof(float), cudaMemcpyHostToDevice));
+        ASSERT_CUDA(cudaMemcpy(delta, d0.data(), total * sizeof(float), cudaMemcpyHostToDevice));
+        ASSERT_OK(cuda::LaunchApplyDelta(param + po, delta + dof, n, decay, nullptr));
+        std::vector<float> got(total);
+        ASSERT_CUDA(cudaMemcpy(got.data(), param, total * sizeof(float), cudaMemcpyDeviceToHost));
+        for (int64_t k = 0; k < static_cast<int64_t>(total); ++k) {
+          float want = p0[static_cast<size_t>(k)];
+          if (k >= po && k < po + n) {
+            volatile float decayed = want * decay;
+            want = decayed + d0[static_cast<size_t>(k - po + dof)];
+          }
+          ASSERT_EQ(cpu::FloatBits(got[static_cast<size_t>(k)]), cpu::FloatBits(want))
+              << "n " << n << ", param +" << po << ", delta +" << dof << ", element " << k;
+        }
+      }
+    }
+    ASSERT_CUDA(cudaFree(param));
+    ASSERT_CUDA(cudaFree(delta));
+  }
 }
 
 #endif  // EMSA_HAVE_CUDA
