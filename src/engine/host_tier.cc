@@ -98,25 +98,6 @@ struct HostTier::Impl {
     cudaEvent_t d2h_end() const { return grad_pieces.back().landed; }
     // This step's host times, seconds since its BeginStep (-1: not yet): Trace().
     double t_submit = -1, t_start = -1, t_end = -1;
-    // The upload of tensor k's elements [lo, hi): fn(copy) for each copy, in order. A tensor
-    // under device_delta goes through `staging` (of staging_elements floats) a part at a time.
-    template <typename Fn>
-    void ForEachUpload(size_t k, int64_t lo, int64_t hi, float* staging, int64_t staging_elements,
-                       Fn&& fn) const {
-      const TensorUpdate& u = updates[k];
-      if (u.delta == nullptr) {
-        const size_t size = DTypeSize(u.param_dtype);
-        fn(Copy{static_cast<char*>(device_params[k]) + lo * size,
-                static_cast<const char*>(u.param) + lo * size,
-                static_cast<size_t>(hi - lo) * size});
-        return;
-      }
-      for (int64_t at = lo; at < hi; at += staging_elements) {
-        const int64_t n = std::min(hi - at, staging_elements);
-        fn(Copy{staging, u.delta + at, static_cast<size_t>(n) * sizeof(float),
-                static_cast<float*>(device_params[k]) + at, groups[k]});
-      }
-    }
   };
 
   CpuUpdater* updater = nullptr;
@@ -127,6 +108,24 @@ struct HostTier::Impl {
   std::vector<HyperParams> hypers;
   std::vector<float> decays;  // per group, this step: 1 - lr*wd as the CPU kernels round it
   float* staging = nullptr;   // device, delta_staging_elements floats (device_delta only)
+
+  // The upload of bucket b's tensor k, elements [lo, hi): fn(copy) for each copy, in order. A
+  // tensor under device_delta goes through the staging buffer a part at a time.
+  template <typename Fn>
+  void ForEachUpload(const Bucket& b, size_t k, int64_t lo, int64_t hi, Fn&& fn) const {
+    const TensorUpdate& u = b.updates[k];
+    if (u.delta == nullptr) {
+      const size_t size = DTypeSize(u.param_dtype);
+      fn(Copy{static_cast<char*>(b.device_params[k]) + lo * size,
+              static_cast<const char*>(u.param) + lo * size, static_cast<size_t>(hi - lo) * size});
+      return;
+    }
+    const int64_t part = options.delta_staging_elements;
+    for (int64_t at = lo; at < hi; at += part) {
+      fn(Copy{staging, u.delta + at, static_cast<size_t>(std::min(hi - at, part)) * sizeof(float),
+              static_cast<float*>(b.device_params[k]) + at, b.groups[k]});
+    }
+  }
 
   std::mutex mu;
   std::condition_variable cv;
@@ -194,7 +193,7 @@ struct HostTier::Impl {
       if (err == cudaSuccess) current_device = u->m->options.device;
     }
     if (err == cudaSuccess) {  // no deltas here: Create refuses them with worker uploads
-      u->b->ForEachUpload(tensor, begin, end, nullptr, 0, [&](const Copy& copy) {
+      u->m->ForEachUpload(*u->b, tensor, begin, end, [&](const Copy& copy) {
         err = cudaMemcpyAsync(copy.dst, copy.src, copy.bytes, cudaMemcpyHostToDevice, u->m->h2d);
       });
     }
@@ -394,8 +393,7 @@ struct HostTier::Impl {
       piece.last = last;
       piece.copy_begin = b.copies.size();
       ForEachTensorRange(b, first, last, [&](size_t k, int64_t lo, int64_t hi) {
-        b.ForEachUpload(k, lo, hi, staging, options.delta_staging_elements,
-                        [&b](const Copy& copy) { b.copies.push_back(copy); });
+        ForEachUpload(b, k, lo, hi, [&b](const Copy& copy) { b.copies.push_back(copy); });
       });
       piece.copy_end = b.copies.size();
       b.pieces.push_back(piece);
