@@ -112,6 +112,12 @@ struct HostTierStepStats {
 // one), at least 1. The profile measures the host update bandwidth on as many threads.
 int HostTierThreads(int cores);
 
+// Whether HostTierOptions::device_delta applies to a tensor: an fp32 parameter without a master,
+// with an fp32 gradient (which holds the delta), under AdamW or Lion (Adam's L2 decay reads the
+// parameter on the host). The planner's cost model asks the same.
+bool HostTierAppliesDelta(OptimizerKind optimizer, DType param_dtype, DType grad_dtype,
+                          bool has_master);
+
 class HostTier {
  public:
   // Validates the tensors (CpuUpdater::Validate with step 1 and default hyperparameters),

@@ -16,6 +16,12 @@ namespace emsa {
 
 int HostTierThreads(int cores) { return std::max(cores - 1, 1); }
 
+bool HostTierAppliesDelta(OptimizerKind optimizer, DType param_dtype, DType grad_dtype,
+                          bool has_master) {
+  return optimizer != OptimizerKind::kAdam && param_dtype == DType::kFloat32 &&
+         grad_dtype == DType::kFloat32 && !has_master;
+}
+
 }  // namespace emsa
 
 #if EMSA_HAVE_CUDA
@@ -496,9 +502,8 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
     u.step = 1;
     u.hyper = &impl->hypers[static_cast<size_t>(t.group)];
     u.delta = nullptr;
-    if (options.device_delta && options.optimizer != OptimizerKind::kAdam &&
-        u.param_dtype == DType::kFloat32 && u.master == nullptr &&
-        u.grad_dtype == DType::kFloat32 && u.numel > 0) {
+    if (options.device_delta && u.numel > 0 &&
+        HostTierAppliesDelta(options.optimizer, u.param_dtype, u.grad_dtype, u.master != nullptr)) {
       u.delta = static_cast<float*>(const_cast<void*>(u.grad));  // in place of the gradient
       any_delta = true;
     }

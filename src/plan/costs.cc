@@ -1,6 +1,8 @@
 // costs.cc — bytes per view and per update; bandwidths with defaults.
 #include "plan/costs.h"
 
+#include "emsa/host_tier.h"
+
 namespace emsa::plan_internal {
 namespace {
 
@@ -57,7 +59,9 @@ uint64_t HostUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions& 
   const uint64_t n = U(numel);
   const uint64_t param = n * DTypeSize(param_dtype);
   const uint64_t moments = n * DTypeSize(options.state_dtype) * StateCount(options.optimizer);
-  if (param_dtype == DType::kFloat32 && options.optimizer != OptimizerKind::kAdam) {
+  // The front end's gradients are in the parameter's dtype; a low-precision one has a master.
+  if (HostTierAppliesDelta(options.optimizer, param_dtype, param_dtype,
+                           param_dtype != DType::kFloat32)) {
     return 2 * n * 4 + 2 * moments;  // grad r, delta w (device_delta)
   }
   const uint64_t param_out = param_dtype == DType::kFloat32 ? 0 : param;
