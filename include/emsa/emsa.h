@@ -420,6 +420,11 @@ typedef struct emsa_host_tier_options {
    * delta_staging_elements floats (default 4 Mi) */
   int32_t device_delta;
   int64_t delta_staging_elements;
+  /* 0 (default): a bucket's gradient copies are enqueued by emsa_host_tier_submit; N >= 1: the
+   * tier's worker enqueues them grad_piece_elements (required) at a time, N pieces ahead of the
+   * CPU, so they land just before it reads them (HostTierOptions.paced_copies). The caller then
+   * keeps each bucket's device gradients until emsa_host_tier_bucket_copies_enqueued says 1. */
+  int32_t paced_copies;
 } emsa_host_tier_options;
 
 /* One step's measurements: busy seconds per engine (sums over buckets). */
@@ -461,6 +466,13 @@ EMSA_API emsa_status emsa_host_tier_wait(emsa_host_tier* tier, size_t bucket, vo
 EMSA_API emsa_status emsa_host_tier_wait_grads_copied(emsa_host_tier* tier, void* stream);
 /* The host waits until every submitted bucket is updated and its parameters are uploaded. */
 EMSA_API emsa_status emsa_host_tier_synchronize(emsa_host_tier* tier);
+/* How many buckets' gradient copies have been enqueued since creation (-1: tier is NULL): a
+ * cheap poll for a change before asking per bucket. */
+EMSA_API int64_t emsa_host_tier_copies_enqueued(const emsa_host_tier* tier);
+/* 1: every gradient copy of the bucket's last submit is enqueued (under paced_copies its device
+ * gradients may be released now; the stream order keeps them until read), or the tier failed;
+ * 0: not yet; -1: tier NULL or no such bucket. */
+EMSA_API int32_t emsa_host_tier_bucket_copies_enqueued(const emsa_host_tier* tier, size_t bucket);
 /* The current step's host timeline, one entry per bucket (count = bucket_count), seconds since
  * its begin_step, -1 where not reached yet: submitted, CPU update started and ended. */
 EMSA_API emsa_status emsa_host_tier_trace(const emsa_host_tier* tier, double* submit, double* start,

@@ -8,7 +8,8 @@
 //   Submit(b, grads, compute)   an event on the compute stream; the D2H stream waits on it and
 //                               copies the bucket's gradients into their staging buffers (piece
 //                               by piece with grad_piece_elements), then records grads_copied[b];
-//                               b joins the worker's queue.
+//                               b joins the worker's queue. (With paced_copies the worker
+//                               enqueues those copies itself, a few pieces ahead of the CPU.)
 //   worker thread               takes, of the submitted buckets whose gradients have landed
 //                               (their first piece),
 //                               the one with the highest index (buckets are numbered in
@@ -93,6 +94,18 @@ struct HostTierOptions {
   // worker_upload_elements.
   bool device_delta = false;
   int64_t delta_staging_elements = int64_t{4} << 20;
+  // 0: Submit enqueues a bucket's gradient copies at once; they run at PCIe speed, well ahead of
+  // the CPU (backward hands gradients over faster than the CPU updates them), so the CPU reads
+  // them back from DRAM. N >= 1: the worker enqueues them itself, grad_piece_elements (required)
+  // at a time, keeping N pieces copied ahead of the piece it is updating (into the next bucket
+  // it will take when the current one runs out), so each piece lands just before the CPU reads
+  // it: where the host's PCIe writes allocate in its last-level cache (Intel DDIO) the CPU then
+  // reads gradients from there, not from DRAM, and the host memory the update is bound by
+  // carries less traffic. The worker reads Submit's device pointers when it copies: the caller
+  // must keep those gradients alive (and unwritten) until BucketCopiesEnqueued(b) says so.
+  // WaitGradsCopied then blocks the host until the copies are enqueued. Results are identical.
+  // bench/host_dma_bench.cu measures what pacing gains on a host.
+  int paced_copies = 0;
 };
 
 // What one step took on each engine, measured (CUDA events for copies, a steady clock for the
@@ -146,6 +159,12 @@ class HostTier {
   Status WaitGradsCopied(cudaStream_t stream);
   // Waits on the host until every submitted bucket is updated and uploaded.
   Status Synchronize();
+  // Under paced_copies: whether every gradient copy of bucket b's last Submit is enqueued (its
+  // device gradients may then be freed in the D2H stream's order), and how many buckets' copies
+  // have been enqueued in all since Create (a caller polls this, cheaply, for a change). Without
+  // paced_copies Submit enqueues them itself: true once Submit has returned.
+  bool BucketCopiesEnqueued(size_t bucket) const;
+  int64_t copies_enqueued() const;
   // Measurements of steps [first, BeginStep count], oldest first, at most `capacity`; steps
   // older than the history are gone. Call Synchronize() first for the last step to be complete.
   size_t Stats(int64_t first, HostTierStepStats* out, size_t capacity) const;

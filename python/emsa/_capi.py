@@ -177,6 +177,7 @@ class HostTierOptions(ctypes.Structure):
         ("worker_upload_elements", ctypes.c_int64),
         ("device_delta", ctypes.c_int32),
         ("delta_staging_elements", ctypes.c_int64),
+        ("paced_copies", ctypes.c_int32),
     ]
 
 
@@ -324,6 +325,8 @@ _TABLE = {
     "emsa_host_tier_wait": (_S, [_P, ctypes.c_size_t, _P]),
     "emsa_host_tier_wait_grads_copied": (_S, [_P, _P]),
     "emsa_host_tier_synchronize": (_S, [_P]),
+    "emsa_host_tier_copies_enqueued": (ctypes.c_int64, [_P]),
+    "emsa_host_tier_bucket_copies_enqueued": (ctypes.c_int32, [_P, ctypes.c_size_t]),
     "emsa_host_tier_trace": (
         _S, [_P, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double),
              ctypes.POINTER(ctypes.c_double), ctypes.c_size_t]),

@@ -39,7 +39,7 @@ class CpuBackend(Backend):
     wants_bandwidths = False
 
     def __init__(self, slots: list[Slot], plan: Plan, optimizer: str,
-                 state_dtype: torch.dtype, group_count: int):
+                 state_dtype: torch.dtype, group_count: int, in_backward: bool = False):
         self.slots = slots
         self.params = [s.param for s in slots]
         self.names = [s.name for s in slots]

@@ -119,8 +119,9 @@ class CudaBackend(Backend):
                                           gpu_device=_index(device)))
 
     def __init__(self, slots: list[Slot], plan: Plan, optimizer: str,
-                 state_dtype: torch.dtype, group_count: int):
+                 state_dtype: torch.dtype, group_count: int, in_backward: bool = False):
         self.closed = True  # until everything below exists
+        self.in_backward = in_backward  # buckets come from the gradient hooks
         self.slots = slots
         self.params = [s.param for s in slots]
         self.names = [s.name for s in slots]
@@ -345,7 +346,7 @@ class CudaBackend(Backend):
                 tensors.append(t)
                 params.append(p)
         self.host = HostTier(tensors, self.host_slots, group_count, self.kind, self.device,
-                             params)
+                             params, in_backward=self.in_backward)
 
     def state(self, i: int) -> dict[str, torch.Tensor]:
         return self.views[i]

@@ -34,15 +34,26 @@ from ._capi import HostTierOptions, HostTierStepStats, HostTierTensor, check, li
 # the host: 260.2 -> 217.6 ms a step, the CPU's busy time 269.9 -> 196.4 ms; same bits).
 DEVICE_DELTA = 1
 
+# Whether the worker paces the gradient copies to the CPU (HostTierOptions.paced_copies: this many
+# pieces of PACE_PIECE elements copied ahead of the piece the CPU is updating), so that the CPU
+# reads each gradient from the last-level cache the PCIe write put it in (Intel DDIO) instead of
+# from DRAM. Only with step_in_backward (step()'s path would wait for every copy). Set by
+# EMSA_HOST_PACE (pieces) and EMSA_HOST_GRAD_PIECE (elements); the measurements that chose the
+# defaults are in bench/README.md ("Paced gradient copies").
+PACED_COPIES = 0
+PACE_PIECE = 1 << 20
+
 
 class HostTier:
     def __init__(self, tensors: list[HostTierTensor], buckets: list[list[int]],
                  group_count: int, optimizer: str, device: torch.device,
-                 params: list[torch.Tensor]):
+                 params: list[torch.Tensor], in_backward: bool = False):
         """tensors[k] belongs to bucket tensors[k].bucket; buckets[b] lists the backend slots
-        of bucket b in tensor order; params[k] is tensors[k]'s parameter."""
+        of bucket b in tensor order; params[k] is tensors[k]'s parameter. in_backward: buckets
+        are submitted from the gradient hooks (the copies may then be paced)."""
         self.handle = ctypes.c_void_p()
         self.updater = ctypes.c_void_p()
+        self.held = {}
         self.device = device
         self.buckets = buckets
         self.d2h = torch.cuda.Stream(device)
@@ -63,7 +74,11 @@ class HostTier:
         options.optimizer = _capi.OPTIMIZER[optimizer]
         options.device = device.index
         options.upload_piece_elements = int(os.environ.get("EMSA_HOST_UPLOAD_PIECE", 0))
-        options.grad_piece_elements = int(os.environ.get("EMSA_HOST_GRAD_PIECE", 0))
+        pace = int(os.environ.get("EMSA_HOST_PACE", PACED_COPIES)) if in_backward else 0
+        options.paced_copies = pace
+        self.paced = pace > 0
+        options.grad_piece_elements = int(os.environ.get("EMSA_HOST_GRAD_PIECE",
+                                                         PACE_PIECE if pace else 0))
         options.worker_upload_elements = int(os.environ.get("EMSA_HOST_WORKER_UPLOAD", 0))
         # fp32 parameters: the CPU writes the update's change and the device applies it
         # (HostTierOptions.device_delta); EMSA_HOST_DELTA=0/1 overrides for A/B.
@@ -80,6 +95,10 @@ class HostTier:
         self.grad_arrays = [(ctypes.c_void_p * len(m))() for m in buckets]
         self.steps = (ctypes.c_int64 * group_count)()
         self.pending: set[int] = set()  # uploads the next forward has not waited for yet
+        # Paced copies: each bucket's gradients, kept alive until the worker has enqueued their
+        # copies (record_stream then holds their memory until the copies have read it).
+        self.held: dict[int, list[torch.Tensor]] = {}
+        self._enqueued_seen = -1
         self.read = 0  # stats read so far (steps)
         bucket_of = {}
         for t, p in zip(tensors, params):
@@ -90,8 +109,11 @@ class HostTier:
 
         def pre_hook(module, args):
             tier = ref()
-            if tier is not None and tier.pending:
-                tier._module_forward(module)
+            if tier is not None:
+                if tier.held:
+                    tier._release_copied()
+                if tier.pending:
+                    tier._module_forward(module)
 
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
 
@@ -101,6 +123,7 @@ class HostTier:
         group's hyperparameters (a ctypes Hyperparams array) and step number."""
         self.steps[:] = group_steps
         check(lib.emsa_host_tier_begin_step(self.handle, hypers, self.steps, len(group_steps)))
+        self._release_copied()  # all enqueued: begin_step waited for the worker
 
     def submit(self, b: int, grads: list[torch.Tensor], stream: torch.cuda.Stream) -> None:
         array = self.grad_arrays[b]
@@ -109,6 +132,20 @@ class HostTier:
             g.record_stream(self.d2h)  # its memory is reused only after the copy has read it
         check(lib.emsa_host_tier_submit(self.handle, b, array, len(grads), stream.cuda_stream))
         self.pending.add(b)
+        if self.paced:
+            self.held[b] = grads
+            self._release_copied()
+
+    def _release_copied(self) -> None:
+        """Drops the gradients whose copies the worker has enqueued (one cheap call unless
+        some were enqueued since the last look)."""
+        seen = lib.emsa_host_tier_copies_enqueued(self.handle)
+        if seen == self._enqueued_seen or not self.held:
+            return
+        self._enqueued_seen = seen
+        for b in [b for b in self.held if lib.emsa_host_tier_bucket_copies_enqueued(
+                self.handle, b) != 0]:
+            del self.held[b]
 
     def wait_grads_copied(self, stream: torch.cuda.Stream) -> None:
         check(lib.emsa_host_tier_wait_grads_copied(self.handle, stream.cuda_stream))
@@ -140,6 +177,7 @@ class HostTier:
         """The host waits until every update is done and its parameters are on the device;
         the current stream then sees them too."""
         check(lib.emsa_host_tier_synchronize(self.handle))
+        self._release_copied()
         self.wait_all(torch.cuda.current_stream(self.device))
 
     def stats(self) -> list[dict]:
@@ -177,6 +215,7 @@ class HostTier:
         handle, self.handle = self.handle, ctypes.c_void_p()
         if handle:
             lib.emsa_host_tier_destroy(handle)  # waits for the worker's queue
+        self.held = {}
         updater, self.updater = self.updater, ctypes.c_void_p()
         if updater:
             lib.emsa_cpu_updater_destroy(updater)

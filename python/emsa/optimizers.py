@@ -245,7 +245,7 @@ class _EmsaOptimizer(Optimizer):
                     "(tier='device', a larger budget)")
             self.skip_nonfinite = False
         backend = backend_cls(slots, plan, self._kind, self._state_dtype,
-                              len(self.param_groups))
+                              len(self.param_groups), in_backward=self._in_backward)
         for i, s in enumerate(slots):
             self.state[s.param] = backend.state(i)
         self._plan, self._backend, self._record = plan, backend, planned

@@ -1038,6 +1038,7 @@ emsa_status emsa_host_tier_create(emsa_cpu_updater* updater, const emsa_host_tie
     }
     o.device_delta = options->device_delta == 1;
     o.delta_staging_elements = options->delta_staging_elements;
+    o.paced_copies = options->paced_copies;
     std::vector<emsa::HostTierTensor> converted(count);
     for (size_t i = 0; i < count; ++i) {
       const emsa_host_tier_tensor& t = tensors[i];
@@ -1103,6 +1104,15 @@ emsa_status emsa_host_tier_wait_grads_copied(emsa_host_tier* tier, void* stream)
 
 emsa_status emsa_host_tier_synchronize(emsa_host_tier* tier) {
   return OnHandle(tier, "tier", [&](auto& h) { return h.tier->Synchronize(); });
+}
+
+int64_t emsa_host_tier_copies_enqueued(const emsa_host_tier* tier) {
+  return tier == nullptr ? -1 : tier->tier->copies_enqueued();
+}
+
+int32_t emsa_host_tier_bucket_copies_enqueued(const emsa_host_tier* tier, size_t bucket) {
+  if (tier == nullptr || bucket >= tier->tier->bucket_count()) return -1;
+  return tier->tier->BucketCopiesEnqueued(bucket) ? 1 : 0;
 }
 
 emsa_status emsa_host_tier_trace(const emsa_host_tier* tier, double* submit, double* start,

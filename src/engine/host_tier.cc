@@ -84,6 +84,7 @@ struct HostTier::Impl {
     int64_t first = 0, last = 0;
     size_t copy_begin = 0, copy_end = 0;
     cudaEvent_t landed = nullptr;
+    cudaEvent_t start = nullptr;  // paced_copies only: the copy's own time, not its wait
   };
   struct Bucket {
     std::vector<TensorUpdate> updates;
@@ -95,6 +96,9 @@ struct HostTier::Impl {
     std::vector<GradCopy> grad_copies;
     cudaEvent_t ready = nullptr;  // on the compute stream: the gradients are final
     cudaEvent_t d2h_start = nullptr;
+    std::vector<const void*> device_grads;  // paced_copies: Submit's pointers, copied later
+    size_t enqueued = 0;                    // paced_copies: grad pieces enqueued this step
+    int64_t copied = 0;     // step whose gradient copies were last all enqueued (under mu)
     int64_t submitted = 0;  // step of the last Submit
     int64_t uploaded = 0;   // step whose upload was last enqueued
     bool h2d_timed = true;  // the last upload's time is in the stats
@@ -139,6 +143,11 @@ struct HostTier::Impl {
   std::vector<size_t> waiting;
   std::vector<size_t> candidates;  // the worker's copy of `waiting`, also reserved
   int64_t pending = 0;             // submitted, upload not yet enqueued
+  static constexpr size_t kNone = ~size_t{0};
+  // paced_copies: the bucket the worker takes next, already out of `waiting`, whose first
+  // pieces it copies down while it finishes the current one (worker thread only; kNone: none).
+  size_t next = kNone;
+  std::atomic<int64_t> copies_total{0};  // buckets whose copies were all enqueued, ever
   int64_t step = 0;
   bool stop = false;
   Status error;
@@ -209,19 +218,101 @@ struct HostTier::Impl {
     }
   }
 
+  // paced_copies: enqueues bucket b's next gradient piece on the D2H stream (the first after
+  // the compute stream's event, and under device_delta after the last upload, which read the
+  // staging buffer the copy overwrites).
+  Status EnqueuePiece(Bucket& b, int64_t s) {
+    const size_t i = b.enqueued;
+    if (i == 0) {
+      EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d2h, b.ready, 0));
+      if (staging != nullptr && b.uploaded > 0) {
+        EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d2h, b.uploaded_event(), 0));
+      }
+      EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.d2h_start, d2h));
+    }
+    const GradPiece& piece = b.grad_pieces[i];
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(piece.start, d2h));
+    for (size_t c = piece.copy_begin; c < piece.copy_end; ++c) {
+      const GradCopy& copy = b.grad_copies[c];
+      EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+          static_cast<char*>(const_cast<void*>(b.updates[copy.tensor].grad)) + copy.offset,
+          static_cast<const char*>(b.device_grads[copy.tensor]) + copy.offset, copy.bytes,
+          cudaMemcpyDeviceToHost, d2h));
+    }
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(piece.landed, d2h));
+    if (++b.enqueued == b.grad_pieces.size()) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        b.copied = s;
+      }
+      copies_total.fetch_add(1, std::memory_order_release);
+      cv.notify_all();
+    }
+    return Status::Ok();
+  }
+
+  // paced_copies: of the waiting buckets whose gradients are final on the compute stream, the
+  // one the next forward needs first (the highest index) becomes `next`. Never blocks.
+  Result<bool> PickNext() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      candidates.assign(waiting.begin(), waiting.end());
+    }
+    std::sort(candidates.begin(), candidates.end(), std::greater<size_t>());
+    for (size_t c : candidates) {
+      const cudaError_t q = cudaEventQuery(buckets[c].ready);
+      if (q == cudaErrorNotReady) continue;
+      if (q != cudaSuccess) return CudaStatus(q, "cudaEventQuery (gradients ready)");
+      std::lock_guard<std::mutex> lock(mu);
+      waiting.erase(std::find(waiting.begin(), waiting.end(), c));
+      next = c;
+      return true;
+    }
+    return false;
+  }
+
+  // paced_copies: bucket b's first `consumed` pieces are updated; keeps paced_copies pieces
+  // enqueued beyond them, from b and then from the bucket taken next.
+  Status Feed(Bucket& b, size_t consumed, int64_t s) {
+    const size_t window = static_cast<size_t>(options.paced_copies);
+    size_t ahead = b.enqueued - consumed;
+    if (next != kNone) ahead += buckets[next].enqueued;
+    while (ahead < window) {
+      if (b.enqueued < b.grad_pieces.size()) {
+        EMSA_RETURN_IF_ERROR(EnqueuePiece(b, s));
+      } else {
+        if (next == kNone) {
+          Result<bool> picked = PickNext();
+          if (!picked.ok()) return picked.status();
+          if (!*picked) break;
+        }
+        Bucket& n = buckets[next];
+        if (n.enqueued == n.grad_pieces.size()) break;
+        EMSA_RETURN_IF_ERROR(EnqueuePiece(n, s));
+      }
+      ++ahead;
+    }
+    return Status::Ok();
+  }
+
   // The worker's part for one bucket submitted in step s. When its gradients have all landed
   // it is updated in one pass per upload piece; when some are still on their way (the CPU
   // caught up with the D2H stream, as at the start of a step) it follows them, gradient piece
   // by gradient piece, instead of idling until the last has landed.
   Status Process(size_t index, int64_t s) {
     Bucket& b = buckets[index];
-    const cudaError_t q = cudaEventQuery(b.d2h_end());
-    if (q != cudaSuccess && q != cudaErrorNotReady) {
-      return CudaStatus(q, "cudaEventQuery (gradient copy)");
+    const bool paced = options.paced_copies > 0;
+    bool landed = false;  // paced: follow the pieces, copying more as each is updated
+    if (!paced) {
+      const cudaError_t q = cudaEventQuery(b.d2h_end());
+      if (q != cudaSuccess && q != cudaErrorNotReady) {
+        return CudaStatus(q, "cudaEventQuery (gradient copy)");
+      }
+      landed = q == cudaSuccess;
     }
-    const bool landed = q == cudaSuccess;
     // The previous upload reads what the update is about to write: it must be done.
     EMSA_RETURN_IF_ERROR(TimeUpload(b));
+    if (paced) EMSA_RETURN_IF_ERROR(Feed(b, 0, s));
     b.t_start = Since();
     double cpu_seconds = 0.0;
     WorkerUploads uploads;
@@ -247,6 +338,7 @@ struct HostTier::Impl {
         EMSA_RETURN_IF_ERROR(updater->StepRange(b.updates.data(), b.updates.size(), step_options,
                                                 first, last, by_workers));
         cpu_seconds += Seconds(std::chrono::steady_clock::now() - t0);
+        if (paced && last == b.grad_pieces[g].last) EMSA_RETURN_IF_ERROR(Feed(b, g + 1, s));
         if (const int err = uploads.error.load()) {
           return CudaStatus(static_cast<cudaError_t>(err), "cudaMemcpyAsync (parameter upload)");
         }
@@ -271,7 +363,15 @@ struct HostTier::Impl {
     b.t_end = Since();
     EMSA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(b.d2h_end()));  // done long since
     double d2h_seconds = 0.0;
-    EMSA_RETURN_IF_ERROR(ElapsedSeconds(b.d2h_start, b.d2h_end(), &d2h_seconds));
+    if (!paced) {
+      EMSA_RETURN_IF_ERROR(ElapsedSeconds(b.d2h_start, b.d2h_end(), &d2h_seconds));
+    } else {  // the copies' own times: the span between them is the pacing's wait
+      for (const GradPiece& piece : b.grad_pieces) {
+        double piece_seconds = 0.0;
+        EMSA_RETURN_IF_ERROR(ElapsedSeconds(piece.start, piece.landed, &piece_seconds));
+        d2h_seconds += piece_seconds;
+      }
+    }
     std::lock_guard<std::mutex> lock(mu);
     HostTierStepStats& st = StatsOf(s);
     st.d2h_s += d2h_seconds;
@@ -279,6 +379,12 @@ struct HostTier::Impl {
     b.uploaded = s;
     b.h2d_timed = false;
     return Status::Ok();
+  }
+
+  // What a bucket waits for before the worker may take it: its first gradient piece on the host
+  // or, under paced_copies (the worker copies them itself), its gradients final on the device.
+  cudaEvent_t Gate(const Bucket& b) const {
+    return options.paced_copies > 0 ? b.ready : b.grad_pieces.front().landed;
   }
 
   // Which waiting bucket to update next: of those whose gradients have begun to land (the first
@@ -296,7 +402,7 @@ struct HostTier::Impl {
       size_t pick = candidates.size();
       Status st;
       for (size_t k = 0; k < candidates.size() && pick == candidates.size(); ++k) {
-        const cudaError_t q = cudaEventQuery(buckets[candidates[k]].grad_pieces.front().landed);
+        const cudaError_t q = cudaEventQuery(Gate(buckets[candidates[k]]));
         if (q == cudaSuccess) {
           pick = k;
         } else if (q != cudaErrorNotReady) {
@@ -305,7 +411,7 @@ struct HostTier::Impl {
         }
       }
       if (st.ok() && pick == candidates.size()) {
-        st = CudaStatus(cudaEventSynchronize(buckets[oldest].grad_pieces.front().landed),
+        st = CudaStatus(cudaEventSynchronize(Gate(buckets[oldest])),
                         "cudaEventSynchronize (gradient copy)");
       }
       lock.lock();
@@ -323,12 +429,15 @@ struct HostTier::Impl {
     std::unique_lock<std::mutex> lock(mu);
     if (!set.ok() && error.ok()) error = set;
     for (;;) {
-      cv.wait(lock, [&] { return stop || !waiting.empty(); });
-      if (waiting.empty()) return;  // stop, and nothing left
-      size_t index = waiting.front();
+      cv.wait(lock, [&] { return stop || !waiting.empty() || next != kNone; });
+      if (waiting.empty() && next == kNone) return;  // stop, and nothing left
+      size_t index = waiting.empty() ? next : waiting.front();
       int64_t s = step;
       bool failed = !error.ok();
-      if (!failed) {
+      if (next != kNone) {  // taken already (its first pieces are on their way)
+        index = next;
+        next = kNone;
+      } else if (!failed) {
         Result<size_t> chosen = Choose(lock);
         if (chosen.ok()) {
           index = *chosen;
@@ -337,7 +446,10 @@ struct HostTier::Impl {
           failed = true;
         }
       }
-      if (failed) waiting.erase(std::find(waiting.begin(), waiting.end(), index));
+      if (failed) {
+        auto it = std::find(waiting.begin(), waiting.end(), index);
+        if (it != waiting.end()) waiting.erase(it);
+      }
       lock.unlock();
       Status st = failed ? Status::Ok() : Process(index, s);
       lock.lock();
@@ -425,7 +537,9 @@ struct HostTier::Impl {
         if (e != nullptr) (void)cudaEventDestroy(e);
       }
       for (const GradPiece& piece : b.grad_pieces) {
-        if (piece.landed != nullptr) (void)cudaEventDestroy(piece.landed);
+        for (cudaEvent_t e : {piece.landed, piece.start}) {
+          if (e != nullptr) (void)cudaEventDestroy(e);
+        }
       }
       for (const Piece& piece : b.pieces) {
         for (cudaEvent_t e : {piece.start, piece.end}) {
@@ -466,6 +580,13 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
     return Status::InvalidArgument(
         "options.device_delta and options.worker_upload_elements cannot be combined (the pool's "
         "threads would share the device staging buffer); set one of them");
+  }
+  if (options.paced_copies < 0 || (options.paced_copies > 0 && options.grad_piece_elements == 0)) {
+    return Status::InvalidArgument(
+        "options.paced_copies is " + std::to_string(options.paced_copies) +
+        (options.paced_copies < 0 ? "; use 0 (copies enqueued at Submit) or a piece count >= 1"
+                                  : " with grad_piece_elements 0; pacing copies a piece at a "
+                                    "time: set grad_piece_elements too (e.g. 1 Mi)"));
   }
   if (options.device_delta && options.delta_staging_elements < 64) {
     return Status::InvalidArgument("options.delta_staging_elements is " +
@@ -534,12 +655,16 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
   }
   for (Impl::Bucket& b : impl->buckets) impl->CutPieces(b);
   for (Impl::Bucket& b : impl->buckets) {
-    EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&b.ready, cudaEventDisableTiming));
+    // Blocking sync: under paced_copies the worker may wait on it.
+    EMSA_CUDA_RETURN_IF_ERROR(
+        cudaEventCreateWithFlags(&b.ready, cudaEventDisableTiming | cudaEventBlockingSync));
     EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&b.d2h_start));
+    b.device_grads.assign(b.updates.size(), nullptr);
     // The worker waits on these: blocking sync lets it sleep instead of spinning on a core the
     // CPU pool and the Python thread launching the forward both need.
     for (Impl::GradPiece& piece : b.grad_pieces) {
       EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&piece.landed, cudaEventBlockingSync));
+      if (options.paced_copies > 0) EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&piece.start));
     }
     for (Impl::Piece& piece : b.pieces) {
       EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&piece.start));
@@ -632,6 +757,21 @@ Status HostTier::Submit(size_t bucket, const void* const* grads, size_t count,
     }
   }
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ready, compute));
+  if (m.options.paced_copies > 0) {  // the worker copies them, a few pieces ahead of the CPU
+    std::copy(grads, grads + count, b.device_grads.begin());
+    {
+      std::lock_guard<std::mutex> lock(m.mu);
+      b.enqueued = 0;
+      b.submitted = m.step;
+      b.t_submit = m.Since();
+      m.waiting.push_back(bucket);
+      ++m.pending;
+      ++m.StatsOf(m.step).buckets;
+      m.StatsOf(m.step).complete = false;
+    }
+    m.cv.notify_all();
+    return Status::Ok();
+  }
   EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(m.d2h, b.ready, 0));
   if (after_upload) {
     // Under device_delta the last upload read this bucket's deltas from the gradient staging
@@ -649,8 +789,10 @@ Status HostTier::Submit(size_t bucket, const void* const* grads, size_t count,
     }
     EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(piece.landed, m.d2h));
   }
+  m.copies_total.fetch_add(1, std::memory_order_release);
   {
     std::lock_guard<std::mutex> lock(m.mu);
+    b.copied = m.step;
     b.submitted = m.step;
     b.t_submit = m.Since();
     m.waiting.push_back(bucket);
@@ -687,8 +829,18 @@ Status HostTier::WaitGradsCopied(cudaStream_t stream) {
   Impl& m = *impl_;
   int64_t s;
   {
-    std::lock_guard<std::mutex> lock(m.mu);
+    std::unique_lock<std::mutex> lock(m.mu);
     s = m.step;
+    // Under paced_copies the worker enqueues the copies: wait until it has (their events are
+    // recorded), or failed.
+    m.cv.wait(lock, [&] {
+      if (!m.error.ok()) return true;
+      for (const Impl::Bucket& b : m.buckets) {
+        if (b.submitted == s && b.copied != s) return false;
+      }
+      return true;
+    });
+    EMSA_RETURN_IF_ERROR(m.error);
   }
   for (Impl::Bucket& b : m.buckets) {
     if (b.submitted == s && s > 0) {
@@ -707,6 +859,18 @@ Status HostTier::Synchronize() {
   }
   for (Impl::Bucket& b : m.buckets) EMSA_RETURN_IF_ERROR(m.TimeUpload(b));
   return Status::Ok();
+}
+
+bool HostTier::BucketCopiesEnqueued(size_t bucket) const {
+  Impl& m = *impl_;
+  if (bucket >= m.buckets.size()) return false;
+  std::lock_guard<std::mutex> lock(m.mu);
+  const Impl::Bucket& b = m.buckets[bucket];
+  return b.copied == b.submitted || !m.error.ok();  // a failed tier enqueues no more
+}
+
+int64_t HostTier::copies_enqueued() const {
+  return impl_->copies_total.load(std::memory_order_acquire);
 }
 
 size_t HostTier::Trace(double* submit, double* start, double* end, size_t count) const {
@@ -759,6 +923,8 @@ Status HostTier::Wait(size_t, cudaStream_t) { return Status::Unsupported("no CUD
 Status HostTier::WaitGradsCopied(cudaStream_t) { return Status::Unsupported("no CUDA"); }
 Status HostTier::Synchronize() { return Status::Unsupported("no CUDA"); }
 size_t HostTier::Stats(int64_t, HostTierStepStats*, size_t) const { return 0; }
+bool HostTier::BucketCopiesEnqueued(size_t) const { return false; }
+int64_t HostTier::copies_enqueued() const { return 0; }
 size_t HostTier::Trace(double*, double*, double*, size_t) const { return 0; }
 size_t HostTier::bucket_count() const { return 0; }
 size_t HostTier::bucket_size(size_t) const { return 0; }

@@ -463,6 +463,13 @@ static void test_host_tier(void) {
   CHECK(emsa_host_tier_threads(16) == 15 && emsa_host_tier_threads(2) == 1);
   CHECK(emsa_host_tier_threads(1) == 1 && emsa_host_tier_threads(0) == 1);
   CHECK(emsa_host_tier_synchronize(NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_host_tier_copies_enqueued(NULL) == -1);
+  CHECK(emsa_host_tier_bucket_copies_enqueued(NULL, 0) == -1);
+  emsa_host_tier_options_init(&o);
+  CHECK(o.paced_copies == 0);
+  o.paced_copies = 2; /* without grad_piece_elements */
+  CHECK(emsa_host_tier_create(up, &t, 1, 1, 1, NULL, NULL, &o, &tier) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "grad_piece_elements") != NULL && tier == NULL);
   size_t n = 7;
   CHECK(emsa_host_tier_stats(NULL, 1, NULL, 0, &n) == EMSA_INVALID_ARGUMENT);
   CHECK(n == 7);

@@ -69,6 +69,11 @@ TEST(HostTierValidation, NamesTheBadField) {
   o.grad_piece_elements = 10;
   ExpectError(create(), StatusCode::kInvalidArgument, "grad_piece_elements is 10");
   o.grad_piece_elements = 0;
+  o.paced_copies = -1;
+  ExpectError(create(), StatusCode::kInvalidArgument, "paced_copies is -1");
+  o.paced_copies = 2;
+  ExpectError(create(), StatusCode::kInvalidArgument, "set grad_piece_elements too");
+  o.paced_copies = 0;
   o.worker_upload_elements = 32;
   ExpectError(create(), StatusCode::kInvalidArgument, "worker_upload_elements is 32");
   o.worker_upload_elements = 0;
@@ -233,10 +238,27 @@ class HostTierPipeline : public ::testing::Test {
           std::memcpy(g.data() + 2 * k, &h, 2);
         }
       }
-      ASSERT_CUDA(cudaMemcpy(device_grads_[i], g.data(), g.size(), cudaMemcpyHostToDevice));
       std::memcpy(ref_side_.grad_host[i], g.data(), g.size());
+      if (!late_grads_) {
+        ASSERT_CUDA(cudaMemcpy(device_grads_[i], g.data(), g.size(), cudaMemcpyHostToDevice));
+        continue;
+      }
+      // Written on the compute stream behind a long copy: a tier copying before the compute
+      // stream's event would read the last step's gradients.
+      if (late_source_.size() <= i) late_source_.push_back(Pinned(g.size()));
+      std::memcpy(late_source_[i], g.data(), g.size());
+      if (late_scratch_ == nullptr) late_scratch_ = Device(kLateScratchBytes);
+      ASSERT_CUDA(cudaMemcpyAsync(late_scratch_,
+                                  static_cast<char*>(late_scratch_) + kLateScratchBytes / 2,
+                                  kLateScratchBytes / 2, cudaMemcpyDeviceToDevice, compute_));
+      ASSERT_CUDA(cudaMemcpyAsync(device_grads_[i], late_source_[i], g.size(),
+                                  cudaMemcpyHostToDevice, compute_));
     }
   }
+  static constexpr size_t kLateScratchBytes = size_t{512} << 20;
+  bool late_grads_ = false;  // NewGrads writes them asynchronously on the compute stream
+  void* late_scratch_ = nullptr;
+  std::vector<void*> late_source_;
 
   void ReferenceStep(const HyperParams* hypers, const int64_t* steps) {
     std::vector<TensorUpdate> u;
@@ -395,6 +417,55 @@ TEST_F(HostTierPipeline, DeviceDeltasInUploadPiecesMatchTheCpuUpdaterBitwise) {
   options.grad_piece_elements = 5000;
   RunStepsAgainstTheCpuUpdater(options);
   ExpectHostParamsUntouched();
+}
+
+// paced_copies: the worker copies gradients down 1000 elements at a time, 2 (or 1) pieces ahead
+// of the CPU and into the next bucket it takes; the gradients become final on the compute stream
+// only after a long copy there, so a copy that did not wait for them would read the previous
+// step's. The same bits; every bucket's copies are reported enqueued by the end of each step.
+TEST_F(HostTierPipeline, PacedGradientCopiesMatchTheCpuUpdaterBitwise) {
+  late_grads_ = true;
+  HostTierOptions options;
+  options.paced_copies = 2;
+  options.grad_piece_elements = 1000;
+  RunStepsAgainstTheCpuUpdater(options);
+  for (size_t b = 0; b < 3; ++b) EXPECT_TRUE(tier_->BucketCopiesEnqueued(b)) << b;
+  EXPECT_EQ(tier_->copies_enqueued(), 12);  // 3 buckets x 4 steps
+}
+
+// One piece ahead: each copy is enqueued only when the CPU has finished the piece before it.
+TEST_F(HostTierPipeline, PacedOnePieceAheadMatchesTheCpuUpdaterBitwise) {
+  late_grads_ = true;
+  HostTierOptions options;
+  options.paced_copies = 1;
+  options.grad_piece_elements = 1000;
+  RunStepsAgainstTheCpuUpdater(options);
+}
+
+TEST_F(HostTierPipeline, PacedCopiesWithDeviceDeltasAndUploadPiecesMatchBitwise) {
+  late_grads_ = true;
+  HostTierOptions options;
+  options.paced_copies = 3;
+  options.grad_piece_elements = 5000;
+  options.upload_piece_elements = 4096;
+  options.device_delta = true;
+  options.delta_staging_elements = 3000;
+  RunStepsAgainstTheCpuUpdater(options);
+  ExpectHostParamsUntouched();
+}
+
+// Without pacing Submit enqueues the copies itself: reported at once.
+TEST_F(HostTierPipeline, UnpacedCopiesAreEnqueuedBySubmit) {
+  Build({{64, DType::kFloat32, 0, 0}, {64, DType::kFloat32, 0, 1}}, 2, 1);
+  HyperParams h;
+  int64_t step = 1;
+  ASSERT_OK(tier_->BeginStep(&h, &step, 1));
+  const void* grads[1] = {device_grads_[1]};
+  ASSERT_OK(tier_->Submit(1, grads, 1, compute_));
+  EXPECT_TRUE(tier_->BucketCopiesEnqueued(1));
+  EXPECT_EQ(tier_->copies_enqueued(), 1);
+  EXPECT_FALSE(tier_->BucketCopiesEnqueued(7));
+  ASSERT_OK(tier_->Synchronize());
 }
 
 TEST_F(HostTierPipeline, RefusesCallsOutOfOrder) {
