@@ -362,6 +362,17 @@ def environ(**values: str):
                 os.environ[k] = v
 
 
+def fresh_profile(args, profile: dict) -> dict:
+    """The profile an emsa configuration plans with: measured again right before it (what a
+    user's optimizer does when built; the shared host's memory bandwidth moves within minutes),
+    unless --no-profile-each, then the run's first."""
+    if not args.profile_each or args.dry_run:
+        return profile
+    import emsa
+
+    return emsa.measure_profile(measure_bandwidth=True)
+
+
 def run_emsa(args, shape, batches, device, profile, mode: str, knobs: dict | None = None) -> dict:
     with environ(**(knobs or {})):
         out = _run_emsa(args, shape, batches, device, profile, mode)
@@ -373,6 +384,7 @@ def run_emsa(args, shape, batches, device, profile, mode: str, knobs: dict | Non
 def _run_emsa(args, shape, batches, device, profile, mode: str) -> dict:
     import emsa
 
+    profile = fresh_profile(args, profile)
     model = make_llama(shape, device)
     ids = batches[0]
     ctx = (torch.autocast(device.type, dtype=torch.bfloat16) if args.autocast
@@ -398,6 +410,7 @@ def _run_emsa(args, shape, batches, device, profile, mode: str) -> dict:
     out.update(train(model, opt, batches, device, args.warmup, autocast=args.autocast))
     out.update(peak_bytes(device))
     out.update(l2_split(plan))
+    out["profile"] = profile_summary(profile)
     pred = plan.json["prediction"]
     out.update(device_arena_bytes=plan.device_arena_bytes, host_arena_bytes=plan.host_arena_bytes,
                predicted={k: pred.get(k) for k in ("step_time", "peak_device_bytes", "stall_time",
@@ -410,6 +423,13 @@ def _run_emsa(args, shape, batches, device, profile, mode: str) -> dict:
     out["host_trace"] = host_trace(opt)
     del model, opt, record, plan
     return out
+
+
+def profile_summary(profile: dict) -> dict:
+    cpu, gpu = profile.get("cpu") or {}, profile.get("gpu") or {}
+    return dict(host_update_bandwidth=cpu.get("host_update_bandwidth"),
+                host_mem_bandwidth=cpu.get("host_mem_bandwidth"),
+                d2h_bandwidth=gpu.get("d2h_bandwidth"), h2d_bandwidth=gpu.get("h2d_bandwidth"))
 
 
 def host_trace(opt) -> dict | None:
@@ -591,8 +611,62 @@ def run_shape(args, shape, batch, seq, device, profile) -> dict:
                   f"{r['left_device_used_bytes'] / GIB:.2f} GiB of device memory in use",
                   file=sys.stderr)
         results[key] = r
-    return dict(batch=batch, seq=seq, configs=results,
-                **ratios(results, profile))
+    out = dict(batch=batch, seq=seq, configs=results, **ratios(results, profile))
+    if args.interleave and "a" in results and "c" in results:
+        settle(device)
+        print(f"[{batch}x{seq}] (a) and (c) interleaved ...", flush=True)
+        try:
+            out["interleaved_ac"] = run_interleaved_ac(args, shape, batches, device, profile)
+            out["ratios"]["c_over_a_interleaved"] = out["interleaved_ac"]["c_over_a"]
+        except Exception:  # noqa: BLE001 - reported; the sequential figures stand
+            out["interleaved_ac"] = dict(error=traceback.format_exc(limit=6))
+            print(out["interleaved_ac"]["error"], file=sys.stderr)
+        settle(device)
+    return out
+
+
+def run_interleaved_ac(args, shape, batches, device, profile) -> dict:
+    """(a) and (c) timed again side by side: both models live at once and each round runs one
+    step of each, the order alternating, so that drift in the shared host's load (which moves a
+    launch-bound 4 x 512 step by 10% within a minute) falls on both alike. Peaks are the
+    sequential runs' (both models' memory is resident here)."""
+    ctx = (torch.autocast(device.type, dtype=torch.bfloat16) if args.autocast
+           else contextlib.nullcontext())
+    model_a = make_llama(shape, device)
+    opt_a = torch.optim.AdamW(model_a.parameters(), **HYPER, fused=True)
+    model_c = make_llama(shape, device)
+    import emsa
+
+    with ctx:
+        record = emsa.probe(model_c, input_ids=batches[0], labels=batches[0],
+                            profile=fresh_profile(args, profile), trace=False)
+    opt_c = emsa_adamw(model_c.parameters(), None, probe=record, budget=None,
+                       step_in_backward=False, _dry_run=args.dry_run)
+    del record
+    runners = dict(a=(model_a, opt_a), c=(model_c, opt_c))
+    clock = Clock(device)
+    spans: dict = dict(a=[], c=[])
+    sync(device)
+    for i, ids in enumerate(batches):
+        for key in (("a", "c") if i % 2 == 0 else ("c", "a")):
+            model, opt = runners[key]
+            start = clock.mark()
+            with ctx:
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            end = clock.mark()
+            if i >= args.warmup:
+                spans[key].append((start, end))
+    sync(device)
+    times = {k: [clock.seconds(s, e) for s, e in v] for k, v in spans.items()}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    del runners, model_a, opt_a, model_c, opt_c
+    return dict(a_step_s=med["a"], c_step_s=med["c"], c_over_a=med["c"] / med["a"],
+                a_step_times_s=times["a"], c_step_times_s=times["c"],
+                c_over_a_per_round_median=statistics.median(
+                    c / a for a, c in zip(times["a"], times["c"])))
 
 
 def ratios(results: dict, profile: dict) -> dict:
@@ -601,13 +675,17 @@ def ratios(results: dict, profile: dict) -> dict:
     if "a" not in ok:
         return dict(bounds=bounds, ratios=main)
     fwd_bwd = ok["a"]["fwd_bwd_s"]
-    cpu, gpu = profile.get("cpu") or {}, profile.get("gpu") or {}
-    host_bw = cpu.get("host_update_bandwidth") or cpu.get("host_mem_bandwidth") or 0.0
-    d2h, h2d = gpu.get("d2h_bandwidth") or 0.0, gpu.get("h2d_bandwidth") or 0.0
+    start = profile_summary(profile)  # measured at the run's start
     for k in ("c", "d", "e", "f", "g"):
         if k not in ok:
             continue
         r = ok[k]
+        # The bound at probe time: the bandwidths measured right before this configuration
+        # (fresh_profile), else the run's first.
+        own = r.get("profile") or start
+        host_bw = own.get("host_update_bandwidth") or own.get("host_mem_bandwidth") or 0.0
+        d2h, h2d = own.get("d2h_bandwidth") or 0.0, own.get("h2d_bandwidth") or 0.0
+        start_bw = start.get("host_update_bandwidth") or start.get("host_mem_bandwidth") or 0.0
         host_s = r["host_update_bytes"] / host_bw if host_bw else 0.0
         # The same with the DMA's own trips through host memory counted (gradient written in,
         # parameter read out): not a floor (a DMA may hit the CPU's cache), the traffic as built.
@@ -622,7 +700,11 @@ def ratios(results: dict, profile: dict) -> dict:
         bounds[k] = dict(bound_s=max(fwd_bwd, host_s, pcie_s), fwd_bwd_s=fwd_bwd,
                          host_update_s=host_s, pcie_s=pcie_s,
                          bound_with_dma_s=max(fwd_bwd, host_dma_s, pcie_s),
-                         bound_as_built_s=max(fwd_bwd, built_s, pcie_s))
+                         bound_as_built_s=max(fwd_bwd, built_s, pcie_s),
+                         host_update_bandwidth=host_bw,
+                         # the same bound with the host bandwidth measured at the run's start
+                         bound_run_start_s=max(fwd_bwd, r["host_update_bytes"] / start_bw
+                                               if start_bw else 0.0, pcie_s))
         pred = r["predicted"]
         if pred.get("step_time"):
             predicted[f"{k}_predicted_over_measured_time"] = pred["step_time"] / r["step_s"]
@@ -640,6 +722,7 @@ def ratios(results: dict, profile: dict) -> dict:
             main[f"{k}_over_bound"] = ok[k]["step_s"] / bounds[k]["bound_s"]
             main[f"{k}_over_bound_with_dma"] = ok[k]["step_s"] / bounds[k]["bound_with_dma_s"]
             main[f"{k}_over_bound_as_built"] = ok[k]["step_s"] / bounds[k]["bound_as_built_s"]
+            main[f"{k}_over_bound_run_start"] = ok[k]["step_s"] / bounds[k]["bound_run_start_s"]
     for k in ("e", "f"):
         if k in ok:
             main[f"{k}_over_a"] = ok[k]["step_s"] / ok["a"]["step_s"]
@@ -673,6 +756,11 @@ def table(result: dict) -> str:
             peak = r["peak_device_bytes"] / GIB
             lines.append(f"  {name:28} {r['step_s'] * 1e3:9.1f} {peak:9.2f} "
                          f"{r['final_loss']:8.4f} {pms} {pgib} {l2}")
+        il = s.get("interleaved_ac")
+        if il and "error" not in il:
+            lines.append(f"  (a) and (c) interleaved, one step of each in turn: (a) "
+                         f"{il['a_step_s'] * 1e3:.1f}, (c) {il['c_step_s'] * 1e3:.1f} ms/step, "
+                         f"(c)/(a) {il['c_over_a']:.3f} (per round {il['c_over_a_per_round_median']:.3f})")
         rat = list(s["ratios"].items())
         for i in range(0, len(rat), 4):
             lines.append("  " + "   ".join(f"{k} {v:.2f}" for k, v in rat[i:i + 4]))
@@ -681,7 +769,10 @@ def table(result: dict) -> str:
                          f"{b['fwd_bwd_s'] * 1e3:.1f}, host update {b['host_update_s'] * 1e3:.1f}, "
                          f"PCIe {b['pcie_s'] * 1e3:.1f}); with the DMA's host-memory traffic "
                          f"{b['bound_with_dma_s'] * 1e3:.1f} ms; emsa's own host-memory traffic "
-                         f"{b.get('bound_as_built_s', 0.0) * 1e3:.1f} ms")
+                         f"{b.get('bound_as_built_s', 0.0) * 1e3:.1f} ms; host update "
+                         f"{b.get('host_update_bandwidth', 0.0) / 1e9:.1f} GB/s measured before "
+                         f"it (at the run's start: bound {b.get('bound_run_start_s', 0.0) * 1e3:.1f}"
+                         " ms)")
         for k in "defg":
             t = s["configs"].get(k, {}).get("host_trace")
             if t:
@@ -729,6 +820,11 @@ def main():
     ap.add_argument("--no-autocast", dest="autocast", action="store_false")
     ap.add_argument("--no-step-in-backward", dest="step_in_backward", action="store_false",
                     help="(d) and (e) update in step() instead of in backward")
+    ap.add_argument("--no-profile-each", dest="profile_each", action="store_false",
+                    help="plan every emsa configuration with the profile measured at the run's "
+                         "start, instead of one measured right before it")
+    ap.add_argument("--no-interleave", dest="interleave", action="store_false",
+                    help="skip the second timing of (a) and (c), one step of each in turn")
     ap.add_argument("--out", default="", help="JSON path (default bench/results/...-<date>.json)")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny model on the CPU: checks the script, table and JSON")
