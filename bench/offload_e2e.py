@@ -781,6 +781,11 @@ def table(result: dict) -> str:
                              f"ms, busy {t['cpu_busy_s'] * 1e3:.1f} ms of which "
                              f"{t['cpu_busy_before_last_submit_s'] * 1e3:.1f} before the last "
                              "submit")
+            m = s["configs"].get(k, {}).get("measured") or {}
+            if "worker_s" in m:
+                lines.append(f"    worker per step (medians): {m['worker_s'] * 1e3:.1f} ms, of "
+                             f"which CPU update {m['cpu_s'] * 1e3:.1f}, waiting for gradients "
+                             f"{m['grad_wait_s'] * 1e3:.1f}")
     n = result.get("numerics")
     if n:
         sh = n["shared_emsa_host_vs_torch"]

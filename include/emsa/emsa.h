@@ -437,6 +437,8 @@ typedef struct emsa_host_tier_step_stats {
   double wait_s;        /* host time emsa_host_tier_wait blocked: an upload was not enqueued */
   int64_t buckets;      /* buckets submitted in the step */
   int32_t complete;     /* 1: every submitted bucket's copies have finished and been timed */
+  double grad_wait_s;   /* the tier's worker blocked until gradients were final or had landed */
+  double worker_s;      /* the worker from taking each bucket to enqueueing its upload */
 } emsa_host_tier_step_stats;
 
 EMSA_API void emsa_host_tier_tensor_init(emsa_host_tier_tensor* tensor);

@@ -118,6 +118,11 @@ struct HostTierStepStats {
   double wait_s = 0.0;    // host time Wait() blocked because an upload was not yet enqueued
   int64_t buckets = 0;    // buckets submitted
   bool complete = false;  // every submitted bucket's copies have finished and been timed
+  // The worker's own time: blocked until gradients were final or had landed (grad_wait_s), and
+  // in all from taking each bucket to having enqueued its upload (worker_s: cpu_s, grad_wait_s
+  // and the rest, which is enqueueing copies and reading events).
+  double grad_wait_s = 0.0;
+  double worker_s = 0.0;
 };
 
 // The host tier's CPU update pool for `cores` usable cores: one fewer (the thread launching the

@@ -191,6 +191,8 @@ class HostTierStepStats(ctypes.Structure):
         ("wait_s", ctypes.c_double),
         ("buckets", ctypes.c_int64),
         ("complete", ctypes.c_int32),
+        ("grad_wait_s", ctypes.c_double),
+        ("worker_s", ctypes.c_double),
     ]
 
 

@@ -195,7 +195,8 @@ class HostTier:
                 if not s.complete and s.buckets:
                     return out  # the rest is still running
                 out.append({"step": s.step, "d2h_s": s.d2h_s, "cpu_s": s.cpu_s,
-                            "h2d_s": s.h2d_s, "wait_s": s.wait_s, "buckets": s.buckets})
+                            "h2d_s": s.h2d_s, "wait_s": s.wait_s, "buckets": s.buckets,
+                            "grad_wait_s": s.grad_wait_s, "worker_s": s.worker_s})
                 self.read = s.step
             if n.value < 64:
                 return out

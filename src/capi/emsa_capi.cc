@@ -1150,6 +1150,8 @@ emsa_status emsa_host_tier_stats(const emsa_host_tier* tier, int64_t first,
       out[i].wait_s = got[i].wait_s;
       out[i].buckets = got[i].buckets;
       out[i].complete = got[i].complete ? 1 : 0;
+      out[i].grad_wait_s = got[i].grad_wait_s;
+      out[i].worker_s = got[i].worker_s;
     }
     *count_out = n;
     return Report(emsa::Status::Ok());

@@ -147,6 +147,7 @@ struct HostTier::Impl {
   // paced_copies: the bucket the worker takes next, already out of `waiting`, whose first
   // pieces it copies down while it finishes the current one (worker thread only; kNone: none).
   size_t next = kNone;
+  double choose_wait_seconds = 0.0;      // worker only: Choose blocked, charged to the next bucket
   std::atomic<int64_t> copies_total{0};  // buckets whose copies were all enqueued, ever
   int64_t step = 0;
   bool stop = false;
@@ -314,7 +315,9 @@ struct HostTier::Impl {
     EMSA_RETURN_IF_ERROR(TimeUpload(b));
     if (paced) EMSA_RETURN_IF_ERROR(Feed(b, 0, s));
     b.t_start = Since();
+    const auto started = std::chrono::steady_clock::now();
     double cpu_seconds = 0.0;
+    double wait_seconds = 0.0;  // blocked until a gradient piece had landed
     WorkerUploads uploads;
     uploads.m = this;
     uploads.b = &b;
@@ -331,7 +334,9 @@ struct HostTier::Impl {
         int64_t last = piece.last;
         if (!landed) {
           while (b.grad_pieces[g].last <= first) ++g;
+          const auto w0 = std::chrono::steady_clock::now();
           EMSA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(b.grad_pieces[g].landed));
+          wait_seconds += Seconds(std::chrono::steady_clock::now() - w0);
           last = std::min(last, b.grad_pieces[g].last);
         }
         const auto t0 = std::chrono::steady_clock::now();
@@ -376,6 +381,9 @@ struct HostTier::Impl {
     HostTierStepStats& st = StatsOf(s);
     st.d2h_s += d2h_seconds;
     st.cpu_s += cpu_seconds;
+    st.grad_wait_s += wait_seconds + choose_wait_seconds;
+    st.worker_s += Seconds(std::chrono::steady_clock::now() - started) + choose_wait_seconds;
+    choose_wait_seconds = 0.0;
     b.uploaded = s;
     b.h2d_timed = false;
     return Status::Ok();
@@ -411,8 +419,10 @@ struct HostTier::Impl {
         }
       }
       if (st.ok() && pick == candidates.size()) {
+        const auto w0 = std::chrono::steady_clock::now();
         st = CudaStatus(cudaEventSynchronize(Gate(buckets[oldest])),
                         "cudaEventSynchronize (gradient copy)");
+        choose_wait_seconds += Seconds(std::chrono::steady_clock::now() - w0);
       }
       lock.lock();
       if (!st.ok()) return st;

@@ -353,6 +353,9 @@ void HostTierPipeline::RunSteps() {
     EXPECT_GT(stats[i].d2h_s, 0.0);
     EXPECT_GT(stats[i].cpu_s, 0.0);
     EXPECT_GT(stats[i].h2d_s, 0.0);
+    EXPECT_GE(stats[i].grad_wait_s, 0.0);
+    // The worker's span holds its CPU updates and its waits, disjoint, on one clock.
+    EXPECT_GE(stats[i].worker_s + 1e-9, stats[i].cpu_s + stats[i].grad_wait_s);
   }
   EXPECT_EQ(tier_->Stats(3, stats, 8), 2u);
 }
