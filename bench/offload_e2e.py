@@ -618,6 +618,7 @@ def run_shape(args, shape, batch, seq, device, profile) -> dict:
         try:
             out["interleaved_ac"] = run_interleaved_ac(args, shape, batches, device, profile)
             out["ratios"]["c_over_a_interleaved"] = out["interleaved_ac"]["c_over_a"]
+            out["ratios"]["c0_over_a_interleaved"] = out["interleaved_ac"]["c0_over_a"]
         except Exception:  # noqa: BLE001 - reported; the sequential figures stand
             out["interleaved_ac"] = dict(error=traceback.format_exc(limit=6))
             print(out["interleaved_ac"]["error"], file=sys.stderr)
@@ -626,10 +627,12 @@ def run_shape(args, shape, batch, seq, device, profile) -> dict:
 
 
 def run_interleaved_ac(args, shape, batches, device, profile) -> dict:
-    """(a) and (c) timed again side by side: both models live at once and each round runs one
-    step of each, the order alternating, so that drift in the shared host's load (which moves a
-    launch-bound 4 x 512 step by 10% within a minute) falls on both alike. Peaks are the
-    sequential runs' (both models' memory is resident here)."""
+    """(a) and (c) timed again side by side: the models live at once and each round runs one
+    step of each, the order rotating, so that drift in the shared host's load (which moves a
+    launch-bound 4 x 512 step by 10% within a minute) falls on all alike. A third, (c0), is (c)
+    with skip_nonfinite=False: torch's AdamW does not look for inf/nan gradients, emsa's does by
+    default (one more read of every gradient before the update), so (c0) is the like-for-like
+    step and (c) the default. Peaks are the sequential runs' (all models are resident here)."""
     ctx = (torch.autocast(device.type, dtype=torch.bfloat16) if args.autocast
            else contextlib.nullcontext())
     model_a = make_llama(shape, device)
@@ -642,13 +645,20 @@ def run_interleaved_ac(args, shape, batches, device, profile) -> dict:
                             profile=fresh_profile(args, profile), trace=False)
     opt_c = emsa_adamw(model_c.parameters(), None, probe=record, budget=None,
                        step_in_backward=False, _dry_run=args.dry_run)
+    model_c0 = make_llama(shape, device)
+    with ctx:
+        record = emsa.probe(model_c0, input_ids=batches[0], labels=batches[0],
+                            profile=fresh_profile(args, profile), trace=False)
+    opt_c0 = emsa_adamw(model_c0.parameters(), None, probe=record, budget=None,
+                        step_in_backward=False, skip_nonfinite=False, _dry_run=args.dry_run)
     del record
-    runners = dict(a=(model_a, opt_a), c=(model_c, opt_c))
+    runners = dict(a=(model_a, opt_a), c=(model_c, opt_c), c0=(model_c0, opt_c0))
+    keys = list(runners)
     clock = Clock(device)
-    spans: dict = dict(a=[], c=[])
+    spans: dict = {k: [] for k in keys}
     sync(device)
     for i, ids in enumerate(batches):
-        for key in (("a", "c") if i % 2 == 0 else ("c", "a")):
+        for key in keys[i % 3:] + keys[:i % 3]:
             model, opt = runners[key]
             start = clock.mark()
             with ctx:
@@ -662,11 +672,15 @@ def run_interleaved_ac(args, shape, batches, device, profile) -> dict:
     sync(device)
     times = {k: [clock.seconds(s, e) for s, e in v] for k, v in spans.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
-    del runners, model_a, opt_a, model_c, opt_c
-    return dict(a_step_s=med["a"], c_step_s=med["c"], c_over_a=med["c"] / med["a"],
+    del runners, model_a, opt_a, model_c, opt_c, model_c0, opt_c0
+    return dict(a_step_s=med["a"], c_step_s=med["c"], c0_step_s=med["c0"],
+                c_over_a=med["c"] / med["a"], c0_over_a=med["c0"] / med["a"],
                 a_step_times_s=times["a"], c_step_times_s=times["c"],
+                c0_step_times_s=times["c0"],
                 c_over_a_per_round_median=statistics.median(
-                    c / a for a, c in zip(times["a"], times["c"])))
+                    c / a for a, c in zip(times["a"], times["c"])),
+                c0_over_a_per_round_median=statistics.median(
+                    c / a for a, c in zip(times["a"], times["c0"])))
 
 
 def ratios(results: dict, profile: dict) -> dict:
@@ -758,9 +772,12 @@ def table(result: dict) -> str:
                          f"{r['final_loss']:8.4f} {pms} {pgib} {l2}")
         il = s.get("interleaved_ac")
         if il and "error" not in il:
-            lines.append(f"  (a) and (c) interleaved, one step of each in turn: (a) "
-                         f"{il['a_step_s'] * 1e3:.1f}, (c) {il['c_step_s'] * 1e3:.1f} ms/step, "
-                         f"(c)/(a) {il['c_over_a']:.3f} (per round {il['c_over_a_per_round_median']:.3f})")
+            lines.append(f"  interleaved, one step of each in turn: (a) {il['a_step_s'] * 1e3:.1f}, "
+                         f"(c) {il['c_step_s'] * 1e3:.1f}, (c0) {il['c0_step_s'] * 1e3:.1f} "
+                         f"ms/step; (c)/(a) {il['c_over_a']:.3f} (per round "
+                         f"{il['c_over_a_per_round_median']:.3f}), (c0)/(a) "
+                         f"{il['c0_over_a']:.3f} (per round {il['c0_over_a_per_round_median']:.3f})"
+                         "; (c0): skip_nonfinite=False, torch's semantics")
         rat = list(s["ratios"].items())
         for i in range(0, len(rat), 4):
             lines.append("  " + "   ".join(f"{k} {v:.2f}" for k, v in rat[i:i + 4]))

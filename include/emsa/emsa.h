@@ -425,6 +425,9 @@ typedef struct emsa_host_tier_options {
    * CPU, so they land just before it reads them (HostTierOptions.paced_copies). The caller then
    * keeps each bucket's device gradients until emsa_host_tier_bucket_copies_enqueued says 1. */
   int32_t paced_copies;
+  /* under paced_copies: at most this many bytes of submitted gradients wait on the device for
+   * their copies (-1, the default: no limit); past it a bucket is copied at once */
+  int64_t paced_hold_bytes;
 } emsa_host_tier_options;
 
 /* One step's measurements: busy seconds per engine (sums over buckets). */

@@ -106,6 +106,11 @@ struct HostTierOptions {
   // WaitGradsCopied then blocks the host until the copies are enqueued. Results are identical.
   // bench/host_dma_bench.cu measures what pacing gains on a host.
   int paced_copies = 0;
+  // Under paced_copies, the device memory pacing may hold: gradients submitted whose copies are
+  // not yet enqueued, at most this many bytes (-1: no limit). A Submit that would pass it
+  // enqueues that bucket's copies at once, as without pacing. The planner's peak counts about two
+  // buckets of gradients in flight; the caller passes what its budget has beyond that.
+  int64_t paced_hold_bytes = -1;
 };
 
 // What one step took on each engine, measured (CUDA events for copies, a steady clock for the

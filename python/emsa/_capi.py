@@ -178,6 +178,7 @@ class HostTierOptions(ctypes.Structure):
         ("device_delta", ctypes.c_int32),
         ("delta_staging_elements", ctypes.c_int64),
         ("paced_copies", ctypes.c_int32),
+        ("paced_hold_bytes", ctypes.c_int64),
     ]
 
 

@@ -346,7 +346,8 @@ class CudaBackend(Backend):
                 tensors.append(t)
                 params.append(p)
         self.host = HostTier(tensors, self.host_slots, group_count, self.kind, self.device,
-                             params, in_backward=self.in_backward)
+                             params, in_backward=self.in_backward,
+                             hold_bytes=_pacing_hold(plan))
 
     def state(self, i: int) -> dict[str, torch.Tensor]:
         return self.views[i]
@@ -766,6 +767,18 @@ class CudaBackend(Backend):
             self._follow(stream, join=False)
             self.host.submit(t, grads, stream)
             self.last_stream = stream
+
+
+def _pacing_hold(plan: Plan) -> int:
+    """How many bytes of gradients paced copies may keep waiting on the device: the plan counts
+    about two buckets in flight; with no budget named, also what the device has beyond the plan's
+    predicted peak. A named budget gets nothing beyond the plan's own count."""
+    options = plan.json["options"]
+    in_flight = 2 * int(options["bucket_bytes"])
+    if options["budget_bytes"]:
+        return in_flight
+    peak = int(plan.json["prediction"]["peak_device_bytes"])
+    return max(0, int(plan.json["budget_bytes"]) - peak) + in_flight
 
 
 class _StepClock:

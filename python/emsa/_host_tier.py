@@ -48,10 +48,11 @@ PACE_PIECE = 4 << 20
 class HostTier:
     def __init__(self, tensors: list[HostTierTensor], buckets: list[list[int]],
                  group_count: int, optimizer: str, device: torch.device,
-                 params: list[torch.Tensor], in_backward: bool = False):
+                 params: list[torch.Tensor], in_backward: bool = False, hold_bytes: int = -1):
         """tensors[k] belongs to bucket tensors[k].bucket; buckets[b] lists the backend slots
         of bucket b in tensor order; params[k] is tensors[k]'s parameter. in_backward: buckets
-        are submitted from the gradient hooks (the copies may then be paced)."""
+        are submitted from the gradient hooks (the copies may then be paced, keeping at most
+        hold_bytes of gradients waiting on the device; -1: no limit)."""
         self.handle = ctypes.c_void_p()
         self.updater = ctypes.c_void_p()
         self.held = {}
@@ -77,6 +78,7 @@ class HostTier:
         options.upload_piece_elements = int(os.environ.get("EMSA_HOST_UPLOAD_PIECE", 0))
         pace = int(os.environ.get("EMSA_HOST_PACE", PACED_COPIES)) if in_backward else 0
         options.paced_copies = pace
+        options.paced_hold_bytes = int(os.environ.get("EMSA_HOST_PACE_HOLD", hold_bytes))
         self.paced = pace > 0
         options.grad_piece_elements = int(os.environ.get("EMSA_HOST_GRAD_PIECE",
                                                          PACE_PIECE if pace else 0))

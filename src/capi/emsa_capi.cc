@@ -949,6 +949,7 @@ void emsa_host_tier_options_init(emsa_host_tier_options* options) {
   options->optimizer = EMSA_OPTIMIZER_ADAMW;
   options->rounding = EMSA_ROUNDING_STOCHASTIC;
   options->delta_staging_elements = emsa::HostTierOptions{}.delta_staging_elements;
+  options->paced_hold_bytes = emsa::HostTierOptions{}.paced_hold_bytes;
 }
 
 void emsa_host_tier_step_stats_init(emsa_host_tier_step_stats* stats) {
@@ -1039,6 +1040,7 @@ emsa_status emsa_host_tier_create(emsa_cpu_updater* updater, const emsa_host_tie
     o.device_delta = options->device_delta == 1;
     o.delta_staging_elements = options->delta_staging_elements;
     o.paced_copies = options->paced_copies;
+    o.paced_hold_bytes = options->paced_hold_bytes;
     std::vector<emsa::HostTierTensor> converted(count);
     for (size_t i = 0; i < count; ++i) {
       const emsa_host_tier_tensor& t = tensors[i];

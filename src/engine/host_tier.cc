@@ -98,6 +98,7 @@ struct HostTier::Impl {
     cudaEvent_t d2h_start = nullptr;
     std::vector<const void*> device_grads;  // paced_copies: Submit's pointers, copied later
     size_t enqueued = 0;                    // paced_copies: grad pieces enqueued this step
+    int64_t grad_bytes = 0;                 // the bucket's gradients, on the device
     int64_t copied = 0;     // step whose gradient copies were last all enqueued (under mu)
     int64_t submitted = 0;  // step of the last Submit
     int64_t uploaded = 0;   // step whose upload was last enqueued
@@ -149,6 +150,7 @@ struct HostTier::Impl {
   size_t next = kNone;
   double choose_wait_seconds = 0.0;      // worker only: Choose blocked, charged to the next bucket
   std::atomic<int64_t> copies_total{0};  // buckets whose copies were all enqueued, ever
+  int64_t held_bytes = 0;  // paced_copies: submitted gradients not yet enqueued (under mu)
   int64_t step = 0;
   bool stop = false;
   Status error;
@@ -245,6 +247,7 @@ struct HostTier::Impl {
       {
         std::lock_guard<std::mutex> lock(mu);
         b.copied = s;
+        held_bytes -= b.grad_bytes;
       }
       copies_total.fetch_add(1, std::memory_order_release);
       cv.notify_all();
@@ -670,6 +673,9 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
         cudaEventCreateWithFlags(&b.ready, cudaEventDisableTiming | cudaEventBlockingSync));
     EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&b.d2h_start));
     b.device_grads.assign(b.updates.size(), nullptr);
+    for (const TensorUpdate& u : b.updates) {
+      b.grad_bytes += u.numel * static_cast<int64_t>(DTypeSize(u.grad_dtype));
+    }
     // The worker waits on these: blocking sync lets it sleep instead of spinning on a core the
     // CPU pool and the Python thread launching the forward both need.
     for (Impl::GradPiece& piece : b.grad_pieces) {
@@ -767,7 +773,18 @@ Status HostTier::Submit(size_t bucket, const void* const* grads, size_t count,
     }
   }
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ready, compute));
-  if (m.options.paced_copies > 0) {  // the worker copies them, a few pieces ahead of the CPU
+  bool paced = m.options.paced_copies > 0;
+  if (paced) {
+    std::lock_guard<std::mutex> lock(m.mu);
+    const int64_t limit = m.options.paced_hold_bytes;
+    if (limit >= 0 && m.held_bytes + b.grad_bytes > limit) {
+      paced = false;  // copied now: holding it would pass the device memory allowed
+      b.enqueued = b.grad_pieces.size();
+    } else {
+      m.held_bytes += b.grad_bytes;
+    }
+  }
+  if (paced) {  // the worker copies them, a few pieces ahead of the CPU
     std::copy(grads, grads + count, b.device_grads.begin());
     {
       std::lock_guard<std::mutex> lock(m.mu);
@@ -790,6 +807,7 @@ Status HostTier::Submit(size_t bucket, const void* const* grads, size_t count,
   }
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.d2h_start, m.d2h));
   for (const Impl::GradPiece& piece : b.grad_pieces) {
+    if (piece.start != nullptr) EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(piece.start, m.d2h));
     for (size_t c = piece.copy_begin; c < piece.copy_end; ++c) {
       const Impl::GradCopy& copy = b.grad_copies[c];
       EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(

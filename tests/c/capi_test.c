@@ -466,7 +466,7 @@ static void test_host_tier(void) {
   CHECK(emsa_host_tier_copies_enqueued(NULL) == -1);
   CHECK(emsa_host_tier_bucket_copies_enqueued(NULL, 0) == -1);
   emsa_host_tier_options_init(&o);
-  CHECK(o.paced_copies == 0);
+  CHECK(o.paced_copies == 0 && o.paced_hold_bytes == -1);
   o.paced_copies = 2; /* without grad_piece_elements */
   CHECK(emsa_host_tier_create(up, &t, 1, 1, 1, NULL, NULL, &o, &tier) == EMSA_INVALID_ARGUMENT);
   CHECK(strstr(emsa_last_error(), "grad_piece_elements") != NULL && tier == NULL);

@@ -457,6 +457,18 @@ TEST_F(HostTierPipeline, PacedCopiesWithDeviceDeltasAndUploadPiecesMatchBitwise)
   ExpectHostParamsUntouched();
 }
 
+// A hold of 20000 bytes: bucket 2's two tiny tensors wait for the worker's paced copies, buckets
+// 1 and 0 (400 KB, 4 MiB of gradients) would pass it and are copied at Submit, in the same step.
+TEST_F(HostTierPipeline, PacedCopiesPastTheHoldAreCopiedAtSubmit) {
+  late_grads_ = true;
+  HostTierOptions options;
+  options.paced_copies = 2;
+  options.grad_piece_elements = 1000;
+  options.paced_hold_bytes = 20000;
+  RunStepsAgainstTheCpuUpdater(options);
+  EXPECT_EQ(tier_->copies_enqueued(), 12);
+}
+
 // Without pacing Submit enqueues the copies itself: reported at once.
 TEST_F(HostTierPipeline, UnpacedCopiesAreEnqueuedBySubmit) {
   Build({{64, DType::kFloat32, 0, 0}, {64, DType::kFloat32, 0, 1}}, 2, 1);
