@@ -3,7 +3,10 @@ from the CUDA backend, and the forward pre-hook that makes the next forward wait
 
 For each host-tier bucket of a step: submit() enqueues its gradients' copy to pinned staging on
 a D2H stream after an event on the compute stream (record_stream keeps each gradient's memory
-until the copy has read it, so the caller may drop .grad at once); libemsa's worker updates the
+until the copy has read it, so the caller may drop .grad at once). With step_in_backward the
+copies are paced instead (PACED_COPIES): libemsa's worker enqueues them a few pieces ahead of
+its CPU update, and this class holds each bucket's gradients until their copies are enqueued
+(then record_stream takes over), at most hold_bytes of them. libemsa's worker updates the
 bucket on the CPU pool and enqueues the upload of its parameters on an H2D stream (for fp32
 parameters under AdamW or Lion, by default, the upload of the update's delta and a kernel that
 applies it: HostTierOptions.device_delta). The bucket is then pending: the first module
