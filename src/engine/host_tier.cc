@@ -248,8 +248,8 @@ struct HostTier::Impl {
         std::lock_guard<std::mutex> lock(mu);
         b.copied = s;
         held_bytes -= b.grad_bytes;
+        copies_total.fetch_add(1, std::memory_order_release);
       }
-      copies_total.fetch_add(1, std::memory_order_release);
       cv.notify_all();
     }
     return Status::Ok();
@@ -531,6 +531,17 @@ struct HostTier::Impl {
     });
   }
 
+  // Under mu: bucket `index` is submitted in this step and joins the worker's queue.
+  void Queue(size_t index) {
+    Bucket& b = buckets[index];
+    b.submitted = step;
+    b.t_submit = Since();
+    waiting.push_back(index);
+    ++pending;
+    ++StatsOf(step).buckets;
+    StatsOf(step).complete = false;
+  }
+
   // Under mu: blocks until the worker has no bucket left, or failed.
   void Drain(std::unique_lock<std::mutex>& lock) {
     cv.wait(lock, [&] { return pending == 0 || !error.ok(); });
@@ -789,12 +800,7 @@ Status HostTier::Submit(size_t bucket, const void* const* grads, size_t count,
     {
       std::lock_guard<std::mutex> lock(m.mu);
       b.enqueued = 0;
-      b.submitted = m.step;
-      b.t_submit = m.Since();
-      m.waiting.push_back(bucket);
-      ++m.pending;
-      ++m.StatsOf(m.step).buckets;
-      m.StatsOf(m.step).complete = false;
+      m.Queue(bucket);
     }
     m.cv.notify_all();
     return Status::Ok();
@@ -817,16 +823,11 @@ Status HostTier::Submit(size_t bucket, const void* const* grads, size_t count,
     }
     EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(piece.landed, m.d2h));
   }
-  m.copies_total.fetch_add(1, std::memory_order_release);
   {
     std::lock_guard<std::mutex> lock(m.mu);
-    b.copied = m.step;
-    b.submitted = m.step;
-    b.t_submit = m.Since();
-    m.waiting.push_back(bucket);
-    ++m.pending;
-    ++m.StatsOf(m.step).buckets;
-    m.StatsOf(m.step).complete = false;
+    b.copied = m.step;  // before the count moves: a caller that sees it sees this too
+    m.copies_total.fetch_add(1, std::memory_order_release);
+    m.Queue(bucket);
   }
   m.cv.notify_all();
   return Status::Ok();
