@@ -186,6 +186,16 @@ def settle(device: torch.device) -> dict:
     return used
 
 
+def one_step(model, opt, ids, ctx):
+    """Forward (under ctx), backward, step, zero_grad; returns the loss."""
+    with ctx:
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def train(model, opt, batches, device, warmup: int, autocast: bool, on_step=None) -> dict:
     """Runs len(batches) steps; the first `warmup` are not timed. Returns medians and losses."""
     clock = Clock(device)
@@ -659,13 +669,8 @@ def run_interleaved_ac(args, shape, batches, device, profile) -> dict:
     sync(device)
     for i, ids in enumerate(batches):
         for key in keys[i % 3:] + keys[:i % 3]:
-            model, opt = runners[key]
             start = clock.mark()
-            with ctx:
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            one_step(*runners[key], ids, ctx)
             end = clock.mark()
             if i >= args.warmup:
                 spans[key].append((start, end))
