@@ -309,4 +309,3 @@ def test_reads_outside_a_module_forward_warn_once_unless_synchronized():
         train_step(model, opt, data[3])
         opt.synchronize()
         train_step(model, opt, data[0])
-
