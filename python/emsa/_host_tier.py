@@ -58,7 +58,9 @@ class HostTier:
         hold_bytes of gradients waiting on the device; -1: no limit)."""
         self.handle = ctypes.c_void_p()
         self.updater = ctypes.c_void_p()
-        self.held = {}
+        # Paced copies: each bucket's gradients, kept alive until the worker has enqueued their
+        # copies (record_stream then holds their memory until the copies have read it).
+        self.held: dict[int, list[torch.Tensor]] = {}
         self.device = device
         self.buckets = buckets
         self.d2h = torch.cuda.Stream(device)
@@ -101,10 +103,7 @@ class HostTier:
         self.grad_arrays = [(ctypes.c_void_p * len(m))() for m in buckets]
         self.steps = (ctypes.c_int64 * group_count)()
         self.pending: set[int] = set()  # uploads the next forward has not waited for yet
-        # Paced copies: each bucket's gradients, kept alive until the worker has enqueued their
-        # copies (record_stream then holds their memory until the copies have read it).
-        self.held: dict[int, list[torch.Tensor]] = {}
-        self._enqueued_seen = -1
+        self._enqueued_seen = -1  # emsa_host_tier_copies_enqueued at the last look
         self.read = 0  # stats read so far (steps)
         bucket_of = {}
         for t, p in zip(tensors, params):

@@ -94,8 +94,8 @@ struct HostTier::Impl {
     std::vector<Copy> copies;
     std::vector<GradPiece> grad_pieces;  // one covering the bucket unless grad_piece_elements
     std::vector<GradCopy> grad_copies;
-    cudaEvent_t ready = nullptr;  // on the compute stream: the gradients are final
-    cudaEvent_t d2h_start = nullptr;
+    cudaEvent_t ready = nullptr;            // on the compute stream: the gradients are final
+    cudaEvent_t d2h_start = nullptr;        // unpaced: the stats time the copies from here
     std::vector<const void*> device_grads;  // paced_copies: Submit's pointers, copied later
     size_t enqueued = 0;                    // paced_copies: grad pieces enqueued this step
     int64_t grad_bytes = 0;                 // the bucket's gradients, on the device
@@ -231,7 +231,6 @@ struct HostTier::Impl {
       if (staging != nullptr && b.uploaded > 0) {
         EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d2h, b.uploaded_event(), 0));
       }
-      EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.d2h_start, d2h));
     }
     const GradPiece& piece = b.grad_pieces[i];
     EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(piece.start, d2h));
@@ -255,26 +254,6 @@ struct HostTier::Impl {
     return Status::Ok();
   }
 
-  // paced_copies: of the waiting buckets whose gradients are final on the compute stream, the
-  // one the next forward needs first (the highest index) becomes `next`. Never blocks.
-  Result<bool> PickNext() {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      candidates.assign(waiting.begin(), waiting.end());
-    }
-    std::sort(candidates.begin(), candidates.end(), std::greater<size_t>());
-    for (size_t c : candidates) {
-      const cudaError_t q = cudaEventQuery(buckets[c].ready);
-      if (q == cudaErrorNotReady) continue;
-      if (q != cudaSuccess) return CudaStatus(q, "cudaEventQuery (gradients ready)");
-      std::lock_guard<std::mutex> lock(mu);
-      waiting.erase(std::find(waiting.begin(), waiting.end(), c));
-      next = c;
-      return true;
-    }
-    return false;
-  }
-
   // paced_copies: bucket b's first `consumed` pieces are updated; keeps paced_copies pieces
   // enqueued beyond them, from b and then from the bucket taken next.
   Status Feed(Bucket& b, size_t consumed, int64_t s) {
@@ -285,10 +264,9 @@ struct HostTier::Impl {
       if (b.enqueued < b.grad_pieces.size()) {
         EMSA_RETURN_IF_ERROR(EnqueuePiece(b, s));
       } else {
-        if (next == kNone) {
-          Result<bool> picked = PickNext();
-          if (!picked.ok()) return picked.status();
-          if (!*picked) break;
+        if (next == kNone) {  // take the next bucket early (never blocks)
+          EMSA_ASSIGN_OR_RETURN(next, TakeReady(nullptr));
+          if (next == kNone) break;
         }
         Bucket& n = buckets[next];
         if (n.enqueued == n.grad_pieces.size()) break;
@@ -398,41 +376,48 @@ struct HostTier::Impl {
     return options.paced_copies > 0 ? b.ready : b.grad_pieces.front().landed;
   }
 
-  // Which waiting bucket to update next: of those whose gradients have begun to land (the first
-  // gradient piece is on the host), the one the next forward needs first (the highest index:
-  // buckets are in gradient-ready order, the reverse of the forward's). None yet: wait for the
-  // oldest copy's first piece (copies finish in submission order) and choose again. Updating in
-  // arrival order instead would leave the embedding, which the next forward needs first, for last,
-  // and forbid any overlap of CPU updates with the next forward.
-  Result<size_t> Choose(std::unique_lock<std::mutex>& lock) {
-    for (;;) {
+  // Of the waiting buckets whose Gate has passed, the one the next forward needs first (the
+  // highest index: buckets are in gradient-ready order, the reverse of the forward's), taken out
+  // of `waiting`; kNone when none has. *oldest (if given): the oldest waiting bucket, kNone when
+  // none waits. Caller holds no lock; only the worker takes buckets out, so what it saw stays.
+  Result<size_t> TakeReady(size_t* oldest) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
       candidates.assign(waiting.begin(), waiting.end());
-      lock.unlock();
-      const size_t oldest = candidates.front();
-      std::sort(candidates.begin(), candidates.end(), std::greater<size_t>());
-      size_t pick = candidates.size();
-      Status st;
-      for (size_t k = 0; k < candidates.size() && pick == candidates.size(); ++k) {
-        const cudaError_t q = cudaEventQuery(Gate(buckets[candidates[k]]));
-        if (q == cudaSuccess) {
-          pick = k;
-        } else if (q != cudaErrorNotReady) {
-          st = CudaStatus(q, "cudaEventQuery (gradient copy)");
-          break;
-        }
+    }
+    if (oldest != nullptr) *oldest = candidates.empty() ? kNone : candidates.front();
+    std::sort(candidates.begin(), candidates.end(), std::greater<size_t>());
+    for (size_t c : candidates) {
+      const cudaError_t q = cudaEventQuery(Gate(buckets[c]));
+      if (q == cudaErrorNotReady) continue;
+      if (q != cudaSuccess) return CudaStatus(q, "cudaEventQuery (bucket gate)");
+      std::lock_guard<std::mutex> lock(mu);
+      waiting.erase(std::find(waiting.begin(), waiting.end(), c));
+      return c;
+    }
+    return kNone;
+  }
+
+  // Which waiting bucket to update next (waiting is not empty): TakeReady's, else wait for the
+  // oldest's gate (copies finish in submission order) and choose again. Updating in arrival
+  // order instead would leave the embedding, which the next forward needs first, for last, and
+  // forbid any overlap of CPU updates with the next forward.
+  Result<size_t> Choose(std::unique_lock<std::mutex>& lock) {
+    lock.unlock();
+    for (;;) {
+      size_t oldest = kNone;
+      Result<size_t> taken = TakeReady(&oldest);
+      if (!taken.ok() || *taken != kNone) {
+        lock.lock();
+        return taken;
       }
-      if (st.ok() && pick == candidates.size()) {
-        const auto w0 = std::chrono::steady_clock::now();
-        st = CudaStatus(cudaEventSynchronize(Gate(buckets[oldest])),
-                        "cudaEventSynchronize (gradient copy)");
-        choose_wait_seconds += Seconds(std::chrono::steady_clock::now() - w0);
-      }
-      lock.lock();
-      if (!st.ok()) return st;
-      if (pick < candidates.size()) {
-        const size_t index = candidates[pick];
-        waiting.erase(std::find(waiting.begin(), waiting.end(), index));
-        return index;
+      const auto w0 = std::chrono::steady_clock::now();
+      const Status st = CudaStatus(cudaEventSynchronize(Gate(buckets[oldest])),
+                                   "cudaEventSynchronize (bucket gate)");
+      choose_wait_seconds += Seconds(std::chrono::steady_clock::now() - w0);
+      if (!st.ok()) {
+        lock.lock();
+        return st;
       }
     }
   }
