@@ -161,7 +161,7 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaStreamCreateWithFlags(&s.h2d, cudaStreamNonBlocking));
   s.landed.resize(static_cast<size_t>(s.chunks));
   for (auto& e : s.landed) CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  static emsa::HyperParams hyper;
+  emsa::HyperParams hyper;  // the defaults; outlives the updates that point at it
   s.ups.resize(static_cast<size_t>(s.chunks));
   for (int64_t k = 0; k < s.chunks; ++k) {
     emsa::TensorUpdate& u = s.ups[static_cast<size_t>(k)];

@@ -435,6 +435,11 @@ def _run_emsa(args, shape, batches, device, profile, mode: str) -> dict:
     return out
 
 
+def host_bandwidth(summary: dict) -> float:
+    """The host update bandwidth of a profile_summary (the plain stream's if not measured)."""
+    return summary.get("host_update_bandwidth") or summary.get("host_mem_bandwidth") or 0.0
+
+
 def profile_summary(profile: dict) -> dict:
     cpu, gpu = profile.get("cpu") or {}, profile.get("gpu") or {}
     return dict(host_update_bandwidth=cpu.get("host_update_bandwidth"),
@@ -645,24 +650,20 @@ def run_interleaved_ac(args, shape, batches, device, profile) -> dict:
     step and (c) the default. Peaks are the sequential runs' (all models are resident here)."""
     ctx = (torch.autocast(device.type, dtype=torch.bfloat16) if args.autocast
            else contextlib.nullcontext())
-    model_a = make_llama(shape, device)
-    opt_a = torch.optim.AdamW(model_a.parameters(), **HYPER, fused=True)
-    model_c = make_llama(shape, device)
     import emsa
 
-    with ctx:
-        record = emsa.probe(model_c, input_ids=batches[0], labels=batches[0],
-                            profile=fresh_profile(args, profile), trace=False)
-    opt_c = emsa_adamw(model_c.parameters(), None, probe=record, budget=None,
-                       step_in_backward=False, _dry_run=args.dry_run)
-    model_c0 = make_llama(shape, device)
-    with ctx:
-        record = emsa.probe(model_c0, input_ids=batches[0], labels=batches[0],
-                            profile=fresh_profile(args, profile), trace=False)
-    opt_c0 = emsa_adamw(model_c0.parameters(), None, probe=record, budget=None,
-                        step_in_backward=False, skip_nonfinite=False, _dry_run=args.dry_run)
-    del record
-    runners = dict(a=(model_a, opt_a), c=(model_c, opt_c), c0=(model_c0, opt_c0))
+    def emsa_no_budget(**kw):
+        model = make_llama(shape, device)
+        with ctx:
+            record = emsa.probe(model, input_ids=batches[0], labels=batches[0],
+                                profile=fresh_profile(args, profile), trace=False)
+        return model, emsa_adamw(model.parameters(), None, probe=record, budget=None,
+                                 step_in_backward=False, _dry_run=args.dry_run, **kw)
+
+    model_a = make_llama(shape, device)
+    runners = dict(a=(model_a, torch.optim.AdamW(model_a.parameters(), **HYPER, fused=True)),
+                   c=emsa_no_budget(), c0=emsa_no_budget(skip_nonfinite=False))
+    del model_a
     keys = list(runners)
     clock = Clock(device)
     spans: dict = {k: [] for k in keys}
@@ -677,7 +678,7 @@ def run_interleaved_ac(args, shape, batches, device, profile) -> dict:
     sync(device)
     times = {k: [clock.seconds(s, e) for s, e in v] for k, v in spans.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
-    del runners, model_a, opt_a, model_c, opt_c, model_c0, opt_c0
+    del runners
     return dict(a_step_s=med["a"], c_step_s=med["c"], c0_step_s=med["c0"],
                 c_over_a=med["c"] / med["a"], c0_over_a=med["c0"] / med["a"],
                 a_step_times_s=times["a"], c_step_times_s=times["c"],
@@ -702,9 +703,8 @@ def ratios(results: dict, profile: dict) -> dict:
         # The bound at probe time: the bandwidths measured right before this configuration
         # (fresh_profile), else the run's first.
         own = r.get("profile") or start
-        host_bw = own.get("host_update_bandwidth") or own.get("host_mem_bandwidth") or 0.0
+        host_bw, start_bw = host_bandwidth(own), host_bandwidth(start)
         d2h, h2d = own.get("d2h_bandwidth") or 0.0, own.get("h2d_bandwidth") or 0.0
-        start_bw = start.get("host_update_bandwidth") or start.get("host_mem_bandwidth") or 0.0
         host_s = r["host_update_bytes"] / host_bw if host_bw else 0.0
         # The same with the DMA's own trips through host memory counted (gradient written in,
         # parameter read out): not a floor (a DMA may hit the CPU's cache), the traffic as built.
