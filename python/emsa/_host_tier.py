@@ -144,8 +144,10 @@ class HostTier:
     def _release_copied(self) -> None:
         """Drops the gradients whose copies the worker has enqueued (one cheap call unless
         some were enqueued since the last look)."""
+        if not self.held:  # unpaced, or nothing waiting: no call at all
+            return
         seen = lib.emsa_host_tier_copies_enqueued(self.handle)
-        if seen == self._enqueued_seen or not self.held:
+        if seen == self._enqueued_seen:
             return
         self._enqueued_seen = seen
         for b in [b for b in self.held if lib.emsa_host_tier_bucket_copies_enqueued(
