@@ -52,6 +52,11 @@ struct CpuUpdaterOptions {
   int threads = 0;  // 0 = every core this process may run on; at most 4096
   // Highest ISA to use; the detected level is used if lower. Tests force each level.
   SimdLevel max_simd = SimdLevel::kAvx512;
+  // AVX-512 only: write fp32 moments with non-temporal stores (same bits). They are not read
+  // again in the step, so they need not evict what the host tier wants kept in the last-level
+  // cache: gradients its DMA has just written and deltas it is about to read. The environment
+  // variable EMSA_CPU_STREAM_STATES=0/1, when set, overrides this (for A/B runs).
+  bool stream_states = false;
 };
 
 class CpuUpdater {
@@ -62,6 +67,9 @@ class CpuUpdater {
   CpuUpdater& operator=(const CpuUpdater&) = delete;
 
   SimdLevel simd() const { return simd_; }
+  // Whether fp32 moments are written with non-temporal stores (CpuUpdaterOptions::stream_states
+  // on an AVX-512 CPU, or EMSA_CPU_STREAM_STATES).
+  bool stream_states() const { return stream_states_; }
   int threads() const;
 
   // How Step and StepRange deal a batch to the pool. N >= 64 (default kGuidedMinElements):
@@ -125,6 +133,7 @@ class CpuUpdater {
   std::unique_ptr<Partial[]> partials_;  // pool size entries, sized at Create
   const cpu::KernelTable* kernels_ = nullptr;
   SimdLevel simd_ = SimdLevel::kScalar;
+  bool stream_states_ = false;
   int64_t guided_min_ = kGuidedMinElements;
 };
 

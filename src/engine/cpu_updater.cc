@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <limits>
 #include <string>
@@ -239,7 +240,13 @@ Result<std::unique_ptr<CpuUpdater>> CpuUpdater::Create(const CpuUpdaterOptions& 
   }
   std::unique_ptr<CpuUpdater> updater(new CpuUpdater());
   updater->simd_ = std::min(DetectSimdLevel(), options.max_simd);
-  updater->kernels_ = &cpu::KernelsFor(updater->simd_);
+  bool stream = options.stream_states;
+  if (const char* env = std::getenv("EMSA_CPU_STREAM_STATES"); env != nullptr && *env != '\0') {
+    stream = std::string(env) != "0";
+  }
+  updater->stream_states_ = stream && updater->simd_ == SimdLevel::kAvx512;
+  updater->kernels_ =
+      updater->stream_states_ ? &cpu::Avx512StreamKernels() : &cpu::KernelsFor(updater->simd_);
   try {
     updater->pool_ = std::make_unique<ThreadPool>(options.threads);
     updater->partials_ = std::make_unique<Partial[]>(static_cast<size_t>(updater->pool_->size()));
