@@ -396,6 +396,10 @@ typedef struct emsa_host_tier_tensor {
   int32_t group;      /* param group */
   int64_t bucket;     /* 0 <= bucket < bucket_count */
   void* device_param; /* where the new parameter is copied (device memory) */
+  /* 1: the GPU updates it, its moments brought from and returned to the host arena through
+   * device staging (HostTierTensor.device_update; every tensor of its bucket alike; fp32
+   * parameter without master, fp32 gradient, fp32 or bf16 moments); 0 (default): the CPU */
+  int32_t device_update;
 } emsa_host_tier_tensor;
 
 typedef struct emsa_host_tier_options {
@@ -428,6 +432,10 @@ typedef struct emsa_host_tier_options {
   /* under paced_copies: at most this many bytes of submitted gradients wait on the device for
    * their copies (-1, the default: no limit); past it a bucket is copied at once */
   int64_t paced_hold_bytes;
+  /* device-updated tensors: staging slots of this many elements per moment (default 8 Mi) and
+   * how many slots (default 3) (HostTierOptions.stream_piece_elements, stream_slots) */
+  int64_t stream_piece_elements;
+  int32_t stream_slots;
 } emsa_host_tier_options;
 
 /* One step's measurements: busy seconds per engine (sums over buckets). */
@@ -474,6 +482,13 @@ EMSA_API emsa_status emsa_host_tier_synchronize(emsa_host_tier* tier);
 /* How many buckets' gradient copies have been enqueued since creation (-1: tier is NULL): a
  * cheap poll for a change before asking per bucket. */
 EMSA_API int64_t emsa_host_tier_copies_enqueued(const emsa_host_tier* tier);
+/* The stream (a cudaStream_t) the device-updated buckets' kernels run on, NULL when there are
+ * none or tier is NULL: their gradients must stay alive in its order. */
+EMSA_API void* emsa_host_tier_update_stream(const emsa_host_tier* tier);
+/* Device bytes of the staging for device-updated tensors under these options, moments of
+ * state_dtype (EMSA_DTYPE_*); -1 for a NULL or uninitialized options or a bad dtype. */
+EMSA_API int64_t emsa_host_tier_stream_staging_bytes(const emsa_host_tier_options* options,
+                                                     int32_t state_dtype);
 /* 1: every gradient copy of the bucket's last submit is enqueued (under paced_copies its device
  * gradients may be released now; the stream order keeps them until read), or the tier failed;
  * 0: not yet; -1: tier NULL or no such bucket. */

@@ -56,6 +56,14 @@ struct HostTierTensor {
   int32_t group = 0;             // param group: whose hyperparameters and step count apply
   int64_t bucket = 0;            // 0 <= bucket < bucket_count; tensors of a bucket update together
   void* device_param = nullptr;  // where the updated parameter goes (device memory)
+  // The GPU updates this tensor instead of the CPU (the same for every tensor of its bucket; an
+  // fp32 parameter without a master and an fp32 gradient, fp32 or bf16 moments): at Submit its
+  // moments are copied from the host arena into device staging, a kernel updates the parameter
+  // and the moments where they are (the CPU's bits), and the moments go back to the host arena.
+  // The state stays in the host arena; per parameter the host's memory carries only the DMA's
+  // moments both ways (16 bytes with fp32 moments against the CPU path's 24 + 8), PCIe the
+  // moments each way (8 + 8 against 4 + 4). See HostTierOptions::stream_*.
+  bool device_update = false;
 };
 
 struct HostTierOptions {
@@ -111,6 +119,14 @@ struct HostTierOptions {
   // enqueues that bucket's copies at once, as without pacing. The planner's peak counts about two
   // buckets of gradients in flight; the caller passes what its budget has beyond that.
   int64_t paced_hold_bytes = -1;
+  // Device-updated tensors (HostTierTensor::device_update): their moments go through stream_slots
+  // device staging slots of stream_piece_elements elements per moment (allocated at Create when
+  // any tensor is device-updated), a tensor stream_piece_elements at a time. With more than one
+  // slot, one run's moments come up while another's go down. All of a bucket's copies and
+  // kernels are enqueued by Submit on the tier's own streams (update_stream() runs the kernels,
+  // which read Submit's gradients: keep them alive in that stream's order).
+  int64_t stream_piece_elements = int64_t{8} << 20;
+  int stream_slots = 3;
 };
 
 // What one step took on each engine, measured (CUDA events for copies, a steady clock for the
@@ -185,6 +201,11 @@ class HostTier {
 
   size_t bucket_count() const;
   size_t bucket_size(size_t bucket) const;
+  // The stream the device-updated buckets' kernels run on (null when there are none).
+  cudaStream_t update_stream() const;
+  // Device memory the tier holds for device-updated tensors (their staging), for
+  // HostTierOptions `options` and moments of `state_dtype` under `optimizer`.
+  static int64_t StreamStagingBytes(const HostTierOptions& options, DType state_dtype);
 
  private:
   struct Impl;

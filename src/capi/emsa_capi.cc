@@ -950,6 +950,8 @@ void emsa_host_tier_options_init(emsa_host_tier_options* options) {
   options->rounding = EMSA_ROUNDING_STOCHASTIC;
   options->delta_staging_elements = emsa::HostTierOptions{}.delta_staging_elements;
   options->paced_hold_bytes = emsa::HostTierOptions{}.paced_hold_bytes;
+  options->stream_piece_elements = emsa::HostTierOptions{}.stream_piece_elements;
+  options->stream_slots = emsa::HostTierOptions{}.stream_slots;
 }
 
 void emsa_host_tier_step_stats_init(emsa_host_tier_step_stats* stats) {
@@ -1041,6 +1043,8 @@ emsa_status emsa_host_tier_create(emsa_cpu_updater* updater, const emsa_host_tie
     o.delta_staging_elements = options->delta_staging_elements;
     o.paced_copies = options->paced_copies;
     o.paced_hold_bytes = options->paced_hold_bytes;
+    o.stream_piece_elements = options->stream_piece_elements;
+    o.stream_slots = options->stream_slots;
     std::vector<emsa::HostTierTensor> converted(count);
     for (size_t i = 0; i < count; ++i) {
       const emsa_host_tier_tensor& t = tensors[i];
@@ -1054,6 +1058,11 @@ emsa_status emsa_host_tier_create(emsa_cpu_updater* updater, const emsa_host_tie
       converted[i].group = t.group;
       converted[i].bucket = t.bucket;
       converted[i].device_param = t.device_param;
+      if (t.device_update != 0 && t.device_update != 1) {
+        return Fail(EMSA_INVALID_ARGUMENT,
+                    "tensors[" + std::to_string(i) + "].device_update must be 0 or 1");
+      }
+      converted[i].device_update = t.device_update == 1;
     }
     auto tier = emsa::HostTier::Create(
         updater->updater.get(), converted.data(), count, bucket_count, group_count,
@@ -1110,6 +1119,23 @@ emsa_status emsa_host_tier_synchronize(emsa_host_tier* tier) {
 
 int64_t emsa_host_tier_copies_enqueued(const emsa_host_tier* tier) {
   return tier == nullptr ? -1 : tier->tier->copies_enqueued();
+}
+
+void* emsa_host_tier_update_stream(const emsa_host_tier* tier) {
+  return tier == nullptr ? nullptr : static_cast<void*>(tier->tier->update_stream());
+}
+
+int64_t emsa_host_tier_stream_staging_bytes(const emsa_host_tier_options* options,
+                                            int32_t state_dtype) {
+  if (options == nullptr || options->struct_size != sizeof(emsa_host_tier_options)) return -1;
+  auto dtype = ToDType(state_dtype, "state_dtype");
+  auto kind = ToOptimizer(options->optimizer);
+  if (!dtype.ok() || !kind.ok()) return -1;
+  emsa::HostTierOptions o;
+  o.optimizer = *kind;
+  o.stream_piece_elements = options->stream_piece_elements;
+  o.stream_slots = options->stream_slots;
+  return emsa::HostTier::StreamStagingBytes(o, *dtype);
 }
 
 int32_t emsa_host_tier_bucket_copies_enqueued(const emsa_host_tier* tier, size_t bucket) {

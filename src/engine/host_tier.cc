@@ -22,6 +22,11 @@ bool HostTierAppliesDelta(OptimizerKind optimizer, DType param_dtype, DType grad
          grad_dtype == DType::kFloat32 && !has_master;
 }
 
+int64_t HostTier::StreamStagingBytes(const HostTierOptions& options, DType state_dtype) {
+  return int64_t{options.stream_slots} * options.stream_piece_elements *
+         static_cast<int64_t>(DTypeSize(state_dtype)) * StateCount(options.optimizer);
+}
+
 }  // namespace emsa
 
 #if EMSA_HAVE_CUDA
@@ -36,6 +41,7 @@ bool HostTierAppliesDelta(OptimizerKind optimizer, DType param_dtype, DType grad
 #include "common/cuda_util.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cuda/apply_delta.h"
+#include "kernels/cuda/stream_update.h"
 
 namespace emsa {
 
@@ -86,6 +92,12 @@ struct HostTier::Impl {
     cudaEvent_t landed = nullptr;
     cudaEvent_t start = nullptr;  // paced_copies only: the copy's own time, not its wait
   };
+  // device_update: elements [first, first + count) of tensor `tensor`, updated on the device
+  // through one staging slot.
+  struct Span {
+    size_t tensor = 0;
+    int64_t first = 0, count = 0;
+  };
   struct Bucket {
     std::vector<TensorUpdate> updates;
     std::vector<void*> device_params;
@@ -97,6 +109,9 @@ struct HostTier::Impl {
     cudaEvent_t ready = nullptr;            // on the compute stream: the gradients are final
     cudaEvent_t d2h_start = nullptr;        // unpaced: the stats time the copies from here
     std::vector<const void*> device_grads;  // paced_copies: Submit's pointers, copied later
+    bool device_update = false;             // the GPU updates it (HostTierTensor::device_update)
+    std::vector<Span> runs;                  // device_update: its runs, in order
+    cudaEvent_t written_back = nullptr;     // device_update: its moments are back on the host
     size_t enqueued = 0;                    // paced_copies: grad pieces enqueued this step
     int64_t grad_bytes = 0;                 // the bucket's gradients, on the device
     int64_t copied = 0;     // step whose gradient copies were last all enqueued (under mu)
@@ -119,6 +134,19 @@ struct HostTier::Impl {
   std::vector<HyperParams> hypers;
   std::vector<float> decays;  // per group, this step: 1 - lr*wd as the CPU kernels round it
   float* staging = nullptr;   // device, delta_staging_elements floats (device_delta only)
+
+  // device_update: staging slots used in turn; per slot, its moments have come up (in_done),
+  // been updated (updated) and gone back down (free). Submit alone touches these.
+  struct Slot {
+    void* exp_avg = nullptr;
+    void* exp_avg_sq = nullptr;
+    cudaEvent_t in_done = nullptr, updated = nullptr, free = nullptr;
+  };
+  std::vector<Slot> slots;
+  size_t next_slot = 0;
+  void* stream_staging = nullptr;  // the slots' device memory
+  // The tier's own streams for device-updated buckets: moments up, kernels, moments down.
+  cudaStream_t up = nullptr, kernels = nullptr, down = nullptr;
 
   // The upload of bucket b's tensor k, elements [lo, hi): fn(copy) for each copy, in order. A
   // tensor under device_delta goes through the staging buffer a part at a time.
@@ -219,6 +247,78 @@ struct HostTier::Impl {
       int none = 0;
       u->error.compare_exchange_strong(none, static_cast<int>(err));
     }
+  }
+
+  // device_update: enqueues bucket b's update in step s, run by run through the staging slots:
+  // moments up (after the slot's last write-back, and the first after b's own last one), the
+  // kernel (the first after the gradients are final on the compute stream), moments down.
+  // Recording an event only moves what later waits on it refer to, and every wait below is
+  // enqueued after the record it is meant for, so the slots' events can be reused in turn.
+  Status SubmitDeviceUpdate(Bucket& b, const void* const* grads, int64_t s) {
+    for (size_t r = 0; r < b.runs.size(); ++r) {
+      const Span& run = b.runs[r];
+      const TensorUpdate& u = b.updates[run.tensor];
+      Slot& slot = slots[next_slot];
+      next_slot = (next_slot + 1) % slots.size();
+      const size_t state = DTypeSize(u.state_dtype);
+      const size_t bytes = static_cast<size_t>(run.count) * state;
+      const size_t at = static_cast<size_t>(run.first) * state;
+      EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(up, slot.free, 0));
+      if (r == 0 && b.uploaded > 0) {
+        EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(up, b.written_back, 0));
+      }
+      EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.exp_avg, static_cast<char*>(u.exp_avg) + at,
+                                                bytes, cudaMemcpyHostToDevice, up));
+      if (u.exp_avg_sq != nullptr) {
+        EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.exp_avg_sq,
+                                                  static_cast<char*>(u.exp_avg_sq) + at, bytes,
+                                                  cudaMemcpyHostToDevice, up));
+      }
+      EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.in_done, up));
+      EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(kernels, slot.in_done, 0));
+      if (r == 0) EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(kernels, b.ready, 0));
+      cuda::StreamRun k;
+      k.param = static_cast<float*>(b.device_params[run.tensor]) + run.first;
+      k.grad = static_cast<const float*>(grads[run.tensor]) + run.first;
+      k.exp_avg = slot.exp_avg;
+      k.exp_avg_sq = u.exp_avg_sq != nullptr ? slot.exp_avg_sq : nullptr;
+      k.first = run.first;
+      k.count = run.count;
+      const HyperParams& h = *u.hyper;
+      DeviceGroupScalars g;
+      g.step = u.step;
+      g.lr = h.lr;
+      g.beta1 = h.beta1;
+      g.beta2 = h.beta2;
+      g.eps = h.eps;
+      g.weight_decay = h.weight_decay;
+      g.maximize = h.maximize ? 1 : 0;
+      EMSA_RETURN_IF_ERROR(cuda::LaunchStreamUpdate(
+          options.optimizer, u.state_dtype, options.rounding == Rounding::kStochastic, options.seed,
+          g, step_options.grad_multiplier, k, kernels));
+      EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.updated, kernels));
+      EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(down, slot.updated, 0));
+      EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<char*>(u.exp_avg) + at, slot.exp_avg,
+                                                bytes, cudaMemcpyDeviceToHost, down));
+      if (u.exp_avg_sq != nullptr) {
+        EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<char*>(u.exp_avg_sq) + at,
+                                                  slot.exp_avg_sq, bytes, cudaMemcpyDeviceToHost,
+                                                  down));
+      }
+      EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.free, down));
+    }
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.uploaded_event(), kernels));
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.written_back, down));
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      b.submitted = s;
+      b.uploaded = s;  // enqueued: Wait() makes the forward wait on uploaded_event()
+      b.copied = s;
+      b.t_submit = Since();
+      copies_total.fetch_add(1, std::memory_order_release);
+    }
+    cv.notify_all();
+    return Status::Ok();
   }
 
   // paced_copies: enqueues bucket b's next gradient piece on the D2H stream (the first after
@@ -490,6 +590,17 @@ struct HostTier::Impl {
   // Bucket b's gradient pieces, upload pieces and their copies (at Create): one piece of each
   // for the whole bucket, or cuts every grad_piece_elements / upload_piece_elements.
   void CutPieces(Bucket& b) {
+    if (b.device_update) {  // runs within one tensor and one 2^32 block of its indices
+      const int64_t piece = options.stream_piece_elements;
+      for (size_t k = 0; k < b.updates.size(); ++k) {
+        for (int64_t first = 0; first < b.updates[k].numel;) {
+          const int64_t block_end = (first / (int64_t{1} << 32) + 1) << 32;
+          const int64_t last = std::min({first + piece, b.updates[k].numel, block_end});
+          b.runs.push_back({k, first, last - first});
+          first = last;
+        }
+      }
+    }
     CutElements(b, options.grad_piece_elements, [&b](int64_t first, int64_t last) {
       GradPiece piece;
       piece.first = first;
@@ -540,9 +651,19 @@ struct HostTier::Impl {
     }
     cv.notify_all();
     if (worker.joinable()) worker.join();
+    if (down != nullptr) (void)cudaStreamSynchronize(down);  // the device updates' last copies
     if (staging != nullptr) (void)cudaFree(staging);
+    if (stream_staging != nullptr) (void)cudaFree(stream_staging);
+    for (cudaStream_t st : {up, kernels, down}) {
+      if (st != nullptr) (void)cudaStreamDestroy(st);
+    }
+    for (const Slot& slot : slots) {
+      for (cudaEvent_t e : {slot.in_done, slot.updated, slot.free}) {
+        if (e != nullptr) (void)cudaEventDestroy(e);
+      }
+    }
     for (Bucket& b : buckets) {
-      for (cudaEvent_t e : {b.ready, b.d2h_start}) {
+      for (cudaEvent_t e : {b.ready, b.d2h_start, b.written_back}) {
         if (e != nullptr) (void)cudaEventDestroy(e);
       }
       for (const GradPiece& piece : b.grad_pieces) {
@@ -597,6 +718,12 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
                                   : " with grad_piece_elements 0; pacing copies a piece at a "
                                     "time: set grad_piece_elements too (e.g. 1 Mi)"));
   }
+  if (options.stream_piece_elements < 64 || options.stream_slots < 1) {
+    return Status::InvalidArgument(
+        "options.stream_piece_elements is " + std::to_string(options.stream_piece_elements) +
+        " and options.stream_slots " + std::to_string(options.stream_slots) +
+        "; use at least 64 elements and 1 slot (defaults 8 Mi and 3)");
+  }
   if (options.device_delta && options.delta_staging_elements < 64) {
     return Status::InvalidArgument("options.delta_staging_elements is " +
                                    std::to_string(options.delta_staging_elements) +
@@ -613,6 +740,8 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
   impl->hypers.assign(group_count, HyperParams{});
   impl->decays.assign(group_count, 1.0f);
   bool any_delta = false;
+  bool any_device_update = false;
+  DType state_dtype = DType::kFloat32;
   impl->buckets.resize(bucket_count);
   for (size_t i = 0; i < count; ++i) {
     const HostTierTensor& t = tensors[i];
@@ -632,17 +761,35 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
     u.step = 1;
     u.hyper = &impl->hypers[static_cast<size_t>(t.group)];
     u.delta = nullptr;
-    if (options.device_delta && u.numel > 0 &&
+    Impl::Bucket& into = impl->buckets[static_cast<size_t>(t.bucket)];
+    if (!into.updates.empty() && into.device_update != t.device_update) {
+      return Status::InvalidArgument(where + ".device_update differs from the rest of bucket " +
+                                     std::to_string(t.bucket) +
+                                     "; a bucket is updated on the device or on the CPU, whole");
+    }
+    into.device_update = t.device_update;
+    if (t.device_update) {
+      if (u.param_dtype != DType::kFloat32 || u.grad_dtype != DType::kFloat32 ||
+          u.master != nullptr ||
+          (u.state_dtype != DType::kFloat32 && u.state_dtype != DType::kBFloat16)) {
+        return Status::InvalidArgument(
+            where +
+            ".device_update needs an fp32 parameter without a master, an fp32 gradient "
+            "and fp32 or bf16 moments; update this tensor on the CPU instead");
+      }
+      any_device_update = true;
+      state_dtype = u.state_dtype;
+    }
+    if (options.device_delta && !t.device_update && u.numel > 0 &&
         HostTierAppliesDelta(options.optimizer, u.param_dtype, u.grad_dtype, u.master != nullptr)) {
       u.delta = static_cast<float*>(const_cast<void*>(u.grad));  // in place of the gradient
       any_delta = true;
     }
     Status valid = updater->Validate(&u, 1, impl->step_options);
     if (!valid.ok()) return valid.Annotate(where);
-    Impl::Bucket& b = impl->buckets[static_cast<size_t>(t.bucket)];
-    b.updates.push_back(u);
-    b.device_params.push_back(t.device_param);
-    b.groups.push_back(t.group);
+    into.updates.push_back(u);
+    into.device_params.push_back(t.device_param);
+    into.groups.push_back(t.group);
   }
   for (size_t i = 0; i < bucket_count; ++i) {
     if (impl->buckets[i].updates.empty()) {
@@ -662,12 +809,56 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
     }
     impl->staging = static_cast<float*>(staging);
   }
+  if (any_device_update) {
+    for (const Impl::Bucket& b : impl->buckets) {
+      for (const TensorUpdate& u : b.updates) {
+        if (b.device_update && u.state_dtype != state_dtype) {
+          return Status::InvalidArgument(
+              "device-updated tensors must all have moments of one dtype (their staging is "
+              "shared)");
+        }
+      }
+    }
+    const int64_t bytes = StreamStagingBytes(options, state_dtype);
+    void* slab = nullptr;
+    const cudaError_t err = cudaMalloc(&slab, static_cast<size_t>(bytes));
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return Status::OutOfMemory("the host tier's device staging for device-updated tensors (" +
+                                 std::to_string(bytes) + " bytes): " + cudaGetErrorString(err) +
+                                 "; lower options.stream_piece_elements or stream_slots, or "
+                                 "update those tensors on the CPU");
+    }
+    impl->stream_staging = slab;
+    const size_t moment =
+        static_cast<size_t>(options.stream_piece_elements) * DTypeSize(state_dtype);
+    const bool two = StateCount(options.optimizer) == 2;
+    impl->slots.resize(static_cast<size_t>(options.stream_slots));
+    char* at = static_cast<char*>(slab);
+    for (Impl::Slot& slot : impl->slots) {
+      slot.exp_avg = at;
+      at += moment;
+      if (two) {
+        slot.exp_avg_sq = at;
+        at += moment;
+      }
+      for (cudaEvent_t* e : {&slot.in_done, &slot.updated, &slot.free}) {
+        EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+      }
+    }
+    for (cudaStream_t* st : {&impl->up, &impl->kernels, &impl->down}) {
+      EMSA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(st, cudaStreamNonBlocking));
+    }
+  }
   for (Impl::Bucket& b : impl->buckets) impl->CutPieces(b);
   for (Impl::Bucket& b : impl->buckets) {
     // Blocking sync: under paced_copies the worker may wait on it.
     EMSA_CUDA_RETURN_IF_ERROR(
         cudaEventCreateWithFlags(&b.ready, cudaEventDisableTiming | cudaEventBlockingSync));
     EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&b.d2h_start));
+    if (b.device_update) {
+      EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&b.written_back, cudaEventDisableTiming));
+    }
     b.device_grads.assign(b.updates.size(), nullptr);
     for (const TensorUpdate& u : b.updates) {
       b.grad_bytes += u.numel * static_cast<int64_t>(DTypeSize(u.grad_dtype));
@@ -769,6 +960,14 @@ Status HostTier::Submit(size_t bucket, const void* const* grads, size_t count,
     }
   }
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ready, compute));
+  if (b.device_update) {
+    const Status st = m.SubmitDeviceUpdate(b, grads, m.step);
+    if (!st.ok()) {
+      std::lock_guard<std::mutex> lock(m.mu);
+      if (m.error.ok()) m.error = st;
+    }
+    return st;
+  }
   bool paced = m.options.paced_copies > 0;
   if (paced) {
     std::lock_guard<std::mutex> lock(m.mu);
@@ -857,8 +1056,9 @@ Status HostTier::WaitGradsCopied(cudaStream_t stream) {
     EMSA_RETURN_IF_ERROR(m.error);
   }
   for (Impl::Bucket& b : m.buckets) {
-    if (b.submitted == s && s > 0) {
-      EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, b.d2h_end(), 0));
+    if (b.submitted == s && s > 0) {  // device_update: the kernels are what read them
+      EMSA_CUDA_RETURN_IF_ERROR(
+          cudaStreamWaitEvent(stream, b.device_update ? b.uploaded_event() : b.d2h_end(), 0));
     }
   }
   return Status::Ok();
@@ -872,8 +1072,13 @@ Status HostTier::Synchronize() {
     EMSA_RETURN_IF_ERROR(m.error);
   }
   for (Impl::Bucket& b : m.buckets) EMSA_RETURN_IF_ERROR(m.TimeUpload(b));
+  if (m.down != nullptr) {  // its last copies follow every device update enqueued
+    EMSA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.down));
+  }
   return Status::Ok();
 }
+
+cudaStream_t HostTier::update_stream() const { return impl_->kernels; }
 
 bool HostTier::BucketCopiesEnqueued(size_t bucket) const {
   Impl& m = *impl_;
@@ -942,6 +1147,7 @@ int64_t HostTier::copies_enqueued() const { return 0; }
 size_t HostTier::Trace(double*, double*, double*, size_t) const { return 0; }
 size_t HostTier::bucket_count() const { return 0; }
 size_t HostTier::bucket_size(size_t) const { return 0; }
+cudaStream_t HostTier::update_stream() const { return nullptr; }
 
 }  // namespace emsa
 

@@ -470,6 +470,18 @@ static void test_host_tier(void) {
   o.paced_copies = 2; /* without grad_piece_elements */
   CHECK(emsa_host_tier_create(up, &t, 1, 1, 1, NULL, NULL, &o, &tier) == EMSA_INVALID_ARGUMENT);
   CHECK(strstr(emsa_last_error(), "grad_piece_elements") != NULL && tier == NULL);
+  emsa_host_tier_options_init(&o);
+  CHECK(o.stream_piece_elements == 8 << 20 && o.stream_slots == 3);
+  /* AdamW, fp32 moments: 3 slots x 8 Mi elements x 2 moments x 4 bytes */
+  CHECK(emsa_host_tier_stream_staging_bytes(&o, EMSA_DTYPE_FLOAT32) == 3LL * (8 << 20) * 8);
+  CHECK(emsa_host_tier_stream_staging_bytes(&o, EMSA_DTYPE_BFLOAT16) == 3LL * (8 << 20) * 4);
+  CHECK(emsa_host_tier_stream_staging_bytes(&o, 99) == -1);
+  CHECK(emsa_host_tier_stream_staging_bytes(NULL, EMSA_DTYPE_FLOAT32) == -1);
+  CHECK(emsa_host_tier_update_stream(NULL) == NULL);
+  t.device_update = 2;
+  CHECK(emsa_host_tier_create(up, &t, 1, 1, 1, NULL, NULL, &o, &tier) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "device_update must be 0 or 1") != NULL && tier == NULL);
+  t.device_update = 0;
   size_t n = 7;
   CHECK(emsa_host_tier_stats(NULL, 1, NULL, 0, &n) == EMSA_INVALID_ARGUMENT);
   CHECK(n == 7);
