@@ -91,6 +91,9 @@ typedef struct emsa_plan_options {
   uint64_t safety_margin_bytes; /* default 1 GiB */
   uint64_t bucket_bytes;        /* default 32 MiB of parameters per bucket */
   int32_t release_grads;        /* 1: gradients freed in backward (step in backward); default 0 */
+  /* share of the host tier's fp32 parameters the GPU updates, moments streamed through it
+   * (PlanOptions.device_update_share): -1 (default) balanced by the planner, or 0..1 */
+  double device_update_share;
 } emsa_plan_options;
 
 EMSA_API void emsa_plan_options_init(emsa_plan_options* options);
@@ -486,9 +489,10 @@ EMSA_API int64_t emsa_host_tier_copies_enqueued(const emsa_host_tier* tier);
  * none or tier is NULL: their gradients must stay alive in its order. */
 EMSA_API void* emsa_host_tier_update_stream(const emsa_host_tier* tier);
 /* Device bytes of the staging for device-updated tensors under these options, moments of
- * state_dtype (EMSA_DTYPE_*); -1 for a NULL or uninitialized options or a bad dtype. */
+ * state_dtype (EMSA_DTYPE_*), the largest such tensor `largest` elements; -1 for a NULL or
+ * uninitialized options, a bad dtype or largest < 1. */
 EMSA_API int64_t emsa_host_tier_stream_staging_bytes(const emsa_host_tier_options* options,
-                                                     int32_t state_dtype);
+                                                     int32_t state_dtype, int64_t largest);
 /* 1: every gradient copy of the bucket's last submit is enqueued (under paced_copies its device
  * gradients may be released now; the stream order keeps them until read), or the tier failed;
  * 0: not yet; -1: tier NULL or no such bucket. */

@@ -203,9 +203,11 @@ class HostTier {
   size_t bucket_size(size_t bucket) const;
   // The stream the device-updated buckets' kernels run on (null when there are none).
   cudaStream_t update_stream() const;
-  // Device memory the tier holds for device-updated tensors (their staging), for
-  // HostTierOptions `options` and moments of `state_dtype` under `optimizer`.
-  static int64_t StreamStagingBytes(const HostTierOptions& options, DType state_dtype);
+  // Device memory the tier holds for device-updated tensors (their staging) under `options`,
+  // moments of `state_dtype`, the largest device-updated tensor `largest` elements (a slot holds
+  // no more than one tensor's run: min(stream_piece_elements, largest) per moment).
+  static int64_t StreamStagingBytes(const HostTierOptions& options, DType state_dtype,
+                                    int64_t largest);
 
  private:
   struct Impl;

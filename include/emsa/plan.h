@@ -13,12 +13,13 @@
 // r_i = P. Profile bandwidths that are 0 (not measured) default to HBM 2e12, PCIe 25e9 each way
 // and host update 50e9 B/s (host update falls back to host_mem_bandwidth first).
 //
-// Tiers: L1 (device arena) and L2 (pinned host arena). L0 (a persisting-L2 window, which
-// DeviceUpdateTable::SetAccessWindow can apply) is not assigned: measured on the H200 it saved
-// 0.1 us of a 33.6 us update (bench/README.md), so it stays off. Frozen parameters
-// get no state (tier L1, no views, bucket -1). State leaves the device coldest first, where
-// "coldest" is the least hotness per byte of device state freed (a cost that scales with bytes
-// makes this the longest window first: the output head, then the late layers; never the
+// Tiers: L1 (device arena) and L2 (pinned host arena; an L2 parameter is updated by the CPU or,
+// see PlanOptions::device_update_share, by the GPU with its moments streamed through). L0 (a
+// persisting-L2 window, which DeviceUpdateTable::SetAccessWindow can apply) is not assigned:
+// measured on the H200 it saved 0.1 us of a 33.6 us update (bench/README.md), so it stays off.
+// Frozen parameters get no state (tier L1, no views, bucket -1). State leaves the device coldest
+// first, where "coldest" is the least hotness per byte of device state freed (a cost that scales
+// with bytes makes this the longest window first: the output head, then the late layers; never the
 // embedding), until the budget is met: peak device bytes = max(record.peak_device_bytes, bytes
 // of all parameters + gradients of the trainable ones) + the device arena (its 2 MiB padding
 // included). With release_grads, gradients do not accumulate: from each memory sample of the
@@ -56,6 +57,15 @@ struct PlanOptions {
   uint64_t device_module_alignment = 2ull << 20;  // modules with >= this much state start here
   uint64_t device_tensor_alignment = 256;         // every device view starts at a multiple
   uint64_t host_tensor_alignment = 64;            // every host view starts at a multiple
+  // Of the host tier's parameters the GPU can update (fp32 ones), the share (by elements) it
+  // does update, their moments streamed from the host arena and back (HostTierTensor::
+  // device_update): the host's memory then carries 2 x the moments' bytes per parameter instead
+  // of the CPU path's update and DMA traffic, PCIe the moments each way instead of the gradient
+  // down and the update up. Chosen by whole buckets, spread over the gradient-ready order so
+  // that both paths have work from the first gradients of backward to the last.
+  // -1: the share at which the host's memory and the PCIe links finish together (the
+  // bandwidths of the profile); 0: none (the CPU updates every host-tier parameter); up to 1.
+  double device_update_share = -1.0;
 };
 
 // One parameter's plan. Offsets are bytes from the start of the owning arena; -1 = absent.
@@ -78,7 +88,8 @@ struct ParamPlan {
   // device state freed). -1 for frozen parameters. With k params on L2, they are exactly the
   // ones with offload_rank < k.
   int64_t offload_rank = -1;
-  int64_t bucket = -1;  // index into Plan::buckets
+  int64_t bucket = -1;         // index into Plan::buckets
+  bool device_update = false;  // host tier, updated by the GPU (PlanOptions::device_update_share)
   // Views. Device tier: exp_avg, exp_avg_sq, master in the device arena. Host tier: exp_avg,
   // exp_avg_sq, master, grad (staging for the device->host copy) and param_out (staging for the
   // host->device copy, only when the param is not fp32) in the host arena.
@@ -101,23 +112,26 @@ struct ModuleRange {
 // Parameters whose updates launch together, in grad-ready order, all of one tier.
 struct Bucket {
   Tier tier = Tier::kL1;
+  bool device_update = false;   // host tier: its members are updated by the GPU
   std::vector<int64_t> params;  // indices into Plan::params
   double ready_time = 0.0;      // s, the last member's grad-ready time
   uint64_t param_bytes = 0;
 };
 
 struct Prediction {
-  double period = 0.0;              // s, P = forward + backward from the probe
-  double hbm_time = 0.0;            // s, device-tier update traffic / HBM bandwidth
-  double d2h_time = 0.0;            // s, host-tier gradients down / d2h bandwidth
-  double h2d_time = 0.0;            // s, host-tier parameters up / h2d bandwidth
-  double cpu_time = 0.0;            // s, host-tier update traffic plus the DMA's gradient and
-                                    // parameter bytes (they share DRAM) / host update bandwidth
-  double stall_time = 0.0;          // s, how long the next forward waits (timeline simulation)
-  double step_time = 0.0;           // s, period + stall
-  uint64_t device_state_bytes = 0;  // device arena size
-  uint64_t host_state_bytes = 0;    // host arena size
-  uint64_t peak_device_bytes = 0;   // predicted peak, optimizer state included
+  double period = 0.0;                // s, P = forward + backward from the probe
+  double hbm_time = 0.0;              // s, device-tier update traffic / HBM bandwidth
+  double d2h_time = 0.0;              // s, host-tier gradients down / d2h bandwidth
+  double h2d_time = 0.0;              // s, host-tier parameters up / h2d bandwidth
+  double cpu_time = 0.0;              // s, host-tier update traffic plus the DMA's gradient and
+                                      // parameter bytes (they share DRAM) / host update bandwidth
+  double stall_time = 0.0;            // s, how long the next forward waits (timeline simulation)
+  double step_time = 0.0;             // s, period + stall
+  uint64_t device_state_bytes = 0;    // device arena size
+  uint64_t host_state_bytes = 0;      // host arena size
+  uint64_t peak_device_bytes = 0;     // predicted peak, optimizer state included
+  double device_update_share = 0.0;   // of the host tier's parameters (elements), GPU-updated
+  uint64_t stream_staging_bytes = 0;  // device staging of the GPU-updated ones (in the peak)
 };
 
 struct Plan {

@@ -162,6 +162,7 @@ class HostTierTensor(ctypes.Structure):
         ("group", ctypes.c_int32),
         ("bucket", ctypes.c_int64),
         ("device_param", ctypes.c_void_p),
+        ("device_update", ctypes.c_int32),
     ]
 
 
@@ -179,6 +180,8 @@ class HostTierOptions(ctypes.Structure):
         ("delta_staging_elements", ctypes.c_int64),
         ("paced_copies", ctypes.c_int32),
         ("paced_hold_bytes", ctypes.c_int64),
+        ("stream_piece_elements", ctypes.c_int64),
+        ("stream_slots", ctypes.c_int32),
     ]
 
 
@@ -208,6 +211,7 @@ class PlanOptions(ctypes.Structure):
         ("safety_margin_bytes", ctypes.c_uint64),
         ("bucket_bytes", ctypes.c_uint64),
         ("release_grads", ctypes.c_int32),
+        ("device_update_share", ctypes.c_double),
     ]
 
 
@@ -329,6 +333,7 @@ _TABLE = {
     "emsa_host_tier_wait_grads_copied": (_S, [_P, _P]),
     "emsa_host_tier_synchronize": (_S, [_P]),
     "emsa_host_tier_copies_enqueued": (ctypes.c_int64, [_P]),
+    "emsa_host_tier_update_stream": (ctypes.c_void_p, [_P]),
     "emsa_host_tier_bucket_copies_enqueued": (ctypes.c_int32, [_P, ctypes.c_size_t]),
     "emsa_host_tier_trace": (
         _S, [_P, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double),

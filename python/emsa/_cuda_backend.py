@@ -252,6 +252,7 @@ class CudaBackend(Backend):
             "1: fp32 updates move tiles by bulk copies on sm_90+; 0: per-thread loads") == "1")
         self.table_slots: list[list[int]] = []  # device-tier buckets
         self.host_slots: list[list[int]] = []  # host-tier buckets
+        self.host_on_gpu: list[bool] = []  # per host-tier bucket: the GPU updates it
         self.order: list[tuple[bool, int]] = []  # every bucket in plan order: (host?, index)
         for bucket in plan.json["buckets"]:
             members = [slot_of[r] for r in bucket["params"] if r in slot_of]
@@ -264,6 +265,8 @@ class CudaBackend(Backend):
             into = self.host_slots if host else self.table_slots
             self.order.append((host, len(into)))
             into.append(members)
+            if host:
+                self.host_on_gpu.append(bool(bucket.get("device_update", False)))
         covered = sorted(i for m in self.table_slots + self.host_slots for i in m)
         if covered != list(range(len(slots))):
             missing = sorted(set(range(len(slots))) - set(covered))
@@ -344,6 +347,7 @@ class CudaBackend(Backend):
                 t.group = self.groups[i]
                 t.bucket = b
                 t.device_param = p.data_ptr()
+                t.device_update = int(self.host_on_gpu[b])
                 tensors.append(t)
                 params.append(p)
         self.host = HostTier(tensors, self.host_slots, group_count, self.kind, self.device,

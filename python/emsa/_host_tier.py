@@ -100,6 +100,12 @@ class HostTier:
         except BaseException:
             self.close()
             raise
+        # The device-updated buckets' kernels read their gradients on the tier's own stream.
+        on_gpu = {int(t.bucket) for t in tensors if t.device_update}
+        update = lib.emsa_host_tier_update_stream(self.handle)
+        self.update_stream = (torch.cuda.ExternalStream(update, device=device) if update
+                              else None)
+        self.on_gpu = [b in on_gpu for b in range(len(buckets))]
         self.grad_arrays = [(ctypes.c_void_p * len(m))() for m in buckets]
         self.steps = (ctypes.c_int64 * group_count)()
         self.pending: set[int] = set()  # uploads the next forward has not waited for yet
@@ -132,12 +138,15 @@ class HostTier:
 
     def submit(self, b: int, grads: list[torch.Tensor], stream: torch.cuda.Stream) -> None:
         array = self.grad_arrays[b]
+        on_gpu = self.on_gpu[b]
+        # Its memory is reused only after what reads it has: the copy, or the device update.
+        reader = self.update_stream if on_gpu else self.d2h
         for k, g in enumerate(grads):
             array[k] = g.data_ptr()
-            g.record_stream(self.d2h)  # its memory is reused only after the copy has read it
+            g.record_stream(reader)
         check(lib.emsa_host_tier_submit(self.handle, b, array, len(grads), stream.cuda_stream))
         self.pending.add(b)
-        if self.paced:
+        if self.paced and not on_gpu:  # the device update's kernels were enqueued by submit
             self.held[b] = grads
             self._release_copied()
 

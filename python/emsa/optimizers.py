@@ -235,7 +235,8 @@ class _EmsaOptimizer(Optimizer):
         plan = make_plan(planned, profile, optimizer=self._kind, state_dtype=self._state_dtype,
                          budget=self._budget,
                          allow_host_tier=backend_cls.host_tier and self._tier != "device",
-                         force_all_host=self._tier == "host", release_grads=self._in_backward)
+                         force_all_host=self._tier == "host", release_grads=self._in_backward,
+                         device_update_share=_device_update_share())
         if backend_cls.name == "cuda" and any(pp["tier"] == "L2" for pp in plan.json["params"]):
             if self._skip_explicit:
                 raise ValueError(
@@ -611,3 +612,18 @@ class Lion(_EmsaOptimizer):
         super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
                          skip_nonfinite=skip_nonfinite, profile=profile,
                          step_in_backward=step_in_backward, accumulate=accumulate, tier=tier)
+
+
+def _device_update_share() -> float:
+    """EMSA_HOST_DEVICE_SHARE: of the host tier's fp32 parameters, the share the GPU updates with
+    their moments streamed through it (PlanOptions.device_update_share); unset or -1: the
+    planner balances the host's memory against PCIe; 0: the CPU updates them all."""
+    text = os.environ.get("EMSA_HOST_DEVICE_SHARE", "-1")
+    try:
+        share = float(text)
+    except ValueError:
+        share = float("nan")
+    if not (share == -1.0 or 0.0 <= share <= 1.0):
+        raise ValueError(f"EMSA_HOST_DEVICE_SHARE={text!r}: use -1 (the planner balances), or a "
+                         "share from 0 (the CPU updates every host-tier parameter) to 1")
+    return share

@@ -134,9 +134,11 @@ def _create(probe_text: str, profile_text: str | None, options: PlanOptions) -> 
 def make_plan(record, profile: Any = None, *, optimizer: str = "adamw",
               state_dtype: torch.dtype = torch.float32, budget: int | str | None = None,
               allow_host_tier: bool = True, force_all_host: bool = False,
-              release_grads: bool = False) -> Plan:
+              release_grads: bool = False, device_update_share: float = -1.0) -> Plan:
     """Plans a ProbeRecord (or its JSON text) against a profile (dict, JSON text, path; None:
-    the record's embedded profile, else this machine measured). budget: bytes or "20GiB"."""
+    the record's embedded profile, else this machine measured). budget: bytes or "20GiB".
+    device_update_share: of the host tier's fp32 parameters, the share the GPU updates with
+    their moments streamed through it (-1: balanced by the planner; 0: the CPU updates all)."""
     if optimizer not in _capi.OPTIMIZER:
         raise ValueError(f"optimizer={optimizer!r}; use one of {sorted(_capi.OPTIMIZER)}")
     if state_dtype not in STATE_DTYPES:
@@ -149,6 +151,7 @@ def make_plan(record, profile: Any = None, *, optimizer: str = "adamw",
     options.allow_host_tier = int(allow_host_tier)
     options.force_all_host = int(force_all_host)
     options.release_grads = int(release_grads)
+    options.device_update_share = float(device_update_share)
     if budget is not None:
         options.budget_bytes = parse_bytes(budget)
     text = record if isinstance(record, str) else record.to_json()

@@ -316,6 +316,7 @@ void emsa_plan_options_init(emsa_plan_options* o) {
   o->safety_margin_bytes = d.safety_margin_bytes;
   o->bucket_bytes = d.bucket_bytes;
   o->release_grads = d.release_grads ? 1 : 0;
+  o->device_update_share = d.device_update_share;
 }
 
 emsa_status emsa_plan_create(const char* probe_json, const char* profile_json,
@@ -342,6 +343,7 @@ emsa_status emsa_plan_create(const char* probe_json, const char* profile_json,
       po.safety_margin_bytes = options->safety_margin_bytes;
       po.bucket_bytes = options->bucket_bytes;
       po.release_grads = options->release_grads != 0;
+      po.device_update_share = options->device_update_share;
     }
     auto record = emsa::ProbeRecordFromJson(probe_json);
     if (!record.ok()) return Report(record.status().Annotate("probe record"));
@@ -1126,8 +1128,10 @@ void* emsa_host_tier_update_stream(const emsa_host_tier* tier) {
 }
 
 int64_t emsa_host_tier_stream_staging_bytes(const emsa_host_tier_options* options,
-                                            int32_t state_dtype) {
-  if (options == nullptr || options->struct_size != sizeof(emsa_host_tier_options)) return -1;
+                                            int32_t state_dtype, int64_t largest) {
+  if (options == nullptr || options->struct_size != sizeof(emsa_host_tier_options) || largest < 1) {
+    return -1;
+  }
   auto dtype = ToDType(state_dtype, "state_dtype");
   auto kind = ToOptimizer(options->optimizer);
   if (!dtype.ok() || !kind.ok()) return -1;
@@ -1135,7 +1139,7 @@ int64_t emsa_host_tier_stream_staging_bytes(const emsa_host_tier_options* option
   o.optimizer = *kind;
   o.stream_piece_elements = options->stream_piece_elements;
   o.stream_slots = options->stream_slots;
-  return emsa::HostTier::StreamStagingBytes(o, *dtype);
+  return emsa::HostTier::StreamStagingBytes(o, *dtype, largest);
 }
 
 int32_t emsa_host_tier_bucket_copies_enqueued(const emsa_host_tier* tier, size_t bucket) {

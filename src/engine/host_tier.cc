@@ -22,8 +22,9 @@ bool HostTierAppliesDelta(OptimizerKind optimizer, DType param_dtype, DType grad
          grad_dtype == DType::kFloat32 && !has_master;
 }
 
-int64_t HostTier::StreamStagingBytes(const HostTierOptions& options, DType state_dtype) {
-  return int64_t{options.stream_slots} * options.stream_piece_elements *
+int64_t HostTier::StreamStagingBytes(const HostTierOptions& options, DType state_dtype,
+                                     int64_t largest) {
+  return int64_t{options.stream_slots} * std::min(options.stream_piece_elements, largest) *
          static_cast<int64_t>(DTypeSize(state_dtype)) * StateCount(options.optimizer);
 }
 
@@ -110,7 +111,7 @@ struct HostTier::Impl {
     cudaEvent_t d2h_start = nullptr;        // unpaced: the stats time the copies from here
     std::vector<const void*> device_grads;  // paced_copies: Submit's pointers, copied later
     bool device_update = false;             // the GPU updates it (HostTierTensor::device_update)
-    std::vector<Span> runs;                  // device_update: its runs, in order
+    std::vector<Span> runs;                 // device_update: its runs, in order
     cudaEvent_t written_back = nullptr;     // device_update: its moments are back on the host
     size_t enqueued = 0;                    // paced_copies: grad pieces enqueued this step
     int64_t grad_bytes = 0;                 // the bucket's gradients, on the device
@@ -742,6 +743,7 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
   bool any_delta = false;
   bool any_device_update = false;
   DType state_dtype = DType::kFloat32;
+  int64_t largest = 1;  // elements of the largest device-updated tensor
   impl->buckets.resize(bucket_count);
   for (size_t i = 0; i < count; ++i) {
     const HostTierTensor& t = tensors[i];
@@ -779,6 +781,7 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
       }
       any_device_update = true;
       state_dtype = u.state_dtype;
+      largest = std::max(largest, u.numel);
     }
     if (options.device_delta && !t.device_update && u.numel > 0 &&
         HostTierAppliesDelta(options.optimizer, u.param_dtype, u.grad_dtype, u.master != nullptr)) {
@@ -819,7 +822,7 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
         }
       }
     }
-    const int64_t bytes = StreamStagingBytes(options, state_dtype);
+    const int64_t bytes = StreamStagingBytes(options, state_dtype, largest);
     void* slab = nullptr;
     const cudaError_t err = cudaMalloc(&slab, static_cast<size_t>(bytes));
     if (err != cudaSuccess) {
@@ -830,8 +833,8 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
                                  "update those tensors on the CPU");
     }
     impl->stream_staging = slab;
-    const size_t moment =
-        static_cast<size_t>(options.stream_piece_elements) * DTypeSize(state_dtype);
+    const size_t moment = static_cast<size_t>(std::min(options.stream_piece_elements, largest)) *
+                          DTypeSize(state_dtype);
     const bool two = StateCount(options.optimizer) == 2;
     impl->slots.resize(static_cast<size_t>(options.stream_slots));
     char* at = static_cast<char*>(slab);

@@ -68,6 +68,10 @@ uint64_t HostUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions& 
   return param + 2 * n * 4 + 2 * moments + param_out;
 }
 
+uint64_t DeviceUpdateLinkBytes(int64_t numel, const PlanOptions& options) {
+  return U(numel) * DTypeSize(options.state_dtype) * StateCount(options.optimizer);
+}
+
 uint64_t HostMemoryTraffic(int64_t numel, DType param_dtype, const PlanOptions& options) {
   const uint64_t dma = 2 * U(numel) * DTypeSize(param_dtype);  // gradient in, parameter out
   return HostUpdateTraffic(numel, param_dtype, options) + dma;

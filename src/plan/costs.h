@@ -62,6 +62,13 @@ uint64_t HostUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions& 
 // equal shares, the pool's stragglers hid the DRAM limit, and 28 B/param predicted better.)
 uint64_t HostMemoryTraffic(int64_t numel, DType param_dtype, const PlanOptions& options);
 
+// Whether the GPU can update a host-tier parameter instead of the CPU (HostTierTensor::
+// device_update): fp32 parameters (no master to carry along).
+inline bool DeviceUpdatable(DType param_dtype) { return param_dtype == DType::kFloat32; }
+// A GPU-updated host-tier parameter's moments: the bytes that cross PCIe each way per step, and
+// half of what the host's memory carries for it (the DMA reads them, then writes them back).
+uint64_t DeviceUpdateLinkBytes(int64_t numel, const PlanOptions& options);
+
 inline uint64_t AlignUp(uint64_t x, uint64_t align) { return (x + align - 1) & ~(align - 1); }
 
 }  // namespace emsa::plan_internal

@@ -24,6 +24,7 @@ Value OptionsJson(const PlanOptions& o) {
   v.Set("device_module_alignment", o.device_module_alignment);
   v.Set("device_tensor_alignment", o.device_tensor_alignment);
   v.Set("host_tensor_alignment", o.host_tensor_alignment);
+  v.Set("device_update_share", o.device_update_share);
   return v;
 }
 
@@ -44,6 +45,7 @@ Value ParamJson(const ParamPlan& p) {
   v.Set("hotness", p.hotness);
   v.Set("offload_rank", p.offload_rank);
   v.Set("bucket", p.bucket);
+  v.Set("device_update", p.device_update);
   v.Set("exp_avg_offset", p.exp_avg_offset);
   v.Set("exp_avg_sq_offset", p.exp_avg_sq_offset);
   v.Set("master_offset", p.master_offset);
@@ -65,6 +67,7 @@ Value ModuleJson(const ModuleRange& m) {
 Value BucketJson(const Bucket& b) {
   Value v = Value::MakeObject();
   v.Set("tier", TierName(b.tier));
+  v.Set("device_update", b.device_update);
   Value params = Value::MakeArray();
   for (int64_t i : b.params) params.Push(i);
   v.Set("params", std::move(params));
@@ -85,6 +88,8 @@ Value PredictionJson(const Prediction& p) {
   v.Set("device_state_bytes", p.device_state_bytes);
   v.Set("host_state_bytes", p.host_state_bytes);
   v.Set("peak_device_bytes", p.peak_device_bytes);
+  v.Set("device_update_share", p.device_update_share);
+  v.Set("stream_staging_bytes", p.stream_staging_bytes);
   return v;
 }
 

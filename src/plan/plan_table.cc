@@ -113,6 +113,11 @@ void PredictionRows(const Plan& plan, std::string* out) {
   Append(out, "  %-34s %10.3f ms\n", "gradients down (D2H)", Ms(p.d2h_time));
   Append(out, "  %-34s %10.3f ms\n", "host update (CPU)", Ms(p.cpu_time));
   Append(out, "  %-34s %10.3f ms\n", "parameters up (H2D)", Ms(p.h2d_time));
+  if (p.device_update_share > 0) {
+    Append(out, "  %-34s %10.1f %%  (their moments through %s of device staging)\n",
+           "host tier updated by the GPU", 100.0 * p.device_update_share,
+           FormatBytes(p.stream_staging_bytes).c_str());
+  }
   Append(out, "  %-34s %10.3f ms\n", "stall before the next forward", Ms(p.stall_time));
   Append(out, "  %-34s %10.3f ms\n", "step", Ms(p.step_time));
   const std::string budget = plan.budget_bytes == 0 ? std::string("no device limit")

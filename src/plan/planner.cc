@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "emsa/host_tier.h"
 #include "emsa/plan.h"
 #include "plan/costs.h"
 #include "plan/hotness.h"
@@ -40,6 +41,12 @@ Status ValidateOptions(const PlanOptions& o) {
         (o.state_dtype == DType::kFloat16 ? "float16"
                                           : std::to_string(static_cast<int>(o.state_dtype))) +
         " is not supported for optimizer state; use float32 or bfloat16");
+  }
+  if (!(o.device_update_share == -1.0 ||
+        (o.device_update_share >= 0.0 && o.device_update_share <= 1.0))) {
+    return Status::InvalidArgument("options.device_update_share is " +
+                                   std::to_string(o.device_update_share) +
+                                   "; use -1 (balanced by the planner) or a share in [0, 1]");
   }
   if (o.bucket_bytes == 0) {
     return Status::InvalidArgument("options.bucket_bytes is 0; use a positive size such as 32MiB");
@@ -161,9 +168,24 @@ Result<Plan> MakePlan(const ProbeRecord& record, const DeviceProfile& profile,
   const LayoutOrder order = plan_internal::MakeLayoutOrder(record);
   const DeviceSizer sizer(order, plan.params, options);
   std::vector<char> on_host(record.params.size(), 0);
+  // With any state on the host, room for the staging of GPU-updated parameters unless none may
+  // be (a little more than needed when the planner then chooses none).
+  const bool gpu_updates = profile.gpu.present && options.device_update_share != 0.0;
+  HostTierOptions tier_options;
+  tier_options.optimizer = options.optimizer;
+  int64_t largest = 0;  // the largest parameter the GPU could update
+  for (const ParamPlan& p : plan.params) {
+    if (p.trainable && plan_internal::DeviceUpdatable(p.param_dtype)) {
+      largest = std::max(largest, p.numel);
+    }
+  }
+  const uint64_t staging = gpu_updates && largest > 0
+                               ? static_cast<uint64_t>(HostTier::StreamStagingBytes(
+                                     tier_options, options.state_dtype, largest))
+                               : 0;
   auto device_need = [&](size_t k) {
     MarkHost(offload, k, &on_host);
-    return sizer.ArenaBytes(on_host);
+    return sizer.ArenaBytes(on_host) + (k > 0 ? staging : 0);
   };
   const uint64_t base = BaseDeviceBytes(record, options);
   const size_t n = offload.size();
@@ -189,8 +211,9 @@ Result<Plan> MakePlan(const ProbeRecord& record, const DeviceProfile& profile,
   size_t k = 0;
   if (options.force_all_host) {
     k = n;
-  } else if (limited) {
-    size_t lo = 0, hi = k_max;  // device_need(hi) fits; find the smallest such k
+  } else if (limited && base + device_need(0) > plan.budget_bytes) {
+    size_t lo = 1, hi = k_max;  // past k = 0 the need only shrinks  // device_need(hi) fits; find
+                                // the smallest such k
     while (lo < hi) {
       const size_t mid = lo + (hi - lo) / 2;
       if (base + device_need(mid) <= plan.budget_bytes) {
@@ -213,6 +236,7 @@ Result<Plan> MakePlan(const ProbeRecord& record, const DeviceProfile& profile,
     return Status::Internal("device arena layout disagrees with its size estimate");
   }
   plan_internal::MakeBuckets(record, order, &plan);
+  plan_internal::ChooseDeviceUpdates(record, bw, profile.gpu.present, &plan);
   plan_internal::Predict(record, bw, base, &plan);
   return plan;
 }

@@ -2,8 +2,10 @@
 #include "plan/schedule.h"
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
+#include "emsa/host_tier.h"
 #include "plan/hotness.h"
 
 namespace emsa::plan_internal {
@@ -16,7 +18,7 @@ void MakeBuckets(const ProbeRecord& record, const LayoutOrder& order, Plan* plan
     const ParamRecord& rec = record.params[static_cast<size_t>(i)];
     Bucket* last = plan->buckets.empty() ? nullptr : &plan->buckets.back();
     if (last == nullptr || last->tier != p.tier || last->param_bytes + rec.bytes > limit) {
-      plan->buckets.push_back({p.tier, {}, 0.0, 0});
+      plan->buckets.push_back({p.tier, false, {}, 0.0, 0});
       last = &plan->buckets.back();
     }
     last->params.push_back(i);
@@ -26,33 +28,109 @@ void MakeBuckets(const ProbeRecord& record, const LayoutOrder& order, Plan* plan
   }
 }
 
+void ChooseDeviceUpdates(const ProbeRecord& record, const Bandwidths& bw, bool gpu_present,
+                         Plan* plan) {
+  const PlanOptions& o = plan->options;
+  // Over the host tier: host-memory and per-link bytes of what the CPU must update (fixed), and
+  // of the eligible buckets on the CPU path (cpu_*) or the GPU path (gpu_*).
+  double fixed_host = 0, fixed_link = 0, cpu_host = 0, cpu_link = 0, gpu_host = 0, gpu_link = 0;
+  double eligible = 0;
+  std::vector<double> elements(plan->buckets.size(), 0.0);  // > 0: an eligible bucket's size
+  for (size_t b = 0; b < plan->buckets.size(); ++b) {
+    Bucket& bucket = plan->buckets[b];
+    bucket.device_update = false;
+    if (bucket.tier != Tier::kL2) continue;
+    bool can = gpu_present;
+    double host = 0, link = 0, moments = 0, n = 0;
+    for (int64_t i : bucket.params) {
+      const ParamRecord& rec = record.params[static_cast<size_t>(i)];
+      can = can && DeviceUpdatable(rec.dtype);
+      host += static_cast<double>(HostMemoryTraffic(rec.numel, rec.dtype, o));
+      link += static_cast<double>(rec.bytes);  // gradient down, update up
+      moments += static_cast<double>(DeviceUpdateLinkBytes(rec.numel, o));
+      n += static_cast<double>(rec.numel);
+    }
+    if (!can || n == 0) {
+      fixed_host += host;
+      fixed_link += link;
+      continue;
+    }
+    cpu_host += host;
+    cpu_link += link;
+    gpu_host += 2 * moments;
+    gpu_link += moments;
+    eligible += n;
+    elements[b] = n;
+  }
+  double share = eligible > 0 ? o.device_update_share : 0.0;
+  if (share < 0) {  // host memory and links busy equally long
+    const double link_bw = std::min(bw.d2h, bw.h2d);
+    const double gap = (fixed_host + cpu_host) / bw.host_update - (fixed_link + cpu_link) / link_bw;
+    const double slope = (cpu_host - gpu_host) / bw.host_update + (gpu_link - cpu_link) / link_bw;
+    share = slope > 0 ? std::clamp(gap / slope, 0.0, 1.0) : (gap > 0 ? 1.0 : 0.0);
+  }
+  // Spread over the gradient-ready order, so both paths have work from the first gradients on:
+  // each eligible bucket goes where the GPU's running share of the elements seen stays nearest
+  // `share`.
+  double seen = 0, taken = 0;
+  for (size_t b = 0; b < plan->buckets.size(); ++b) {
+    if (elements[b] == 0) continue;
+    seen += elements[b];
+    const double want = share * seen;
+    if (std::abs(taken + elements[b] - want) < std::abs(taken - want)) {
+      taken += elements[b];
+      plan->buckets[b].device_update = true;
+      for (int64_t i : plan->buckets[b].params) {
+        plan->params[static_cast<size_t>(i)].device_update = true;
+      }
+    }
+  }
+}
+
 void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_device_bytes,
              Plan* plan) {
   const PlanOptions& options = plan->options;
   Prediction& out = plan->prediction;
   out.period = Period(record);
 
-  // Per-bucket engine work in seconds, and totals.
+  // Per-bucket engine work in seconds at full bandwidth, and totals. A GPU-updated host bucket's
+  // link work is its moments each way; its kernel's HBM traffic is as a device bucket's.
   struct Work {
     double hbm = 0, d2h = 0, cpu = 0, h2d = 0;
   };
   std::vector<Work> work(plan->buckets.size());
   double hbm = 0, d2h = 0, cpu = 0, h2d = 0;
+  double cpu_link = 0, gpu_link = 0, gpu_host = 0, host_elements = 0, gpu_elements = 0;
+  int64_t largest = 0;  // the largest GPU-updated parameter
   for (size_t b = 0; b < plan->buckets.size(); ++b) {
+    const bool gpu = plan->buckets[b].device_update;
     for (int64_t i : plan->buckets[b].params) {
       const ParamRecord& rec = record.params[static_cast<size_t>(i)];
       const double bytes = static_cast<double>(rec.bytes);
-      if (plan->buckets[b].tier == Tier::kL2) {
+      const double dev = static_cast<double>(DeviceUpdateTraffic(rec.numel, rec.dtype, options));
+      if (plan->buckets[b].tier != Tier::kL2) {
+        work[b].hbm += dev / bw.hbm;
+        continue;
+      }
+      host_elements += static_cast<double>(rec.numel);
+      if (gpu) {
+        const double moments = static_cast<double>(DeviceUpdateLinkBytes(rec.numel, options));
+        work[b].d2h += moments / bw.d2h;
+        work[b].h2d += moments / bw.h2d;
+        work[b].hbm += dev / bw.hbm;
+        gpu_link += moments;
+        gpu_host += 2 * moments;
+        gpu_elements += static_cast<double>(rec.numel);
+        largest = std::max(largest, rec.numel);
+      } else {
         const double host = static_cast<double>(HostMemoryTraffic(rec.numel, rec.dtype, options));
         work[b].d2h += bytes / bw.d2h;
         work[b].cpu += host / bw.host_update;
         work[b].h2d += bytes / bw.h2d;
-      } else {
-        const double dev = static_cast<double>(DeviceUpdateTraffic(rec.numel, rec.dtype, options));
-        work[b].hbm += dev / bw.hbm;
+        cpu_link += bytes;
       }
     }
-    hbm += work[b].hbm;
+    if (!gpu) hbm += work[b].hbm;
     d2h += work[b].d2h;
     cpu += work[b].cpu;
     h2d += work[b].h2d;
@@ -61,6 +139,23 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
   out.d2h_time = d2h;
   out.cpu_time = cpu;
   out.h2d_time = h2d;
+  out.device_update_share = host_elements > 0 ? gpu_elements / host_elements : 0.0;
+  out.stream_staging_bytes = 0;
+  if (gpu_elements > 0) {
+    HostTierOptions tier;
+    tier.optimizer = options.optimizer;
+    out.stream_staging_bytes =
+        static_cast<uint64_t>(HostTier::StreamStagingBytes(tier, options.state_dtype, largest));
+  }
+  // Both host paths run through the step at once. The CPU path is bound by the host's memory,
+  // which also carries the GPU path's moments: its update takes that much longer. The GPU path
+  // is bound by the links, which also carry the CPU path's gradients and updates: its copies
+  // take that much longer. The CPU path's own copies, a small flow next to the moments, get an
+  // even share of a link while both use it.
+  const double cpu_host = cpu * bw.host_update;
+  const double cpu_slowdown = cpu_host > 0 ? (cpu_host + gpu_host) / cpu_host : 1.0;
+  const double cpu_link_slowdown = gpu_link > 0 ? 2.0 : 1.0;
+  const double gpu_link_slowdown = gpu_link > 0 ? (cpu_link + gpu_link) / gpu_link : 1.0;
 
   // The engines as the host tier runs them (emsa/host_tier.h). Device buckets update in bucket
   // order on the compute stream. Host buckets: gradients down in submission order (as each
@@ -70,11 +165,16 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
   // in CPU order.
   const size_t nb = plan->buckets.size();
   std::vector<double> finish(nb, 0.0), landed(nb, 0.0);
-  std::vector<size_t> host;  // host buckets in submission order
+  std::vector<size_t> host, gpu;  // CPU- and GPU-updated host buckets in submission order
   for (size_t b = 0; b < nb; ++b) {
-    if (plan->buckets[b].tier == Tier::kL2) host.push_back(b);
+    if (plan->buckets[b].tier == Tier::kL2) {
+      (plan->buckets[b].device_update ? gpu : host).push_back(b);
+    }
   }
-  if (!options.release_grads) std::reverse(host.begin(), host.end());
+  if (!options.release_grads) {
+    std::reverse(host.begin(), host.end());
+    std::reverse(gpu.begin(), gpu.end());
+  }
   double hbm_free = 0, d2h_free = 0, cpu_free = 0, h2d_free = 0;
   for (size_t b = 0; b < nb; ++b) {
     if (plan->buckets[b].tier == Tier::kL2) continue;
@@ -83,8 +183,16 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
   }
   for (size_t b : host) {
     const double ready = options.release_grads ? plan->buckets[b].ready_time : out.period;
-    d2h_free = std::max(ready, d2h_free) + work[b].d2h;
+    d2h_free = std::max(ready, d2h_free) + work[b].d2h * cpu_link_slowdown;
     landed[b] = d2h_free;
+  }
+  // GPU-updated buckets: moments up in submission order, then the kernel (their moments going
+  // back down trail by one staging slot and hold nothing up).
+  double up_free = 0;
+  for (size_t b : gpu) {
+    const double ready = options.release_grads ? plan->buckets[b].ready_time : out.period;
+    up_free = std::max(ready, up_free) + work[b].h2d * gpu_link_slowdown;
+    finish[b] = up_free + work[b].hbm;
   }
   std::vector<char> done(nb, 0);
   for (size_t left = host.size(); left > 0; --left) {
@@ -104,8 +212,8 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
       }
     }
     done[pick] = 1;
-    cpu_free += work[pick].cpu;
-    h2d_free = std::max(cpu_free, h2d_free) + work[pick].h2d;
+    cpu_free += work[pick].cpu * cpu_slowdown;
+    h2d_free = std::max(cpu_free, h2d_free) + work[pick].h2d * cpu_link_slowdown;
     finish[pick] = h2d_free;
   }
   double stall = 0.0;
@@ -117,7 +225,7 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
   }
   out.stall_time = stall;
   out.step_time = out.period + stall;
-  out.peak_device_bytes = base_device_bytes + out.device_state_bytes;
+  out.peak_device_bytes = base_device_bytes + out.device_state_bytes + out.stream_staging_bytes;
 }
 
 }  // namespace emsa::plan_internal

@@ -15,9 +15,23 @@ namespace emsa::plan_internal {
 // Fills plan->buckets and each member's ParamPlan::bucket.
 void MakeBuckets(const ProbeRecord& record, const LayoutOrder& order, Plan* plan);
 
+// Marks which host-tier buckets the GPU updates (Bucket::device_update, and each member's
+// ParamPlan::device_update): of the buckets whose parameters are all DeviceUpdatable, a share
+// options.device_update_share of their elements, spread over the gradient-ready order (each
+// bucket goes where the running share stays nearest it, so both paths have work throughout);
+// with the share at -1, the share s at which the host's memory and the PCIe links would be busy
+// equally long: over the host tier, host memory (1-s) x HostMemoryTraffic + s x 2 x the moments
+// at host_update bandwidth, each link (1-s) x the gradient (or update) + s x the moments at its
+// bandwidth. No GPU in the profile: none. Call after MakeBuckets.
+void ChooseDeviceUpdates(const ProbeRecord& record, const Bandwidths& bw, bool gpu_present,
+                         Plan* plan);
+
 // Fills plan->prediction except the arena sizes (LayoutArenas sets those): engine totals, then a
 // timeline. Each bucket is ready at its ready_time; device buckets run back to back on the HBM
-// engine; host buckets pass through three pipelined FIFO engines (D2H link, CPU pool, H2D link).
+// engine; host buckets pass through three pipelined FIFO engines (D2H link, CPU pool, H2D link);
+// GPU-updated host buckets, in submission order, wait for their moments to come up, then update.
+// Both host paths run at once and share the links and the host's memory: each path gets a share
+// of every bandwidth in proportion to the bytes it moves through it over the step.
 // The next forward needs param i at P + f_i; the stall is the worst lateness, floored at 0.
 // base_device_bytes: the device memory in use without optimizer state (see planner.cc).
 void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_device_bytes,

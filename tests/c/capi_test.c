@@ -473,10 +473,15 @@ static void test_host_tier(void) {
   emsa_host_tier_options_init(&o);
   CHECK(o.stream_piece_elements == 8 << 20 && o.stream_slots == 3);
   /* AdamW, fp32 moments: 3 slots x 8 Mi elements x 2 moments x 4 bytes */
-  CHECK(emsa_host_tier_stream_staging_bytes(&o, EMSA_DTYPE_FLOAT32) == 3LL * (8 << 20) * 8);
-  CHECK(emsa_host_tier_stream_staging_bytes(&o, EMSA_DTYPE_BFLOAT16) == 3LL * (8 << 20) * 4);
-  CHECK(emsa_host_tier_stream_staging_bytes(&o, 99) == -1);
-  CHECK(emsa_host_tier_stream_staging_bytes(NULL, EMSA_DTYPE_FLOAT32) == -1);
+  CHECK(emsa_host_tier_stream_staging_bytes(&o, EMSA_DTYPE_FLOAT32, 1 << 30) ==
+        3LL * (8 << 20) * 8);
+  CHECK(emsa_host_tier_stream_staging_bytes(&o, EMSA_DTYPE_BFLOAT16, 1 << 30) ==
+        3LL * (8 << 20) * 4);
+  /* no slot larger than the largest tensor */
+  CHECK(emsa_host_tier_stream_staging_bytes(&o, EMSA_DTYPE_FLOAT32, 1000) == 3LL * 1000 * 8);
+  CHECK(emsa_host_tier_stream_staging_bytes(&o, 99, 1000) == -1);
+  CHECK(emsa_host_tier_stream_staging_bytes(&o, EMSA_DTYPE_FLOAT32, 0) == -1);
+  CHECK(emsa_host_tier_stream_staging_bytes(NULL, EMSA_DTYPE_FLOAT32, 1000) == -1);
   CHECK(emsa_host_tier_update_stream(NULL) == NULL);
   t.device_update = 2;
   CHECK(emsa_host_tier_create(up, &t, 1, 1, 1, NULL, NULL, &o, &tier) == EMSA_INVALID_ARGUMENT);

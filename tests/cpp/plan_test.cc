@@ -314,6 +314,8 @@ TEST(PlanBudget, SweepNeverExceedsBudgetAndMoreBudgetNeverMovesMoreToHost) {
   for (uint64_t module_alignment : {uint64_t{4096}, 2 * kMiB}) {
     const ProbeRecord r = Decoder(false);
     PlanOptions o;
+    o.device_update_share = 0;  // the CPU updates the host tier: no device staging
+
     o.device_module_alignment = module_alignment;
     const Plan unlimited = MustPlan(r, DeviceProfile{}, o);
     EXPECT_TRUE(HostSet(unlimited).empty());
@@ -358,6 +360,8 @@ TEST(PlanBudget, InfeasibleReportsExactMinimum) {
   const ProbeRecord r = Decoder(false);
   for (bool allow_host : {true, false}) {
     PlanOptions o;
+    o.device_update_share = 0;  // the CPU updates the host tier: no device staging
+
     o.allow_host_tier = allow_host;
     const Plan unlimited = MustPlan(r, DeviceProfile{}, o);
     const uint64_t min = unlimited.min_budget_bytes;
@@ -429,6 +433,8 @@ TEST(PlanState, OptimizersAndDtypesGetTheirViews) {
       for (DType state : {DType::kFloat32, DType::kBFloat16}) {
         const ProbeRecord r = Decoder(false, dtype);
         PlanOptions o;
+        o.device_update_share = 0;  // the CPU updates the host tier: no device staging
+
         o.optimizer = kind;
         o.state_dtype = state;
         o.device_module_alignment = 64 * 1024;
@@ -458,7 +464,9 @@ TEST(PlanState, FrozenParamsHoldMemoryButGetNoState) {
               Param("w", "b", 1000, 1, 0.005, 0, 0.02)};
   r.params[0].trainable = false;
   const Plan plan = MustPlan(r, Gpu(), PlanOptions{});
-  EXPECT_EQ(plan.min_budget_bytes, 4000u + 8000u);  // frozen weights + trainable weights + grad
+  // Frozen weights + trainable weights + grad, and with "w" on the host the staging the GPU
+  // updates it through: 3 slots of its 1000 elements, two fp32 moments each.
+  EXPECT_EQ(plan.min_budget_bytes, 4000u + 8000u + 3u * 1000u * 8u);
   EXPECT_EQ(plan.params[0].state_bytes, 0u);
   EXPECT_GT(plan.params[1].state_bytes, 0u);
   EXPECT_EQ(plan.buckets.size(), 1u);
@@ -554,6 +562,8 @@ TEST(PlanLayout, TenThousandParams) {
 TEST(PlanSchedule, BucketsRespectTierAndSize) {
   const ProbeRecord r = Decoder(false);
   PlanOptions o;
+  o.device_update_share = 0;  // the CPU updates the host tier: no device staging
+
   o.bucket_bytes = 1 * kMiB;
   const Plan unlimited = MustPlan(r, DeviceProfile{}, o);
   o.budget_bytes = (unlimited.min_budget_bytes + unlimited.prediction.peak_device_bytes) / 2;
@@ -572,6 +582,8 @@ TEST(PlanSchedule, TimelineMatchesHandComputation) {
               Param("b", "b", 1000000, 1, 0.005, 0, 0.015)};
   const DeviceProfile profile = Gpu();
   PlanOptions o;
+  o.device_update_share = 0;  // the CPU updates the host tier: no device staging
+
   const Plan device = MustPlan(r, profile, o);
   ASSERT_EQ(device.buckets.size(), 1u);
   const double hbm = 2e6 * 28 / 1e12;  // fp32 AdamW: 28 B per element
@@ -667,6 +679,89 @@ TEST(PlanSchedule, ReleasedGradientsLeaveThePeak) {
             (41 - 8 + 12) * mib);
 }
 
+// ---- GPU-updated host-tier parameters (PlanOptions::device_update_share) -------------------
+
+// Every state on the host, a bf16 parameter among fp32 ones. Share 1: every bucket of fp32
+// parameters is GPU-updated, the bf16 one's bucket not (it has a master); the staging
+// (3 slots of the largest GPU-updated tensor, capped at 8 Mi elements, two fp32 moments) is in
+// the predicted peak. Share 0: none, no staging. No GPU: none.
+TEST(PlanDeviceUpdate, ShareOneTakesEveryFp32ParameterAndCountsItsStaging) {
+  ProbeRecord r = Decoder(false);
+  r.params[1].dtype = DType::kBFloat16;
+  r.params[1].bytes = static_cast<uint64_t>(r.params[1].numel) * 2;
+  PlanOptions o;
+  o.force_all_host = true;
+  o.bucket_bytes = 256 << 10;
+  o.device_update_share = 1;
+  const Plan all = MustPlan(r, Gpu(), o);
+  int64_t largest = 0;
+  for (const ParamPlan& p : all.params) {
+    if (!p.trainable) continue;
+    EXPECT_EQ(p.tier, Tier::kL2) << p.name;
+    if (p.device_update) largest = std::max(largest, p.numel);
+  }
+  for (const Bucket& b : all.buckets) {  // whole buckets: those of fp32 parameters only
+    bool fp32 = true;
+    for (int64_t i : b.params) fp32 = fp32 && all.params[i].param_dtype == DType::kFloat32;
+    EXPECT_EQ(b.device_update, fp32);
+    for (int64_t i : b.params) {
+      EXPECT_EQ(all.params[static_cast<size_t>(i)].device_update, b.device_update);
+    }
+  }
+  const uint64_t staging = 3u * static_cast<uint64_t>(std::min<int64_t>(largest, 8 << 20)) * 8u;
+  EXPECT_EQ(all.prediction.stream_staging_bytes, staging);
+  EXPECT_EQ(all.prediction.peak_device_bytes,
+            all.prediction.device_state_bytes + staging + BaseBytes(r));
+  EXPECT_GT(all.prediction.device_update_share, 0.9);
+  EXPECT_LT(all.prediction.device_update_share, 1.0);
+  EXPECT_NE(PlanToJson(all).find("\"device_update\": true"), std::string::npos);
+
+  o.device_update_share = 0;
+  const Plan none = MustPlan(r, Gpu(), o);
+  for (const ParamPlan& p : none.params) EXPECT_FALSE(p.device_update) << p.name;
+  EXPECT_EQ(none.prediction.stream_staging_bytes, 0u);
+  EXPECT_EQ(none.prediction.device_update_share, 0.0);
+  o.device_update_share = -1;
+  const Plan cpu_only = MustPlan(r, DeviceProfile{}, o);  // no GPU in the profile
+  for (const ParamPlan& p : cpu_only.params) EXPECT_FALSE(p.device_update) << p.name;
+}
+
+// The balanced share (-1): as many fp32 buckets as make the host's memory and the links equally
+// busy by the model in plan.h, spread over the gradient-ready order (the GPU's running share of
+// the elements seen stays within a bucket of it); its predicted step is no longer than with the
+// CPU or the GPU updating everything.
+TEST(PlanDeviceUpdate, BalancedShareIsSpreadOverBackwardAndPredictsNoWorse) {
+  const ProbeRecord r = Decoder(false, DType::kFloat32, 8);
+  DeviceProfile profile = Gpu();
+  profile.gpu.d2h_bandwidth = profile.gpu.h2d_bandwidth = 50e9;
+  profile.cpu.host_update_bandwidth = 150e9;
+  PlanOptions o;
+  o.force_all_host = true;
+  o.release_grads = true;
+  o.bucket_bytes = 256 << 10;
+  const Plan balanced = MustPlan(r, profile, o);
+  // By hand: per parameter the CPU path costs 32 B of host memory and 4 B each way over PCIe,
+  // the GPU path 16 B and 8 B: equal busy times at s with (32 - 16 s) / 150 = (4 + 4 s) / 50.
+  const double s = (32.0 / 150 - 4.0 / 50) / (16.0 / 150 + 4.0 / 50);
+  EXPECT_NEAR(balanced.prediction.device_update_share, s, 0.1);
+  double seen = 0, taken = 0, largest = 0;
+  for (const Bucket& b : balanced.buckets) {
+    double n = 0;
+    for (int64_t i : b.params)
+      n += static_cast<double>(balanced.params[static_cast<size_t>(i)].numel);
+    largest = std::max(largest, n);
+    seen += n;
+    if (b.device_update) taken += n;
+    EXPECT_LE(std::abs(taken - s * seen), largest) << "after " << seen << " elements";
+  }
+  for (double share : {0.0, 1.0}) {
+    o.device_update_share = share;
+    const Plan fixed = MustPlan(r, profile, o);
+    EXPECT_LE(balanced.prediction.step_time, fixed.prediction.step_time * (1 + 1e-9))
+        << "share " << share;
+  }
+}
+
 // ---- options and input ----------------------------------------------------------------------
 
 TEST(PlanOptionsCheck, BadOptionsAreRejectedAndChangeNothing) {
@@ -690,6 +785,11 @@ TEST(PlanOptionsCheck, BadOptionsAreRejectedAndChangeNothing) {
   o = PlanOptions{};
   o.optimizer = static_cast<OptimizerKind>(7);
   cases.push_back({"optimizer", o});
+  for (double share : {1.5, -0.5}) {
+    o = PlanOptions{};
+    o.device_update_share = share;
+    cases.push_back({"device_update_share", o});
+  }
   o = PlanOptions{};
   o.force_all_host = true;
   o.allow_host_tier = false;
@@ -781,6 +881,8 @@ TEST(PlanOutput, TableListsEveryParamAndSummaryDoesNot) {
   r.params.back().forward_time = r.forward_time;
   r.params.back().grad_ready_time = r.forward_time + r.backward_time;
   PlanOptions o;
+  o.device_update_share = 0;  // the CPU updates the host tier: no device staging
+
   const Plan unlimited = MustPlan(r, DeviceProfile{}, o);
   o.budget_bytes = (unlimited.min_budget_bytes + unlimited.prediction.peak_device_bytes) / 2;
   const Plan plan = MustPlan(r, Gpu(), o);
