@@ -439,6 +439,9 @@ typedef struct emsa_host_tier_options {
    * how many slots (default 3) (HostTierOptions.stream_piece_elements, stream_slots) */
   int64_t stream_piece_elements;
   int32_t stream_slots;
+  /* a cudaStream_t for the device-updated buckets' kernels, the caller's (it must outlive the
+   * tier), or NULL (default) for one the tier owns (HostTierOptions.device_update_stream) */
+  void* device_update_stream;
 } emsa_host_tier_options;
 
 /* One step's measurements: busy seconds per engine (sums over buckets). */

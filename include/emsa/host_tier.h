@@ -127,6 +127,12 @@ struct HostTierOptions {
   // which read Submit's gradients: keep them alive in that stream's order).
   int64_t stream_piece_elements = int64_t{8} << 20;
   int stream_slots = 3;
+  // The stream the device-updated buckets' kernels run on (they read Submit's gradients): the
+  // caller's, which must outlive the tier, or null for one the tier makes and destroys with
+  // itself. A framework that keeps gradients alive by recording their use on a stream (torch's
+  // record_stream) must pass its own: memory recorded on a destroyed stream is never freed
+  // cleanly.
+  cudaStream_t device_update_stream = nullptr;
 };
 
 // What one step took on each engine, measured (CUDA events for copies, a steady clock for the

@@ -182,6 +182,7 @@ class HostTierOptions(ctypes.Structure):
         ("paced_hold_bytes", ctypes.c_int64),
         ("stream_piece_elements", ctypes.c_int64),
         ("stream_slots", ctypes.c_int32),
+        ("device_update_stream", ctypes.c_void_p),
     ]
 
 

@@ -91,6 +91,10 @@ class HostTier:
         # fp32 parameters: the CPU writes the update's change and the device applies it
         # (HostTierOptions.device_delta); EMSA_HOST_DELTA=0/1 overrides for A/B.
         options.device_delta = int(os.environ.get("EMSA_HOST_DELTA", DEVICE_DELTA))
+        # Device-updated buckets' kernels read their gradients here: a stream of torch's own, so
+        # record_stream on it stays valid after the tier is gone.
+        self.update_stream = torch.cuda.Stream(device)
+        options.device_update_stream = self.update_stream.cuda_stream
         array = (HostTierTensor * max(len(tensors), 1))(*tensors)
         try:
             check(lib.emsa_host_tier_create(self.updater, array, len(tensors), len(buckets),
@@ -102,9 +106,6 @@ class HostTier:
             raise
         # The device-updated buckets' kernels read their gradients on the tier's own stream.
         on_gpu = {int(t.bucket) for t in tensors if t.device_update}
-        update = lib.emsa_host_tier_update_stream(self.handle)
-        self.update_stream = (torch.cuda.ExternalStream(update, device=device) if update
-                              else None)
         self.on_gpu = [b in on_gpu for b in range(len(buckets))]
         self.grad_arrays = [(ctypes.c_void_p * len(m))() for m in buckets]
         self.steps = (ctypes.c_int64 * group_count)()

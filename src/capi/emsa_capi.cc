@@ -1047,6 +1047,7 @@ emsa_status emsa_host_tier_create(emsa_cpu_updater* updater, const emsa_host_tie
     o.paced_hold_bytes = options->paced_hold_bytes;
     o.stream_piece_elements = options->stream_piece_elements;
     o.stream_slots = options->stream_slots;
+    o.device_update_stream = static_cast<cudaStream_t>(options->device_update_stream);
     std::vector<emsa::HostTierTensor> converted(count);
     for (size_t i = 0; i < count; ++i) {
       const emsa_host_tier_tensor& t = tensors[i];

@@ -112,7 +112,9 @@ struct HostTier::Impl {
     std::vector<const void*> device_grads;  // paced_copies: Submit's pointers, copied later
     bool device_update = false;             // the GPU updates it (HostTierTensor::device_update)
     std::vector<Span> runs;                 // device_update: its runs, in order
+    size_t next_run = 0;                    // device_update: the next run to enqueue (under mu)
     cudaEvent_t written_back = nullptr;     // device_update: its moments are back on the host
+    bool written_back_once = false;         // device_update: written_back recorded (streamer)
     size_t enqueued = 0;                    // paced_copies: grad pieces enqueued this step
     int64_t grad_bytes = 0;                 // the bucket's gradients, on the device
     int64_t copied = 0;     // step whose gradient copies were last all enqueued (under mu)
@@ -142,12 +144,16 @@ struct HostTier::Impl {
     void* exp_avg = nullptr;
     void* exp_avg_sq = nullptr;
     cudaEvent_t in_done = nullptr, updated = nullptr, free = nullptr;
+    bool used = false;  // `updated` has been recorded
   };
   std::vector<Slot> slots;
   size_t next_slot = 0;
   void* stream_staging = nullptr;  // the slots' device memory
   // The tier's own streams for device-updated buckets: moments up, kernels, moments down.
   cudaStream_t up = nullptr, kernels = nullptr, down = nullptr;
+  bool own_kernels = true;  // `kernels` was made here (not HostTierOptions::device_update_stream)
+  std::vector<size_t> gpu_waiting;  // device-updated buckets submitted with runs left (under mu)
+  std::thread streamer;             // enqueues their runs (Stream())
 
   // The upload of bucket b's tensor k, elements [lo, hi): fn(copy) for each copy, in order. A
   // tensor under device_delta goes through the staging buffer a part at a time.
@@ -250,76 +256,124 @@ struct HostTier::Impl {
     }
   }
 
-  // device_update: enqueues bucket b's update in step s, run by run through the staging slots:
-  // moments up (after the slot's last write-back, and the first after b's own last one), the
-  // kernel (the first after the gradients are final on the compute stream), moments down.
-  // Recording an event only moves what later waits on it refer to, and every wait below is
-  // enqueued after the record it is meant for, so the slots' events can be reused in turn.
-  Status SubmitDeviceUpdate(Bucket& b, const void* const* grads, int64_t s) {
-    for (size_t r = 0; r < b.runs.size(); ++r) {
-      const Span& run = b.runs[r];
-      const TensorUpdate& u = b.updates[run.tensor];
-      Slot& slot = slots[next_slot];
-      next_slot = (next_slot + 1) % slots.size();
-      const size_t state = DTypeSize(u.state_dtype);
-      const size_t bytes = static_cast<size_t>(run.count) * state;
-      const size_t at = static_cast<size_t>(run.first) * state;
-      EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(up, slot.free, 0));
-      if (r == 0 && b.uploaded > 0) {
-        EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(up, b.written_back, 0));
-      }
-      EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.exp_avg, static_cast<char*>(u.exp_avg) + at,
-                                                bytes, cudaMemcpyHostToDevice, up));
-      if (u.exp_avg_sq != nullptr) {
-        EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.exp_avg_sq,
-                                                  static_cast<char*>(u.exp_avg_sq) + at, bytes,
-                                                  cudaMemcpyHostToDevice, up));
-      }
-      EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.in_done, up));
-      EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(kernels, slot.in_done, 0));
-      if (r == 0) EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(kernels, b.ready, 0));
-      cuda::StreamRun k;
-      k.param = static_cast<float*>(b.device_params[run.tensor]) + run.first;
-      k.grad = static_cast<const float*>(grads[run.tensor]) + run.first;
-      k.exp_avg = slot.exp_avg;
-      k.exp_avg_sq = u.exp_avg_sq != nullptr ? slot.exp_avg_sq : nullptr;
-      k.first = run.first;
-      k.count = run.count;
-      const HyperParams& h = *u.hyper;
-      DeviceGroupScalars g;
-      g.step = u.step;
-      g.lr = h.lr;
-      g.beta1 = h.beta1;
-      g.beta2 = h.beta2;
-      g.eps = h.eps;
-      g.weight_decay = h.weight_decay;
-      g.maximize = h.maximize ? 1 : 0;
-      EMSA_RETURN_IF_ERROR(cuda::LaunchStreamUpdate(
-          options.optimizer, u.state_dtype, options.rounding == Rounding::kStochastic, options.seed,
-          g, step_options.grad_multiplier, k, kernels));
-      EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.updated, kernels));
-      EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(down, slot.updated, 0));
-      EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<char*>(u.exp_avg) + at, slot.exp_avg,
-                                                bytes, cudaMemcpyDeviceToHost, down));
-      if (u.exp_avg_sq != nullptr) {
-        EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<char*>(u.exp_avg_sq) + at,
-                                                  slot.exp_avg_sq, bytes, cudaMemcpyDeviceToHost,
-                                                  down));
-      }
-      EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.free, down));
+  // device_update: enqueues run r of bucket b through the next staging slot: moments up (after
+  // the slot's last write-back, and for the bucket's first run after its own last one), the
+  // kernel (the bucket's first after its gradients are final on the compute stream), moments
+  // down. Recording an event only moves what later waits on it refer to, and every wait below
+  // is enqueued after the record it is meant for, so the slots' events can be reused in turn.
+  // The streamer thread alone calls this.
+  Status EnqueueRun(Bucket& b, size_t r) {
+    const Span& run = b.runs[r];
+    const TensorUpdate& u = b.updates[run.tensor];
+    Slot& slot = slots[next_slot];
+    next_slot = (next_slot + 1) % slots.size();
+    const size_t state = DTypeSize(u.state_dtype);
+    const size_t bytes = static_cast<size_t>(run.count) * state;
+    const size_t at = static_cast<size_t>(run.first) * state;
+    EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(up, slot.free, 0));
+    if (r == 0 && b.written_back_once) {
+      EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(up, b.written_back, 0));
     }
-    EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.uploaded_event(), kernels));
-    EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.written_back, down));
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      b.submitted = s;
-      b.uploaded = s;  // enqueued: Wait() makes the forward wait on uploaded_event()
-      b.copied = s;
-      b.t_submit = Since();
-      copies_total.fetch_add(1, std::memory_order_release);
+    EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.exp_avg, static_cast<char*>(u.exp_avg) + at,
+                                              bytes, cudaMemcpyHostToDevice, up));
+    if (u.exp_avg_sq != nullptr) {
+      EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.exp_avg_sq,
+                                                static_cast<char*>(u.exp_avg_sq) + at, bytes,
+                                                cudaMemcpyHostToDevice, up));
     }
-    cv.notify_all();
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.in_done, up));
+    EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(kernels, slot.in_done, 0));
+    if (r == 0) EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(kernels, b.ready, 0));
+    cuda::StreamRun k;
+    k.param = static_cast<float*>(b.device_params[run.tensor]) + run.first;
+    k.grad = static_cast<const float*>(b.device_grads[run.tensor]) + run.first;
+    k.exp_avg = slot.exp_avg;
+    k.exp_avg_sq = u.exp_avg_sq != nullptr ? slot.exp_avg_sq : nullptr;
+    k.first = run.first;
+    k.count = run.count;
+    const HyperParams& h = *u.hyper;
+    DeviceGroupScalars g;
+    g.step = u.step;
+    g.lr = h.lr;
+    g.beta1 = h.beta1;
+    g.beta2 = h.beta2;
+    g.eps = h.eps;
+    g.weight_decay = h.weight_decay;
+    g.maximize = h.maximize ? 1 : 0;
+    EMSA_RETURN_IF_ERROR(cuda::LaunchStreamUpdate(
+        options.optimizer, u.state_dtype, options.rounding == Rounding::kStochastic, options.seed,
+        g, step_options.grad_multiplier, k, kernels));
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.updated, kernels));
+    slot.used = true;
+    EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(down, slot.updated, 0));
+    EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<char*>(u.exp_avg) + at, slot.exp_avg,
+                                              bytes, cudaMemcpyDeviceToHost, down));
+    if (u.exp_avg_sq != nullptr) {
+      EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<char*>(u.exp_avg_sq) + at,
+                                                slot.exp_avg_sq, bytes, cudaMemcpyDeviceToHost,
+                                                down));
+    }
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.free, down));
+    if (r + 1 == b.runs.size()) {
+      EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.uploaded_event(), kernels));
+      EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.written_back, down));
+      b.written_back_once = true;
+    }
     return Status::Ok();
+  }
+
+  // device_update: of the submitted buckets with runs left, the one the next forward needs
+  // first (the highest index) among those whose gradients are final, else the oldest (lowest
+  // index: final first). Streamer only; caller holds mu.
+  size_t PickDeviceBucket() {
+    size_t oldest = kNone, ready = kNone;
+    for (size_t c : gpu_waiting) {
+      if (oldest == kNone || c < oldest) oldest = c;
+      if ((ready == kNone || c > ready) && cudaEventQuery(buckets[c].ready) == cudaSuccess) {
+        ready = c;
+      }
+    }
+    return ready != kNone ? ready : oldest;
+  }
+
+  // The streamer: enqueues the device-updated buckets' runs with at most one run per staging
+  // slot in flight, so that what comes next is chosen when a slot frees up: during backward the
+  // buckets as their gradients become final, after it what the next forward needs first (as
+  // the worker chooses for the CPU). A failed bucket is marked done so no Wait blocks on it.
+  void Stream() {
+    Status set = CudaStatus(cudaSetDevice(options.device), "cudaSetDevice (host tier streamer)");
+    std::unique_lock<std::mutex> lock(mu);
+    if (!set.ok() && error.ok()) error = set;
+    for (;;) {
+      cv.wait(lock, [&] { return stop || !gpu_waiting.empty(); });
+      if (gpu_waiting.empty()) return;  // stop, and nothing left
+      Status st = error;
+      const Slot& slot = slots[next_slot];
+      if (st.ok() && slot.used) {  // the slot's last kernel is done: choose now, not earlier
+        lock.unlock();
+        st = CudaStatus(cudaEventSynchronize(slot.updated), "cudaEventSynchronize (slot)");
+        lock.lock();
+      }
+      const size_t index = PickDeviceBucket();
+      Bucket& b = buckets[index];
+      const size_t r = b.next_run;
+      if (st.ok()) {
+        lock.unlock();
+        st = EnqueueRun(b, r);
+        lock.lock();
+      }
+      if (!st.ok() && error.ok()) error = st;
+      if (error.ok() && r + 1 < b.runs.size()) {
+        b.next_run = r + 1;
+        continue;
+      }
+      gpu_waiting.erase(std::find(gpu_waiting.begin(), gpu_waiting.end(), index));
+      b.uploaded = b.submitted;
+      b.copied = b.submitted;
+      copies_total.fetch_add(1, std::memory_order_release);
+      --pending;
+      cv.notify_all();
+    }
   }
 
   // paced_copies: enqueues bucket b's next gradient piece on the D2H stream (the first after
@@ -652,10 +706,11 @@ struct HostTier::Impl {
     }
     cv.notify_all();
     if (worker.joinable()) worker.join();
+    if (streamer.joinable()) streamer.join();
     if (down != nullptr) (void)cudaStreamSynchronize(down);  // the device updates' last copies
     if (staging != nullptr) (void)cudaFree(staging);
     if (stream_staging != nullptr) (void)cudaFree(stream_staging);
-    for (cudaStream_t st : {up, kernels, down}) {
+    for (cudaStream_t st : {up, own_kernels ? kernels : nullptr, down}) {
       if (st != nullptr) (void)cudaStreamDestroy(st);
     }
     for (const Slot& slot : slots) {
@@ -845,12 +900,19 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
         slot.exp_avg_sq = at;
         at += moment;
       }
-      for (cudaEvent_t* e : {&slot.in_done, &slot.updated, &slot.free}) {
+      for (cudaEvent_t* e : {&slot.in_done, &slot.free}) {
         EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
       }
+      // The streamer waits on it: blocking sync, so it sleeps instead of taking a core.
+      EMSA_CUDA_RETURN_IF_ERROR(
+          cudaEventCreateWithFlags(&slot.updated, cudaEventDisableTiming | cudaEventBlockingSync));
     }
+    impl->kernels = options.device_update_stream;
+    impl->own_kernels = impl->kernels == nullptr;
     for (cudaStream_t* st : {&impl->up, &impl->kernels, &impl->down}) {
-      EMSA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(st, cudaStreamNonBlocking));
+      if (*st == nullptr) {
+        EMSA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(st, cudaStreamNonBlocking));
+      }
     }
   }
   for (Impl::Bucket& b : impl->buckets) impl->CutPieces(b);
@@ -878,11 +940,13 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
     }
   }
   impl->waiting.reserve(bucket_count);
+  impl->gpu_waiting.reserve(bucket_count);
   impl->candidates.reserve(bucket_count);
   impl->stats.assign(options.history, HostTierStepStats{});
   impl->uploads_timed.assign(options.history, 0);
   Impl* raw = impl.get();
   impl->worker = std::thread([raw] { raw->Run(); });
+  if (any_device_update) impl->streamer = std::thread([raw] { raw->Stream(); });
   return std::unique_ptr<HostTier>(new HostTier(std::move(impl)));
 }
 
@@ -963,13 +1027,23 @@ Status HostTier::Submit(size_t bucket, const void* const* grads, size_t count,
     }
   }
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ready, compute));
-  if (b.device_update) {
-    const Status st = m.SubmitDeviceUpdate(b, grads, m.step);
-    if (!st.ok()) {
+  if (b.device_update) {  // the streamer enqueues its runs
+    std::copy(grads, grads + count, b.device_grads.begin());
+    {
       std::lock_guard<std::mutex> lock(m.mu);
-      if (m.error.ok()) m.error = st;
+      b.submitted = m.step;
+      b.t_submit = m.Since();
+      b.next_run = 0;
+      if (b.runs.empty()) {  // nothing to update: done at once
+        b.uploaded = b.copied = m.step;
+        m.copies_total.fetch_add(1, std::memory_order_release);
+      } else {
+        m.gpu_waiting.push_back(bucket);
+        ++m.pending;
+      }
     }
-    return st;
+    m.cv.notify_all();
+    return Status::Ok();
   }
   bool paced = m.options.paced_copies > 0;
   if (paced) {

@@ -175,7 +175,7 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
     std::reverse(host.begin(), host.end());
     std::reverse(gpu.begin(), gpu.end());
   }
-  double hbm_free = 0, d2h_free = 0, cpu_free = 0, h2d_free = 0;
+  double hbm_free = 0, d2h_free = 0, h2d_free = 0;
   for (size_t b = 0; b < nb; ++b) {
     if (plan->buckets[b].tier == Tier::kL2) continue;
     hbm_free = std::max(plan->buckets[b].ready_time, hbm_free) + work[b].hbm;
@@ -186,36 +186,48 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
     d2h_free = std::max(ready, d2h_free) + work[b].d2h * cpu_link_slowdown;
     landed[b] = d2h_free;
   }
-  // GPU-updated buckets: moments up in submission order, then the kernel (their moments going
-  // back down trail by one staging slot and hold nothing up).
-  double up_free = 0;
+  // An engine that takes, whenever free, of `list`'s buckets arrived by then (at[b]) the one the
+  // next forward needs first (the highest index), else idles until the next arrival; run(b, t)
+  // does b's work from t and returns when the engine is free again.
+  auto drain = [nb](const std::vector<size_t>& list, const std::vector<double>& at, auto&& run) {
+    std::vector<char> done(nb, 0);
+    double free = 0.0;
+    for (size_t left = list.size(); left > 0; --left) {
+      size_t pick = nb;
+      double first = 0.0;
+      for (size_t b : list) {
+        if (done[b]) continue;
+        if (at[b] <= free && (pick == nb || b > pick)) pick = b;
+        if (pick == nb && (first == 0.0 || at[b] < first)) first = at[b];
+      }
+      if (pick == nb) {  // nothing arrived: idle until the next arrival
+        free = first;
+        for (size_t b : list) {
+          if (!done[b] && at[b] <= free && (pick == nb || b > pick)) pick = b;
+        }
+      }
+      done[pick] = 1;
+      free = run(pick, free);
+    }
+  };
+  // The CPU path: each landed bucket updated, then uploaded.
+  drain(host, landed, [&](size_t b, double t) {
+    t += work[b].cpu * cpu_slowdown;
+    h2d_free = std::max(t, h2d_free) + work[b].h2d * cpu_link_slowdown;
+    finish[b] = h2d_free;
+    return t;
+  });
+  // The GPU path (the streamer): each submitted bucket's moments up, then its kernel (the moments
+  // going back down trail by a staging slot and hold nothing up).
+  std::vector<double> submitted(nb, 0.0);
   for (size_t b : gpu) {
-    const double ready = options.release_grads ? plan->buckets[b].ready_time : out.period;
-    up_free = std::max(ready, up_free) + work[b].h2d * gpu_link_slowdown;
-    finish[b] = up_free + work[b].hbm;
+    submitted[b] = options.release_grads ? plan->buckets[b].ready_time : out.period;
   }
-  std::vector<char> done(nb, 0);
-  for (size_t left = host.size(); left > 0; --left) {
-    size_t pick = nb;
-    double first_landing = 0.0;
-    for (size_t b : host) {
-      if (done[b]) continue;
-      if (landed[b] <= cpu_free && (pick == nb || b > pick)) pick = b;
-      if (pick == nb && (first_landing == 0.0 || landed[b] < first_landing)) {
-        first_landing = landed[b];
-      }
-    }
-    if (pick == nb) {  // nothing landed: the CPU idles until the next landing
-      cpu_free = first_landing;
-      for (size_t b : host) {
-        if (!done[b] && landed[b] <= cpu_free && (pick == nb || b > pick)) pick = b;
-      }
-    }
-    done[pick] = 1;
-    cpu_free += work[pick].cpu * cpu_slowdown;
-    h2d_free = std::max(cpu_free, h2d_free) + work[pick].h2d * cpu_link_slowdown;
-    finish[pick] = h2d_free;
-  }
+  drain(gpu, submitted, [&](size_t b, double t) {
+    t += work[b].h2d * gpu_link_slowdown;
+    finish[b] = t + work[b].hbm;
+    return t;
+  });
   double stall = 0.0;
   for (size_t b = 0; b < nb; ++b) {
     for (int64_t i : plan->buckets[b].params) {

@@ -149,13 +149,14 @@ class HostTierPipeline : public ::testing::Test {
     ASSERT_CUDA(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
     ASSERT_CUDA(cudaStreamCreateWithFlags(&d2h_, cudaStreamNonBlocking));
     ASSERT_CUDA(cudaStreamCreateWithFlags(&h2d_, cudaStreamNonBlocking));
+    ASSERT_CUDA(cudaStreamCreateWithFlags(&update_, cudaStreamNonBlocking));
   }
 
   void TearDown() override {
     tier_.reset();
     for (void* p : pinned_) (void)cudaFreeHost(p);
     for (void* p : device_) (void)cudaFree(p);
-    for (cudaStream_t s : {compute_, d2h_, h2d_}) {
+    for (cudaStream_t s : {compute_, d2h_, h2d_, update_}) {
       if (s != nullptr) (void)cudaStreamDestroy(s);
     }
   }
@@ -322,6 +323,7 @@ class HostTierPipeline : public ::testing::Test {
   std::vector<std::vector<uint8_t>> owned_;
   std::vector<void*> pinned_, device_, device_params_, device_grads_;
   cudaStream_t compute_ = nullptr, d2h_ = nullptr, h2d_ = nullptr;
+  cudaStream_t update_ = nullptr;  // for HostTierOptions::device_update_stream
   std::unique_ptr<HostTier> tier_;
 
   // Four steps of a scheduler and two groups (one resuming), buckets submitted in gradient-ready
@@ -502,9 +504,12 @@ TEST_F(HostTierPipeline, DeviceUpdatedBucketsMatchTheCpuUpdaterBitwise) {
   options.paced_copies = 2;
   options.grad_piece_elements = 5000;
   options.device_delta = true;
+  options.device_update_stream = update_;  // the caller's: the tier must not destroy it
   RunStepsAgainstTheCpuUpdater(options, true);
-  EXPECT_NE(tier_->update_stream(), nullptr);
-  EXPECT_EQ(tier_->copies_enqueued(), 12);  // device updates count as enqueued at Submit
+  EXPECT_EQ(tier_->update_stream(), update_);
+  tier_.reset();
+  EXPECT_EQ(cudaStreamQuery(update_), cudaSuccess);  // still a valid stream
+  EXPECT_EQ(tier_->copies_enqueued(), 12);           // device updates count as enqueued at Submit
 }
 
 // One slot: every run waits for the one before it to be back on the host.
@@ -514,6 +519,7 @@ TEST_F(HostTierPipeline, DeviceUpdatesThroughOneSlotMatchTheCpuUpdaterBitwise) {
   options.stream_piece_elements = 4096;
   options.stream_slots = 1;
   RunStepsAgainstTheCpuUpdater(options, true);
+  EXPECT_NE(tier_->update_stream(), nullptr);  // its own
 }
 
 // A hold of 20000 bytes: bucket 2's two tiny tensors wait for the worker's paced copies, buckets
