@@ -122,9 +122,12 @@ struct HostTierOptions {
   // Device-updated tensors (HostTierTensor::device_update): their moments go through stream_slots
   // device staging slots of stream_piece_elements elements per moment (allocated at Create when
   // any tensor is device-updated), a tensor stream_piece_elements at a time. With more than one
-  // slot, one run's moments come up while another's go down. All of a bucket's copies and
-  // kernels are enqueued by Submit on the tier's own streams (update_stream() runs the kernels,
-  // which read Submit's gradients: keep them alive in that stream's order).
+  // slot, one run's moments come up while another's go down. Without paced_copies, Submit
+  // enqueues a bucket's copies and kernels (update_stream() runs the kernels, which read Submit's
+  // gradients: keep them alive in that stream's order). With paced_copies, a streamer thread
+  // enqueues them run by run as slots free up, choosing as the worker does (in backward the
+  // buckets as their gradients become final, after it what the next forward needs first); the
+  // caller then keeps each bucket's gradients until BucketCopiesEnqueued, as for paced copies.
   int64_t stream_piece_elements = int64_t{8} << 20;
   int stream_slots = 3;
   // The stream the device-updated buckets' kernels run on (they read Submit's gradients): the

@@ -58,8 +58,9 @@ class HostTier:
         hold_bytes of gradients waiting on the device; -1: no limit)."""
         self.handle = ctypes.c_void_p()
         self.updater = ctypes.c_void_p()
-        # Paced copies: each bucket's gradients, kept alive until the worker has enqueued their
-        # copies (record_stream then holds their memory until the copies have read it).
+        # Paced copies and device-updated buckets: each bucket's gradients, kept alive until
+        # libemsa has enqueued what reads them (the worker's copies, the streamer's kernels);
+        # record_stream then holds their memory until those have read it.
         self.held: dict[int, list[torch.Tensor]] = {}
         self.device = device
         self.buckets = buckets
@@ -147,7 +148,7 @@ class HostTier:
             g.record_stream(reader)
         check(lib.emsa_host_tier_submit(self.handle, b, array, len(grads), stream.cuda_stream))
         self.pending.add(b)
-        if self.paced and not on_gpu:  # the device update's kernels were enqueued by submit
+        if self.paced:  # read later, by the paced copies or the streamer's kernels
             self.held[b] = grads
             self._release_copied()
 

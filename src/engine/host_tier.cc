@@ -946,7 +946,9 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
   impl->uploads_timed.assign(options.history, 0);
   Impl* raw = impl.get();
   impl->worker = std::thread([raw] { raw->Run(); });
-  if (any_device_update) impl->streamer = std::thread([raw] { raw->Stream(); });
+  if (any_device_update && options.paced_copies > 0) {
+    impl->streamer = std::thread([raw] { raw->Stream(); });
+  }
   return std::unique_ptr<HostTier>(new HostTier(std::move(impl)));
 }
 
@@ -1027,23 +1029,29 @@ Status HostTier::Submit(size_t bucket, const void* const* grads, size_t count,
     }
   }
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ready, compute));
-  if (b.device_update) {  // the streamer enqueues its runs
+  if (b.device_update) {
     std::copy(grads, grads + count, b.device_grads.begin());
+    // Under paced_copies the streamer enqueues its runs (the caller keeps the gradients until
+    // then); else they are enqueued here, in submission order.
+    const bool streamed = m.options.paced_copies > 0 && !b.runs.empty();
+    Status st;
+    for (size_t r = 0; !streamed && r < b.runs.size() && st.ok(); ++r) st = m.EnqueueRun(b, r);
     {
       std::lock_guard<std::mutex> lock(m.mu);
+      if (!st.ok() && m.error.ok()) m.error = st;
       b.submitted = m.step;
       b.t_submit = m.Since();
       b.next_run = 0;
-      if (b.runs.empty()) {  // nothing to update: done at once
-        b.uploaded = b.copied = m.step;
-        m.copies_total.fetch_add(1, std::memory_order_release);
-      } else {
+      if (streamed) {
         m.gpu_waiting.push_back(bucket);
         ++m.pending;
+      } else {
+        b.uploaded = b.copied = m.step;
+        m.copies_total.fetch_add(1, std::memory_order_release);
       }
     }
     m.cv.notify_all();
-    return Status::Ok();
+    return st;
   }
   bool paced = m.options.paced_copies > 0;
   if (paced) {

@@ -507,9 +507,10 @@ TEST_F(HostTierPipeline, DeviceUpdatedBucketsMatchTheCpuUpdaterBitwise) {
   options.device_update_stream = update_;  // the caller's: the tier must not destroy it
   RunStepsAgainstTheCpuUpdater(options, true);
   EXPECT_EQ(tier_->update_stream(), update_);
+  EXPECT_EQ(tier_->copies_enqueued(), 12);  // 3 buckets x 4 steps, device updates included
+  for (size_t b = 0; b < 3; ++b) EXPECT_TRUE(tier_->BucketCopiesEnqueued(b)) << b;
   tier_.reset();
   EXPECT_EQ(cudaStreamQuery(update_), cudaSuccess);  // still a valid stream
-  EXPECT_EQ(tier_->copies_enqueued(), 12);           // device updates count as enqueued at Submit
 }
 
 // One slot: every run waits for the one before it to be back on the host.
