@@ -325,12 +325,18 @@ def l2_split(plan) -> dict:
     from emsa import _host_tier
 
     delta = int(os.environ.get("EMSA_HOST_DELTA", _host_tier.DEVICE_DELTA)) == 1
-    update_bytes = built_bytes = copy_bytes = 0
+    update_bytes = built_bytes = copy_bytes = gpu_numel = 0
     for p in host:
         n, ps, ss = p["numel"], size[p["param_dtype"]], size[p["state_dtype"]]
         # A CPU AdamW update of the host tier's state: grad in, fp32 master and both moments
         # read and written, a low-precision parameter written out (the bound's bytes).
         update_bytes += n * (ps + 8 + 4 * ss + (ps if ps != 4 else 0))
+        if p.get("device_update"):
+            # Updated by the GPU, its moments streamed through: no CPU bytes; the DMA moves the
+            # moments each way (counted twice in host memory by the bound below).
+            copy_bytes += n * 2 * ss
+            gpu_numel += n
+            continue
         # What emsa's host update moves (src/plan/costs.cc HostUpdateTraffic): an fp32
         # parameter's update is applied on the device from a delta written over the gradient,
         # so the CPU neither reads nor writes the parameter.
@@ -340,7 +346,8 @@ def l2_split(plan) -> dict:
     return dict(l2_fraction=sum(p["numel"] for p in host) / total, l2_params=len(host),
                 l2_numel=sum(p["numel"] for p in host), host_update_bytes=update_bytes,
                 host_update_bytes_as_built=built_bytes, device_delta=delta,
-                host_copy_bytes_each_way=copy_bytes)
+                host_copy_bytes_each_way=copy_bytes, device_update_numel=gpu_numel,
+                device_update_share=plan.json["prediction"].get("device_update_share", 0.0))
 
 
 def half_budget(record, in_backward: bool) -> dict:
@@ -444,7 +451,8 @@ def profile_summary(profile: dict) -> dict:
     cpu, gpu = profile.get("cpu") or {}, profile.get("gpu") or {}
     return dict(host_update_bandwidth=cpu.get("host_update_bandwidth"),
                 host_mem_bandwidth=cpu.get("host_mem_bandwidth"),
-                d2h_bandwidth=gpu.get("d2h_bandwidth"), h2d_bandwidth=gpu.get("h2d_bandwidth"))
+                d2h_bandwidth=gpu.get("d2h_bandwidth"), h2d_bandwidth=gpu.get("h2d_bandwidth"),
+                duplex_bandwidth=gpu.get("duplex_bandwidth"))
 
 
 def host_trace(opt) -> dict | None:
@@ -705,6 +713,7 @@ def ratios(results: dict, profile: dict) -> dict:
         own = r.get("profile") or start
         host_bw, start_bw = host_bandwidth(own), host_bandwidth(start)
         d2h, h2d = own.get("d2h_bandwidth") or 0.0, own.get("h2d_bandwidth") or 0.0
+        duplex = own.get("duplex_bandwidth") or 0.0  # each way with both at once
         host_s = r["host_update_bytes"] / host_bw if host_bw else 0.0
         # The same with the DMA's own trips through host memory counted (gradient written in,
         # parameter read out): not a floor (a DMA may hit the CPU's cache), the traffic as built.
@@ -714,8 +723,9 @@ def ratios(results: dict, profile: dict) -> dict:
         # device_delta) plus the DMA's.
         built = r.get("host_update_bytes_as_built", r["host_update_bytes"])
         built_s = (built + 2 * r["host_copy_bytes_each_way"]) / host_bw if host_bw else 0.0
-        pcie_s = max(r["host_copy_bytes_each_way"] / d2h if d2h else 0.0,
-                     r["host_copy_bytes_each_way"] / h2d if h2d else 0.0)
+        # The copies run both ways at once: at the duplex rate where the profile measured it.
+        pcie_s = max(r["host_copy_bytes_each_way"] / bw if bw else 0.0
+                     for bw in (d2h, h2d, duplex))
         bounds[k] = dict(bound_s=max(fwd_bwd, host_s, pcie_s), fwd_bwd_s=fwd_bwd,
                          host_update_s=host_s, pcie_s=pcie_s,
                          bound_with_dma_s=max(fwd_bwd, host_dma_s, pcie_s),
@@ -803,6 +813,10 @@ def table(result: dict) -> str:
                              f"ms, busy {t['cpu_busy_s'] * 1e3:.1f} ms of which "
                              f"{t['cpu_busy_before_last_submit_s'] * 1e3:.1f} before the last "
                              "submit")
+            share = s["configs"].get(k, {}).get("device_update_share")
+            if share:
+                lines.append(f"    host tier updated by the GPU (moments streamed): "
+                             f"{100 * share:.0f}% of its parameters")
             m = s["configs"].get(k, {}).get("measured") or {}
             if "worker_s" in m:
                 lines.append(f"    worker per step (medians): {m['worker_s'] * 1e3:.1f} ms, of "

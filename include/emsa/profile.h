@@ -50,6 +50,10 @@ struct GpuProfile {
   // PCIe figures count each byte once (it crosses the link once), one direction at a time.
   double h2d_bandwidth = 0.0;  // B/s, pinned host to device, measured
   double d2h_bandwidth = 0.0;  // B/s, device to pinned host, measured
+  // B/s each way with both directions copying at once (two streams), the slower of the two:
+  // what the host tier's GPU-updated moments, going up and down together, get. 0: not measured
+  // (profiles from before it existed); the planner then takes the slower single direction.
+  double duplex_bandwidth = 0.0;
 };
 
 struct DeviceProfile {

@@ -1,6 +1,8 @@
 // costs.cc — bytes per view and per update; bandwidths with defaults.
 #include "plan/costs.h"
 
+#include <algorithm>
+
 #include "emsa/host_tier.h"
 
 namespace emsa::plan_internal {
@@ -17,6 +19,7 @@ Bandwidths ResolveBandwidths(const DeviceProfile& profile) {
   bw.hbm = Or(profile.gpu.hbm_bandwidth, kDefaultHbmBandwidth);
   bw.d2h = Or(profile.gpu.d2h_bandwidth, kDefaultLinkBandwidth);
   bw.h2d = Or(profile.gpu.h2d_bandwidth, kDefaultLinkBandwidth);
+  bw.duplex = Or(profile.gpu.duplex_bandwidth, std::min(bw.d2h, bw.h2d));
   bw.host_update = Or(profile.cpu.host_update_bandwidth,
                       Or(profile.cpu.host_mem_bandwidth, kDefaultHostUpdateBandwidth));
   return bw;

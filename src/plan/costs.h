@@ -21,9 +21,11 @@ struct Bandwidths {
   double hbm = kDefaultHbmBandwidth;
   double d2h = kDefaultLinkBandwidth;
   double h2d = kDefaultLinkBandwidth;
+  double duplex = kDefaultLinkBandwidth;  // each way, both directions at once
   double host_update = kDefaultHostUpdateBandwidth;
 };
-// Measured values where present; host_update falls back to host_mem_bandwidth, then the default.
+// Measured values where present; host_update falls back to host_mem_bandwidth, then the default;
+// duplex to the slower single direction.
 Bandwidths ResolveBandwidths(const DeviceProfile& profile);
 
 enum class ViewKind { kGrad, kExpAvg, kExpAvgSq, kMaster, kParamOut };

@@ -63,8 +63,8 @@ void ChooseDeviceUpdates(const ProbeRecord& record, const Bandwidths& bw, bool g
     elements[b] = n;
   }
   double share = eligible > 0 ? o.device_update_share : 0.0;
-  if (share < 0) {  // host memory and links busy equally long
-    const double link_bw = std::min(bw.d2h, bw.h2d);
+  if (share < 0) {                     // host memory and links busy equally long
+    const double link_bw = bw.duplex;  // the moments go up and down at once
     const double gap = (fixed_host + cpu_host) / bw.host_update - (fixed_link + cpu_link) / link_bw;
     const double slope = (cpu_host - gpu_host) / bw.host_update + (gpu_link - cpu_link) / link_bw;
     share = slope > 0 ? std::clamp(gap / slope, 0.0, 1.0) : (gap > 0 ? 1.0 : 0.0);
@@ -115,8 +115,8 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
       host_elements += static_cast<double>(rec.numel);
       if (gpu) {
         const double moments = static_cast<double>(DeviceUpdateLinkBytes(rec.numel, options));
-        work[b].d2h += moments / bw.d2h;
-        work[b].h2d += moments / bw.h2d;
+        work[b].d2h += moments / bw.duplex;  // up and down at once
+        work[b].h2d += moments / bw.duplex;
         work[b].hbm += dev / bw.hbm;
         gpu_link += moments;
         gpu_host += 2 * moments;

@@ -139,6 +139,37 @@ Status MeasureCopies(GpuProfile* gpu) {
   EMSA_ASSIGN_OR_RETURN(gpu->d2h_bandwidth,
                         MedianBandwidth(stream.stream, 1.0 * pcie_bytes,
                                         "GPU profile: device-to-host cudaMemcpyAsync", d2h));
+  // Both directions at once: the H2D copy on a second stream that joins the first (so the
+  // events on the first time both), the D2H copy into a second pinned buffer.
+  Stream other;
+  EMSA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&other.stream, cudaStreamNonBlocking));
+  PinnedBuffer host_out;
+  err = cudaHostAlloc(&host_out.ptr, pcie_bytes, cudaHostAllocPortable);
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    return Status::OutOfMemory("GPU profile: cudaHostAlloc of " + std::to_string(pcie_bytes) +
+                               " pinned bytes failed; set measure_bandwidth=false");
+  }
+  EMSA_RETURN_IF_ERROR(CudaStatus(err, "GPU profile: cudaHostAlloc"));
+  Event fork, join;
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&fork.event, cudaEventDisableTiming));
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&join.event, cudaEventDisableTiming));
+  auto both = [&] {
+    cudaError_t e = cudaEventRecord(fork.event, stream.stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(other.stream, fork.event, 0);
+    if (e == cudaSuccess) {
+      e = cudaMemcpyAsync(dst.ptr, host.ptr, pcie_bytes, cudaMemcpyHostToDevice, other.stream);
+    }
+    if (e == cudaSuccess) {
+      e = cudaMemcpyAsync(host_out.ptr, src.ptr, pcie_bytes, cudaMemcpyDeviceToHost, stream.stream);
+    }
+    if (e == cudaSuccess) e = cudaEventRecord(join.event, other.stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(stream.stream, join.event, 0);
+    return e;
+  };
+  EMSA_ASSIGN_OR_RETURN(gpu->duplex_bandwidth,
+                        MedianBandwidth(stream.stream, 1.0 * pcie_bytes,
+                                        "GPU profile: copies both ways at once", both));
   return CudaStatus(cudaStreamSynchronize(stream.stream), "GPU profile: cudaStreamSynchronize");
 }
 

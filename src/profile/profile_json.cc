@@ -40,6 +40,7 @@ json::Value GpuToJson(const GpuProfile& gpu) {
   v.Set("hbm_bandwidth", gpu.hbm_bandwidth);
   v.Set("h2d_bandwidth", gpu.h2d_bandwidth);
   v.Set("d2h_bandwidth", gpu.d2h_bandwidth);
+  v.Set("duplex_bandwidth", gpu.duplex_bandwidth);
   return v;
 }
 
@@ -103,6 +104,9 @@ Result<GpuProfile> GpuFromJson(const json::Reader& r) {
   EMSA_ASSIGN_OR_RETURN(gpu.hbm_bandwidth, ReadBandwidth(r, "hbm_bandwidth"));
   EMSA_ASSIGN_OR_RETURN(gpu.h2d_bandwidth, ReadBandwidth(r, "h2d_bandwidth"));
   EMSA_ASSIGN_OR_RETURN(gpu.d2h_bandwidth, ReadBandwidth(r, "d2h_bandwidth"));
+  if (r.Has("duplex_bandwidth")) {  // absent from older profiles
+    EMSA_ASSIGN_OR_RETURN(gpu.duplex_bandwidth, ReadBandwidth(r, "duplex_bandwidth"));
+  }
   return gpu;
 }
 
