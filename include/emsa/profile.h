@@ -54,6 +54,12 @@ struct GpuProfile {
   // what the host tier's GPU-updated moments, going up and down together, get. 0: not measured
   // (profiles from before it existed); the planner then takes the slower single direction.
   double duplex_bandwidth = 0.0;
+  // B/s, the host tier's CPU update (as CpuProfile::host_update_bandwidth, 28 B per parameter)
+  // while copies run both ways between pinned host memory and the device: the DMA's trips
+  // through host memory slow it. The planner weighs the host tier's CPU path against its
+  // GPU-updated path (whose moments stream both ways) with it. 0: not measured (older profiles);
+  // the planner then charges the DMA's bytes to the host's memory in full.
+  double host_update_duplex_bandwidth = 0.0;
 };
 
 struct DeviceProfile {

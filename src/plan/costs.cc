@@ -20,6 +20,7 @@ Bandwidths ResolveBandwidths(const DeviceProfile& profile) {
   bw.d2h = Or(profile.gpu.d2h_bandwidth, kDefaultLinkBandwidth);
   bw.h2d = Or(profile.gpu.h2d_bandwidth, kDefaultLinkBandwidth);
   bw.duplex = Or(profile.gpu.duplex_bandwidth, std::min(bw.d2h, bw.h2d));
+  bw.host_update_duplex = profile.gpu.host_update_duplex_bandwidth;
   bw.host_update = Or(profile.cpu.host_update_bandwidth,
                       Or(profile.cpu.host_mem_bandwidth, kDefaultHostUpdateBandwidth));
   return bw;

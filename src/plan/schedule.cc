@@ -63,10 +63,18 @@ void ChooseDeviceUpdates(const ProbeRecord& record, const Bandwidths& bw, bool g
     elements[b] = n;
   }
   double share = eligible > 0 ? o.device_update_share : 0.0;
-  if (share < 0) {                     // host memory and links busy equally long
+  if (share < 0) {                     // the CPU path and the links busy equally long
     const double link_bw = bw.duplex;  // the moments go up and down at once
-    const double gap = (fixed_host + cpu_host) / bw.host_update - (fixed_link + cpu_link) / link_bw;
-    const double slope = (cpu_host - gpu_host) / bw.host_update + (gpu_link - cpu_link) / link_bw;
+    double gap, slope;
+    if (bw.host_update_duplex > 0) {  // the CPU's rate with the DMA running, measured
+      const double h = bw.host_update_duplex;
+      gap = (fixed_host + cpu_host) / h - (fixed_link + cpu_link) / link_bw;
+      slope = cpu_host / h + (gpu_link - cpu_link) / link_bw;
+    } else {  // the DMA's moments charged to the host's memory in full
+      const double h = bw.host_update;
+      gap = (fixed_host + cpu_host) / h - (fixed_link + cpu_link) / link_bw;
+      slope = (cpu_host - gpu_host) / h + (gpu_link - cpu_link) / link_bw;
+    }
     share = slope > 0 ? std::clamp(gap / slope, 0.0, 1.0) : (gap > 0 ? 1.0 : 0.0);
   }
   // Spread over the gradient-ready order, so both paths have work from the first gradients on:
@@ -148,12 +156,18 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
         static_cast<uint64_t>(HostTier::StreamStagingBytes(tier, options.state_dtype, largest));
   }
   // Both host paths run through the step at once. The CPU path is bound by the host's memory,
-  // which also carries the GPU path's moments: its update takes that much longer. The GPU path
+  // which also carries the GPU path's moments: its update runs at the rate the profile measured
+  // with copies running both ways, else takes as much longer as the moments add bytes. The GPU path
   // is bound by the links, which also carry the CPU path's gradients and updates: its copies
   // take that much longer. The CPU path's own copies, a small flow next to the moments, get an
   // even share of a link while both use it.
   const double cpu_host = cpu * bw.host_update;
-  const double cpu_slowdown = cpu_host > 0 ? (cpu_host + gpu_host) / cpu_host : 1.0;
+  double cpu_slowdown = 1.0;
+  if (gpu_host > 0 && bw.host_update_duplex > 0) {  // measured with the DMA running
+    cpu_slowdown = std::max(1.0, bw.host_update / bw.host_update_duplex);
+  } else if (cpu_host > 0) {
+    cpu_slowdown = (cpu_host + gpu_host) / cpu_host;
+  }
   const double cpu_link_slowdown = gpu_link > 0 ? 2.0 : 1.0;
   const double gpu_link_slowdown = gpu_link > 0 ? (cpu_link + gpu_link) / gpu_link : 1.0;
 

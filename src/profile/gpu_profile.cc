@@ -10,9 +10,18 @@
 
 #if EMSA_HAVE_CUDA
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
 #include <vector>
+
+#include "emsa/cpu_update.h"
+#include "emsa/host_tier.h"
+#include "engine/thread_pool.h"
 
 namespace emsa {
 namespace {
@@ -88,7 +97,65 @@ Result<double> MedianBandwidth(cudaStream_t stream, double bytes_counted, const 
   return seconds > 0.0 ? bytes_counted / seconds : 0.0;
 }
 
-Status MeasureCopies(GpuProfile* gpu) {
+// The host tier's CPU update (CpuProfile's measurement: 28 B per parameter, the host tier's pool
+// size) while `enqueue_pair` copies run both ways on `stream`: copies for well over the passes
+// are enqueued first; a pass counts only if they were still running when it ended. Best of the
+// passes; 0 when none qualified (the copies finished early: a very slow CPU).
+template <typename Enqueue>
+Result<double> HostUpdateWhileCopying(int threads, cudaStream_t stream, Enqueue&& enqueue_pair) {
+  CpuUpdaterOptions o;
+  o.threads = HostTierThreads(threads);
+  Result<std::unique_ptr<CpuUpdater>> updater = CpuUpdater::Create(o);
+  if (!updater.ok()) return updater.status();
+  constexpr int64_t n = int64_t{64} << 20;  // parameters: 1 GiB of four fp32 arrays
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t bytes = 4 * n * sizeof(float);
+  float* data = static_cast<float*>(std::aligned_alloc(kHuge, bytes));
+  if (data == nullptr) {
+    return Status::OutOfMemory("GPU profile: could not allocate " + std::to_string(bytes) +
+                               " bytes for the host update under copies; set "
+                               "measure_bandwidth=false");
+  }
+  std::unique_ptr<float, decltype(&std::free)> owner(data, &std::free);
+  (void)madvise(data, bytes, MADV_HUGEPAGE);
+  (*updater)->pool().ParallelFor(4 * n, 1 << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) data[i] = 1e-3f * static_cast<float>(i % 1000);
+  });
+  HyperParams hyper;
+  TensorUpdate t;
+  t.param = data;
+  t.grad = data + n;
+  t.exp_avg = data + 2 * n;
+  t.exp_avg_sq = data + 3 * n;
+  t.numel = n;
+  t.hyper = &hyper;
+  StepOptions step;
+  step.rounding = Rounding::kNearest;
+  EMSA_RETURN_IF_ERROR((*updater)->Step(&t, 1, step));  // first touch, warm pool
+  Event done;
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&done.event, cudaEventDisableTiming));
+  constexpr int kPairs = 24;  // 256 MiB each way per pair: ~0.1 s of copies at 50 GB/s
+  for (int i = 0; i < kPairs; ++i) {
+    EMSA_RETURN_IF_ERROR(CudaStatus(enqueue_pair(), "GPU profile: copies both ways"));
+  }
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(done.event, stream));
+  double best = 0.0;
+  for (int pass = 0; pass < 4; ++pass) {
+    ++t.step;
+    const auto start = std::chrono::steady_clock::now();
+    EMSA_RETURN_IF_ERROR((*updater)->Step(&t, 1, step));
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const cudaError_t q = cudaEventQuery(done.event);
+    if (q == cudaSuccess) break;  // the copies ended during this pass: it does not count
+    if (q != cudaErrorNotReady) return CudaStatus(q, "GPU profile: cudaEventQuery");
+    if (seconds > 0.0 && (best == 0.0 || seconds < best)) best = seconds;
+  }
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(done.event));
+  return best > 0.0 ? 28.0 * static_cast<double>(n) / best : 0.0;
+}
+
+Status MeasureCopies(GpuProfile* gpu, int threads) {
   Stream stream;
   EMSA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream.stream, cudaStreamNonBlocking));
 
@@ -170,6 +237,8 @@ Status MeasureCopies(GpuProfile* gpu) {
   EMSA_ASSIGN_OR_RETURN(gpu->duplex_bandwidth,
                         MedianBandwidth(stream.stream, 1.0 * pcie_bytes,
                                         "GPU profile: copies both ways at once", both));
+  EMSA_ASSIGN_OR_RETURN(gpu->host_update_duplex_bandwidth,
+                        HostUpdateWhileCopying(threads, stream.stream, both));
   return CudaStatus(cudaStreamSynchronize(stream.stream), "GPU profile: cudaStreamSynchronize");
 }
 
@@ -230,7 +299,8 @@ Result<GpuProfile> MeasureGpuProfile(const ProfileOptions& options) {
   gpu.free_memory = free_bytes;
 
   if (options.measure_bandwidth) {
-    EMSA_RETURN_IF_ERROR(MeasureCopies(&gpu));
+    const int threads = options.threads > 0 ? options.threads : ThreadPool::AvailableCpus();
+    EMSA_RETURN_IF_ERROR(MeasureCopies(&gpu, threads));
     // Re-read after the measurement's buffers are gone: what is free now is what a plan gets.
     EMSA_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
     gpu.free_memory = free_bytes;

@@ -41,6 +41,7 @@ json::Value GpuToJson(const GpuProfile& gpu) {
   v.Set("h2d_bandwidth", gpu.h2d_bandwidth);
   v.Set("d2h_bandwidth", gpu.d2h_bandwidth);
   v.Set("duplex_bandwidth", gpu.duplex_bandwidth);
+  v.Set("host_update_duplex_bandwidth", gpu.host_update_duplex_bandwidth);
   return v;
 }
 
@@ -104,8 +105,12 @@ Result<GpuProfile> GpuFromJson(const json::Reader& r) {
   EMSA_ASSIGN_OR_RETURN(gpu.hbm_bandwidth, ReadBandwidth(r, "hbm_bandwidth"));
   EMSA_ASSIGN_OR_RETURN(gpu.h2d_bandwidth, ReadBandwidth(r, "h2d_bandwidth"));
   EMSA_ASSIGN_OR_RETURN(gpu.d2h_bandwidth, ReadBandwidth(r, "d2h_bandwidth"));
-  if (r.Has("duplex_bandwidth")) {  // absent from older profiles
-    EMSA_ASSIGN_OR_RETURN(gpu.duplex_bandwidth, ReadBandwidth(r, "duplex_bandwidth"));
+  for (auto [key, field] :
+       {std::pair<const char*, double*>{"duplex_bandwidth", &gpu.duplex_bandwidth},
+        {"host_update_duplex_bandwidth", &gpu.host_update_duplex_bandwidth}}) {
+    if (r.Has(key)) {  // absent from older profiles
+      EMSA_ASSIGN_OR_RETURN(*field, ReadBandwidth(r, key));
+    }
   }
   return gpu;
 }

@@ -760,6 +760,14 @@ TEST(PlanDeviceUpdate, BalancedShareIsSpreadOverBackwardAndPredictsNoWorse) {
     EXPECT_LE(balanced.prediction.step_time, fixed.prediction.step_time * (1 + 1e-9))
         << "share " << share;
   }
+  // With the CPU's rate measured while copies run both ways (110 of 150 GB/s), the CPU path is
+  // charged that rate instead of the moments' bytes: (32 - 32 s) / 110 = (4 + 4 s) / 50.
+  profile.gpu.host_update_duplex_bandwidth = 110e9;
+  o.device_update_share = -1;
+  const Plan measured = MustPlan(r, profile, o);
+  const double s2 = (32.0 / 110 - 4.0 / 50) / (32.0 / 110 + 4.0 / 50);
+  EXPECT_NEAR(measured.prediction.device_update_share, s2, 0.1);
+  EXPECT_LT(measured.prediction.device_update_share, balanced.prediction.device_update_share);
 }
 
 // ---- options and input ----------------------------------------------------------------------
