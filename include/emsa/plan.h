@@ -63,8 +63,10 @@ struct PlanOptions {
   // of the CPU path's update and DMA traffic, PCIe the moments each way instead of the gradient
   // down and the update up. Chosen by whole buckets, spread over the gradient-ready order so
   // that both paths have work from the first gradients of backward to the last.
-  // -1: the share at which the host's memory and the PCIe links finish together (the
-  // bandwidths of the profile); 0: none (the CPU updates every host-tier parameter); up to 1.
+  // -1: with release_grads, the share at which the CPU path and the PCIe links finish together
+  // (the bandwidths of the profile), else none (a step() after backward waits for every
+  // gradient to be read, the GPU path's only after its moments came up); 0: none (the CPU
+  // updates every host-tier parameter); up to 1.
   double device_update_share = -1.0;
 };
 

@@ -170,7 +170,9 @@ Result<Plan> MakePlan(const ProbeRecord& record, const DeviceProfile& profile,
   std::vector<char> on_host(record.params.size(), 0);
   // With any state on the host, room for the staging of GPU-updated parameters unless none may
   // be (a little more than needed when the planner then chooses none).
-  const bool gpu_updates = profile.gpu.present && options.device_update_share != 0.0;
+  const bool gpu_updates =
+      profile.gpu.present && (options.device_update_share > 0.0 ||
+                              (options.device_update_share < 0.0 && options.release_grads));
   HostTierOptions tier_options;
   tier_options.optimizer = options.optimizer;
   int64_t largest = 0;  // the largest parameter the GPU could update

@@ -63,6 +63,10 @@ void ChooseDeviceUpdates(const ProbeRecord& record, const Bandwidths& bw, bool g
     elements[b] = n;
   }
   double share = eligible > 0 ? o.device_update_share : 0.0;
+  // Balanced only when gradients are released in backward (step_in_backward): a step() after
+  // backward makes the compute stream wait until every gradient has been read, for the GPU path
+  // until its kernels ran, which needs its moments up first.
+  if (share < 0 && !o.release_grads) share = 0.0;
   if (share < 0) {                     // the CPU path and the links busy equally long
     const double link_bw = bw.duplex;  // the moments go up and down at once
     double gap, slope;

@@ -464,9 +464,13 @@ TEST(PlanState, FrozenParamsHoldMemoryButGetNoState) {
               Param("w", "b", 1000, 1, 0.005, 0, 0.02)};
   r.params[0].trainable = false;
   const Plan plan = MustPlan(r, Gpu(), PlanOptions{});
-  // Frozen weights + trainable weights + grad, and with "w" on the host the staging the GPU
-  // updates it through: 3 slots of its 1000 elements, two fp32 moments each.
-  EXPECT_EQ(plan.min_budget_bytes, 4000u + 8000u + 3u * 1000u * 8u);
+  EXPECT_EQ(plan.min_budget_bytes, 4000u + 8000u);  // frozen weights + trainable weights + grad
+  // Gradients released in backward: with "w" on the host, the staging the GPU updates it
+  // through (3 slots of its 1000 elements, two fp32 moments each) is in the minimum.
+  PlanOptions released;
+  released.release_grads = true;
+  const Plan in_backward = MustPlan(r, Gpu(), released);
+  EXPECT_EQ(in_backward.min_budget_bytes, 4000u + 8000u + 3u * 1000u * 8u);
   EXPECT_EQ(plan.params[0].state_bytes, 0u);
   EXPECT_GT(plan.params[1].state_bytes, 0u);
   EXPECT_EQ(plan.buckets.size(), 1u);
