@@ -70,6 +70,19 @@ struct DeviceGroupScalars {
 };
 static_assert(sizeof(DeviceGroupScalars) == 56, "DeviceGroupScalars is a device-memory layout");
 
+// A group's hyperparameters and step number in the device layout.
+inline DeviceGroupScalars ToDeviceScalars(const HyperParams& h, int64_t step) {
+  DeviceGroupScalars g;
+  g.step = step;
+  g.lr = h.lr;
+  g.beta1 = h.beta1;
+  g.beta2 = h.beta2;
+  g.eps = h.eps;
+  g.weight_decay = h.weight_decay;
+  g.maximize = h.maximize ? 1 : 0;
+  return g;
+}
+
 // The per-step header. Inputs are set by the caller (SetInputs, or a direct copy); outputs are
 // written by BeginStep / AccumulateGradStats / FinishGradStats and may be read back with Read().
 struct DeviceStepHeader {

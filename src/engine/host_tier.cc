@@ -291,18 +291,9 @@ struct HostTier::Impl {
     k.exp_avg_sq = u.exp_avg_sq != nullptr ? slot.exp_avg_sq : nullptr;
     k.first = run.first;
     k.count = run.count;
-    const HyperParams& h = *u.hyper;
-    DeviceGroupScalars g;
-    g.step = u.step;
-    g.lr = h.lr;
-    g.beta1 = h.beta1;
-    g.beta2 = h.beta2;
-    g.eps = h.eps;
-    g.weight_decay = h.weight_decay;
-    g.maximize = h.maximize ? 1 : 0;
     EMSA_RETURN_IF_ERROR(cuda::LaunchStreamUpdate(
         options.optimizer, u.state_dtype, options.rounding == Rounding::kStochastic, options.seed,
-        g, step_options.grad_multiplier, k, kernels));
+        ToDeviceScalars(*u.hyper, u.step), step_options.grad_multiplier, k, kernels));
     EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.updated, kernels));
     slot.used = true;
     EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(down, slot.updated, 0));

@@ -19,6 +19,7 @@
 #include "emsa/host_tier.h"
 #include "emsa/profile.h"
 #include "engine/thread_pool.h"
+#include "profile/update_probe.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
@@ -167,16 +168,9 @@ Result<HostBandwidths> MeasureHostBandwidths(int threads) {
   Result<std::unique_ptr<CpuUpdater>> updater = CpuUpdater::Create(options);
   if (!updater.ok()) return updater.status();
   const int64_t n = count / 4;
-  HyperParams hyper;
-  TensorUpdate t;
-  t.param = floats;
-  t.grad = floats + n;
-  t.exp_avg = floats + 2 * n;
-  t.exp_avg_sq = floats + 3 * n;
-  t.numel = n;
-  t.hyper = &hyper;
-  StepOptions step;
-  step.rounding = Rounding::kNearest;
+  const HyperParams hyper;
+  TensorUpdate t = profile_internal::FourArrayUpdate(floats, n, &hyper);
+  const StepOptions step = profile_internal::NearestRounding();
   Status failed;
   out.update = BestBytesPerSecond(28.0 * static_cast<double>(n), [&] {
     failed = (*updater)->Step(&t, 1, step);

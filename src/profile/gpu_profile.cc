@@ -22,6 +22,7 @@
 #include "emsa/cpu_update.h"
 #include "emsa/host_tier.h"
 #include "engine/thread_pool.h"
+#include "profile/update_probe.h"
 
 namespace emsa {
 namespace {
@@ -121,16 +122,9 @@ Result<double> HostUpdateWhileCopying(int threads, cudaStream_t stream, Enqueue&
   (*updater)->pool().ParallelFor(4 * n, 1 << 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) data[i] = 1e-3f * static_cast<float>(i % 1000);
   });
-  HyperParams hyper;
-  TensorUpdate t;
-  t.param = data;
-  t.grad = data + n;
-  t.exp_avg = data + 2 * n;
-  t.exp_avg_sq = data + 3 * n;
-  t.numel = n;
-  t.hyper = &hyper;
-  StepOptions step;
-  step.rounding = Rounding::kNearest;
+  const HyperParams hyper;
+  TensorUpdate t = profile_internal::FourArrayUpdate(data, n, &hyper);
+  const StepOptions step = profile_internal::NearestRounding();
   EMSA_RETURN_IF_ERROR((*updater)->Step(&t, 1, step));  // first touch, warm pool
   Event done;
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&done.event, cudaEventDisableTiming));

@@ -168,18 +168,6 @@ Status ValidateTable(const TensorUpdate* tensors, const int32_t* groups, size_t 
 namespace emsa {
 namespace {
 
-DeviceGroupScalars ToDevice(const HyperParams& h, int64_t step) {
-  DeviceGroupScalars g;
-  g.step = step;
-  g.lr = h.lr;
-  g.beta1 = h.beta1;
-  g.beta2 = h.beta2;
-  g.eps = h.eps;
-  g.weight_decay = h.weight_decay;
-  g.maximize = h.maximize ? 1 : 0;
-  return g;
-}
-
 Status NoDevice(const char* what) {
   return Status::Unsupported(std::string(what) +
                              ": no usable CUDA device (no driver, or no GPU visible to this "
@@ -328,7 +316,7 @@ Result<std::unique_ptr<DeviceScalars>> DeviceScalars::Create(const HyperParams* 
                                                              size_t group_count) {
   EMSA_RETURN_IF_ERROR(ValidateGroups(hypers, group_count));
   std::vector<DeviceGroupScalars> groups(group_count);
-  for (size_t i = 0; i < group_count; ++i) groups[i] = ToDevice(hypers[i], 0);
+  for (size_t i = 0; i < group_count; ++i) groups[i] = ToDeviceScalars(hypers[i], 0);
   if (!CudaDeviceUsable()) return NoDevice("DeviceScalars::Create");
 
   std::unique_ptr<DeviceScalars> s(new DeviceScalars());
@@ -365,14 +353,15 @@ Status DeviceScalars::SetGroup(size_t group, const HyperParams& hyper, int64_t s
                                    "; it must be >= 0 (AdvanceSteps adds 1 before each update)");
   }
   EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::SetGroup"));
-  return cuda::LaunchSetGroup(groups_, static_cast<int64_t>(group), ToDevice(hyper, step), stream);
+  return cuda::LaunchSetGroup(groups_, static_cast<int64_t>(group), ToDeviceScalars(hyper, step),
+                              stream);
 }
 
 Status DeviceScalars::SetGroupHyper(size_t group, const HyperParams& hyper, cudaStream_t stream) {
   EMSA_RETURN_IF_ERROR(CheckGroupIndex(group, group_count_));
   EMSA_RETURN_IF_ERROR(ValidateHyper("hyper", hyper));
   EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::SetGroupHyper"));
-  return cuda::LaunchSetGroupHyper(groups_, static_cast<int64_t>(group), ToDevice(hyper, 0),
+  return cuda::LaunchSetGroupHyper(groups_, static_cast<int64_t>(group), ToDeviceScalars(hyper, 0),
                                    stream);
 }
 
