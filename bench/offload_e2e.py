@@ -821,7 +821,9 @@ def table(result: dict) -> str:
             if "worker_s" in m:
                 lines.append(f"    worker per step (medians): {m['worker_s'] * 1e3:.1f} ms, of "
                              f"which CPU update {m['cpu_s'] * 1e3:.1f}, waiting for gradients "
-                             f"{m['grad_wait_s'] * 1e3:.1f}")
+                             f"{m['grad_wait_s'] * 1e3:.1f}"
+                             + (f"; GPU path: moments up {m['stream_up_s'] * 1e3:.1f} ms"
+                                if m.get("stream_up_s") else ""))
     n = result.get("numerics")
     if n:
         sh = n["shared_emsa_host_vs_torch"]

@@ -153,6 +153,12 @@ struct HostTierStepStats {
   // and the rest, which is enqueueing copies and reading events).
   double grad_wait_s = 0.0;
   double worker_s = 0.0;
+  // Device-updated buckets submitted, and their moments' copies up, summed (CUDA events): the
+  // link time the GPU path took. Under paced_copies each run is timed when the streamer next
+  // takes its staging slot (the step's last ones in the next step, or at Synchronize); Submit's
+  // own enqueues time only runs whose copies are done when their slot comes round again.
+  int64_t device_buckets = 0;
+  double stream_up_s = 0.0;
 };
 
 // The host tier's CPU update pool for `cores` usable cores: one fewer (the thread launching the

@@ -198,6 +198,8 @@ class HostTierStepStats(ctypes.Structure):
         ("complete", ctypes.c_int32),
         ("grad_wait_s", ctypes.c_double),
         ("worker_s", ctypes.c_double),
+        ("device_buckets", ctypes.c_int64),
+        ("stream_up_s", ctypes.c_double),
     ]
 
 

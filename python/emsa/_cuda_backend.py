@@ -608,7 +608,7 @@ class CudaBackend(Backend):
         """Per step since the last call, measured: time_s (from this step's start to the
         next's, on the GPU; absent for the last step), d2h_s, cpu_s, h2d_s, wait_s (host-tier
         busy times), grad_wait_s and worker_s (the host tier's worker: blocked on gradients, and
-        in all), peak_device_bytes (torch.cuda.max_memory_allocated when the step
+        in all), stream_up_s (the GPU-updated buckets' moments up, summed), peak_device_bytes (torch.cuda.max_memory_allocated when the step
         started)."""
         self.synchronize()
         host = {s["step"]: s for s in self.host.stats()} if self.host is not None else {}
@@ -620,7 +620,7 @@ class CudaBackend(Backend):
             h = host.get(step)
             if h is not None:
                 row.update({k: h[k] for k in ("d2h_s", "cpu_s", "h2d_s", "wait_s",
-                                              "grad_wait_s", "worker_s")})
+                                              "grad_wait_s", "worker_s", "stream_up_s")})
             out.append(row)
         return out
 

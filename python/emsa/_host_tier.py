@@ -222,7 +222,8 @@ class HostTier:
                     return out  # the rest is still running
                 out.append({"step": s.step, "d2h_s": s.d2h_s, "cpu_s": s.cpu_s,
                             "h2d_s": s.h2d_s, "wait_s": s.wait_s, "buckets": s.buckets,
-                            "grad_wait_s": s.grad_wait_s, "worker_s": s.worker_s})
+                            "grad_wait_s": s.grad_wait_s, "worker_s": s.worker_s,
+                            "device_buckets": s.device_buckets, "stream_up_s": s.stream_up_s})
                 self.read = s.step
             if n.value < 64:
                 return out

@@ -1185,6 +1185,8 @@ emsa_status emsa_host_tier_stats(const emsa_host_tier* tier, int64_t first,
       out[i].complete = got[i].complete ? 1 : 0;
       out[i].grad_wait_s = got[i].grad_wait_s;
       out[i].worker_s = got[i].worker_s;
+      out[i].device_buckets = got[i].device_buckets;
+      out[i].stream_up_s = got[i].stream_up_s;
     }
     *count_out = n;
     return Report(emsa::Status::Ok());

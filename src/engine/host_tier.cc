@@ -144,8 +144,25 @@ struct HostTier::Impl {
     void* exp_avg = nullptr;
     void* exp_avg_sq = nullptr;
     cudaEvent_t in_done = nullptr, updated = nullptr, free = nullptr;
-    bool used = false;  // `updated` has been recorded
+    cudaEvent_t up_start = nullptr;  // before its moments' copies up (with in_done: their time)
+    bool used = false;               // `updated` has been recorded
+    bool timed = true;               // the last run's copies up are in the stats
+    int64_t step = 0;                // the step of the last run through it
   };
+
+  // A slot's last copies up into the stats of their step, if not counted yet and done. Whoever
+  // enqueues runs (the streamer, or Submit without it), or the caller with the streamer idle.
+  void TimeSlot(Slot& slot) {
+    if (slot.timed) return;
+    if (cudaEventQuery(slot.in_done) != cudaSuccess) return;  // not done (or failed): later
+    double seconds = 0.0;
+    if (!ElapsedSeconds(slot.up_start, slot.in_done, &seconds).ok()) return;
+    slot.timed = true;
+    std::lock_guard<std::mutex> lock(mu);
+    if (slot.step > step - static_cast<int64_t>(stats.size())) {
+      StatsOf(slot.step).stream_up_s += seconds;
+    }
+  }
   std::vector<Slot> slots;
   size_t next_slot = 0;
   void* stream_staging = nullptr;  // the slots' device memory
@@ -262,7 +279,7 @@ struct HostTier::Impl {
   // down. Recording an event only moves what later waits on it refer to, and every wait below
   // is enqueued after the record it is meant for, so the slots' events can be reused in turn.
   // The streamer thread alone calls this.
-  Status EnqueueRun(Bucket& b, size_t r) {
+  Status EnqueueRun(Bucket& b, size_t r, int64_t s) {
     const Span& run = b.runs[r];
     const TensorUpdate& u = b.updates[run.tensor];
     Slot& slot = slots[next_slot];
@@ -270,10 +287,14 @@ struct HostTier::Impl {
     const size_t state = DTypeSize(u.state_dtype);
     const size_t bytes = static_cast<size_t>(run.count) * state;
     const size_t at = static_cast<size_t>(run.first) * state;
+    TimeSlot(slot);  // what it last carried, before its events move on
     EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(up, slot.free, 0));
     if (r == 0 && b.written_back_once) {
       EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(up, b.written_back, 0));
     }
+    EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.up_start, up));
+    slot.step = s;
+    slot.timed = false;
     EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.exp_avg, static_cast<char*>(u.exp_avg) + at,
                                               bytes, cudaMemcpyHostToDevice, up));
     if (u.exp_avg_sq != nullptr) {
@@ -350,7 +371,7 @@ struct HostTier::Impl {
       const size_t r = b.next_run;
       if (st.ok()) {
         lock.unlock();
-        st = EnqueueRun(b, r);
+        st = EnqueueRun(b, r, b.submitted);
         lock.lock();
       }
       if (!st.ok() && error.ok()) error = st;
@@ -705,7 +726,7 @@ struct HostTier::Impl {
       if (st != nullptr) (void)cudaStreamDestroy(st);
     }
     for (const Slot& slot : slots) {
-      for (cudaEvent_t e : {slot.in_done, slot.updated, slot.free}) {
+      for (cudaEvent_t e : {slot.in_done, slot.updated, slot.free, slot.up_start}) {
         if (e != nullptr) (void)cudaEventDestroy(e);
       }
     }
@@ -891,9 +912,9 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
         slot.exp_avg_sq = at;
         at += moment;
       }
-      for (cudaEvent_t* e : {&slot.in_done, &slot.free}) {
-        EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
-      }
+      EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&slot.free, cudaEventDisableTiming));
+      EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&slot.in_done));  // timed: the copies up
+      EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&slot.up_start));
       // The streamer waits on it: blocking sync, so it sleeps instead of taking a core.
       EMSA_CUDA_RETURN_IF_ERROR(
           cudaEventCreateWithFlags(&slot.updated, cudaEventDisableTiming | cudaEventBlockingSync));
@@ -1026,13 +1047,15 @@ Status HostTier::Submit(size_t bucket, const void* const* grads, size_t count,
     // then); else they are enqueued here, in submission order.
     const bool streamed = m.options.paced_copies > 0 && !b.runs.empty();
     Status st;
-    for (size_t r = 0; !streamed && r < b.runs.size() && st.ok(); ++r) st = m.EnqueueRun(b, r);
+    for (size_t r = 0; !streamed && r < b.runs.size() && st.ok(); ++r)
+      st = m.EnqueueRun(b, r, m.step);
     {
       std::lock_guard<std::mutex> lock(m.mu);
       if (!st.ok() && m.error.ok()) m.error = st;
       b.submitted = m.step;
       b.t_submit = m.Since();
       b.next_run = 0;
+      ++m.StatsOf(m.step).device_buckets;
       if (streamed) {
         m.gpu_waiting.push_back(bucket);
         ++m.pending;
@@ -1150,6 +1173,7 @@ Status HostTier::Synchronize() {
   for (Impl::Bucket& b : m.buckets) EMSA_RETURN_IF_ERROR(m.TimeUpload(b));
   if (m.down != nullptr) {  // its last copies follow every device update enqueued
     EMSA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.down));
+    for (Impl::Slot& slot : m.slots) m.TimeSlot(slot);  // the streamer is idle: drained
   }
   return Status::Ok();
 }

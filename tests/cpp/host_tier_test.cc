@@ -384,6 +384,8 @@ void HostTierPipeline::RunSteps() {
   for (size_t i = 0; i < n; ++i) {
     EXPECT_EQ(stats[i].step, static_cast<int64_t>(i + 1));
     EXPECT_EQ(stats[i].buckets, cpu_buckets_);
+    EXPECT_EQ(stats[i].device_buckets, 3 - cpu_buckets_);
+    EXPECT_EQ(stats[i].stream_up_s > 0.0, cpu_buckets_ < 3);  // the GPU path's copies up
     EXPECT_TRUE(stats[i].complete) << "step " << i + 1;
     EXPECT_EQ(stats[i].d2h_s > 0.0, cpu_buckets_ > 0);
     EXPECT_EQ(stats[i].cpu_s > 0.0, cpu_buckets_ > 0);
