@@ -69,16 +69,13 @@ void ChooseDeviceUpdates(const ProbeRecord& record, const Bandwidths& bw, bool g
   if (share < 0 && !o.release_grads) share = 0.0;
   if (share < 0) {                     // the CPU path and the links busy equally long
     const double link_bw = bw.duplex;  // the moments go up and down at once
-    double gap, slope;
-    if (bw.host_update_duplex > 0) {  // the CPU's rate with the DMA running, measured
-      const double h = bw.host_update_duplex;
-      gap = (fixed_host + cpu_host) / h - (fixed_link + cpu_link) / link_bw;
-      slope = cpu_host / h + (gpu_link - cpu_link) / link_bw;
-    } else {  // the DMA's moments charged to the host's memory in full
-      const double h = bw.host_update;
-      gap = (fixed_host + cpu_host) / h - (fixed_link + cpu_link) / link_bw;
-      slope = (cpu_host - gpu_host) / h + (gpu_link - cpu_link) / link_bw;
-    }
+    // The CPU's rate with the DMA running, measured; else its rate alone, with the DMA's
+    // moments charged to the host's memory in full.
+    const bool measured = bw.host_update_duplex > 0;
+    const double h = measured ? bw.host_update_duplex : bw.host_update;
+    const double dma_host = measured ? 0.0 : gpu_host;
+    const double gap = (fixed_host + cpu_host) / h - (fixed_link + cpu_link) / link_bw;
+    const double slope = (cpu_host - dma_host) / h + (gpu_link - cpu_link) / link_bw;
     share = slope > 0 ? std::clamp(gap / slope, 0.0, 1.0) : (gap > 0 ? 1.0 : 0.0);
   }
   // Spread over the gradient-ready order, so both paths have work from the first gradients on:
