@@ -114,7 +114,6 @@ struct HostTier::Impl {
     std::vector<Span> runs;                 // device_update: its runs, in order
     size_t next_run = 0;                    // device_update: the next run to enqueue (under mu)
     cudaEvent_t written_back = nullptr;     // device_update: its moments are back on the host
-    bool written_back_once = false;         // device_update: written_back recorded (streamer)
     size_t enqueued = 0;                    // paced_copies: grad pieces enqueued this step
     int64_t grad_bytes = 0;                 // the bucket's gradients, on the device
     int64_t copied = 0;     // step whose gradient copies were last all enqueued (under mu)
@@ -289,7 +288,7 @@ struct HostTier::Impl {
     const size_t at = static_cast<size_t>(run.first) * state;
     TimeSlot(slot);  // what it last carried, before its events move on
     EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(up, slot.free, 0));
-    if (r == 0 && b.written_back_once) {
+    if (r == 0 && b.uploaded > 0) {  // written_back was recorded by its last update
       EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(up, b.written_back, 0));
     }
     EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.up_start, up));
@@ -329,7 +328,6 @@ struct HostTier::Impl {
     if (r + 1 == b.runs.size()) {
       EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.uploaded_event(), kernels));
       EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.written_back, down));
-      b.written_back_once = true;
     }
     return Status::Ok();
   }
@@ -846,6 +844,11 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
             ".device_update needs an fp32 parameter without a master, an fp32 gradient "
             "and fp32 or bf16 moments; update this tensor on the CPU instead");
       }
+      if (any_device_update && u.state_dtype != state_dtype) {
+        return Status::InvalidArgument(
+            "device-updated tensors must all have moments of one dtype (their staging is "
+            "shared)");
+      }
       any_device_update = true;
       state_dtype = u.state_dtype;
       largest = std::max(largest, u.numel);
@@ -880,15 +883,6 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
     impl->staging = static_cast<float*>(staging);
   }
   if (any_device_update) {
-    for (const Impl::Bucket& b : impl->buckets) {
-      for (const TensorUpdate& u : b.updates) {
-        if (b.device_update && u.state_dtype != state_dtype) {
-          return Status::InvalidArgument(
-              "device-updated tensors must all have moments of one dtype (their staging is "
-              "shared)");
-        }
-      }
-    }
     const int64_t bytes = StreamStagingBytes(options, state_dtype, largest);
     void* slab = nullptr;
     const cudaError_t err = cudaMalloc(&slab, static_cast<size_t>(bytes));
@@ -1045,7 +1039,7 @@ Status HostTier::Submit(size_t bucket, const void* const* grads, size_t count,
     std::copy(grads, grads + count, b.device_grads.begin());
     // Under paced_copies the streamer enqueues its runs (the caller keeps the gradients until
     // then); else they are enqueued here, in submission order.
-    const bool streamed = m.options.paced_copies > 0 && !b.runs.empty();
+    const bool streamed = m.streamer.joinable() && !b.runs.empty();
     Status st;
     for (size_t r = 0; !streamed && r < b.runs.size() && st.ok(); ++r)
       st = m.EnqueueRun(b, r, m.step);
