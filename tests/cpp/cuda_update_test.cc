@@ -511,24 +511,12 @@ void EmulateOptimizer(const Case& c, Tensor* t, const DeviceGroupScalars& g, flo
   return EmulateParam<kOpt, ParamKind::kF16>(c, t, g, mult, seed);
 }
 
-DeviceGroupScalars GroupScalars(const HyperParams& h, int64_t step) {
-  DeviceGroupScalars g;
-  g.step = step;
-  g.lr = h.lr;
-  g.beta1 = h.beta1;
-  g.beta2 = h.beta2;
-  g.eps = h.eps;
-  g.weight_decay = h.weight_decay;
-  g.maximize = h.maximize ? 1 : 0;
-  return g;
-}
-
 std::vector<Tensor> Emulate(const Case& c, std::vector<Tensor> tensors,
                             const std::vector<HyperParams>& hypers,
                             const std::vector<int64_t>& steps, float mult, uint64_t seed) {
   for (Tensor& t : tensors) {
     const auto g = static_cast<size_t>(t.group);
-    const DeviceGroupScalars group = GroupScalars(hypers[g], steps[g]);
+    const DeviceGroupScalars group = ToDeviceScalars(hypers[g], steps[g]);
     switch (c.optimizer) {
       case OptimizerKind::kAdamW:
         EmulateOptimizer<OptimizerKind::kAdamW>(c, &t, group, mult, seed);
@@ -1183,15 +1171,7 @@ TEST(CudaUpdate, SmallCapturedGraphReplaysWithNewLr) {
   for (int step = 1; step <= 3; ++step) {
     HyperParams hs = h;
     hs.lr = lrs[step - 1];
-    DeviceGroupScalars g;
-    g.step = step - 1;  // the graph's AdvanceSteps makes it `step`
-    g.lr = hs.lr;
-    g.beta1 = hs.beta1;
-    g.beta2 = hs.beta2;
-    g.eps = hs.eps;
-    g.weight_decay = hs.weight_decay;
-    g.maximize = hs.maximize;
-    *pinned = g;
+    *pinned = ToDeviceScalars(hs, step - 1);  // the graph's AdvanceSteps makes it `step`
     ASSERT_CUDA(cudaGraphLaunch(exec, stream.s));
     ASSERT_CUDA(cudaStreamSynchronize(stream.s));  // the pinned value is read at replay
     want = CpuStep(c, want, {hs}, {step}, 1.0f, 0);
