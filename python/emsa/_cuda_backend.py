@@ -608,8 +608,8 @@ class CudaBackend(Backend):
         """Per step since the last call, measured: time_s (from this step's start to the
         next's, on the GPU; absent for the last step), d2h_s, cpu_s, h2d_s, wait_s (host-tier
         busy times), grad_wait_s and worker_s (the host tier's worker: blocked on gradients, and
-        in all), stream_up_s (the GPU-updated buckets' moments up, summed), peak_device_bytes (torch.cuda.max_memory_allocated when the step
-        started)."""
+        in all), stream_up_s (the GPU-updated buckets' moments up, summed), peak_device_bytes
+        (torch.cuda.max_memory_allocated when the step started)."""
         self.synchronize()
         host = {s["step"]: s for s in self.host.stats()} if self.host is not None else {}
         out = []

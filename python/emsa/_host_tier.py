@@ -9,10 +9,11 @@ its CPU update, and this class holds each bucket's gradients until their copies 
 (then record_stream takes over), at most hold_bytes of them. libemsa's worker updates the
 bucket on the CPU pool and enqueues the upload of its parameters on an H2D stream (for fp32
 parameters under AdamW or Lion, by default, the upload of the update's delta and a kernel that
-applies it: HostTierOptions.device_delta). Buckets the plan marks device_update instead stream their moments from the pinned arena
-through device staging, a kernel on update_stream updates them and the parameters on the GPU,
-and the moments go back (libemsa's streamer enqueues those runs; their gradients are held the
-same way until it has). The bucket is then pending: the first module
+applies it: HostTierOptions.device_delta). Buckets the plan marks device_update instead bring
+their moments from the pinned arena into device staging, a kernel on update_stream updates them
+and the parameters on the GPU, and the moments go back (with step_in_backward libemsa's streamer
+enqueues those runs, and their gradients are held the same way until it has). The bucket is
+then pending: the first module
 forward that reads one of its parameters makes the compute stream wait for that upload (a
 global module forward pre-hook looks at the module's own parameters, not its children's, so a
 parent's forward does not wait for the whole model). Nothing here
@@ -114,7 +115,7 @@ class HostTier:
         except BaseException:
             self.close()
             raise
-        # The device-updated buckets' kernels read their gradients on the tier's own stream.
+        # Buckets updated on the GPU: their gradients are read on update_stream.
         on_gpu = {int(t.bucket) for t in tensors if t.device_update}
         self.on_gpu = [b in on_gpu for b in range(len(buckets))]
         self.grad_arrays = [(ctypes.c_void_p * len(m))() for m in buckets]
