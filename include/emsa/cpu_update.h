@@ -86,6 +86,14 @@ class CpuUpdater {
   static constexpr int64_t kGuidedMinElements = 16384;
   Status SetGuidedScheduling(int64_t min_elements);
 
+  // Linux: the pool's worker threads (all but the calling thread, worker 0) run at this nice
+  // value, 0..19, so that when cores are short the scheduler runs the process's other threads
+  // first. The host tier's pool shares the machine with the threads that launch the GPU's
+  // forward and backward; starved, they stretch the step (bench/README.md). Not to be changed
+  // while a step runs. kInvalidArgument outside 0..19; kUnsupported where the OS refuses
+  // (lowering a nice value already raised needs CAP_SYS_NICE) or off Linux.
+  Status SetWorkerNice(int nice);
+
   // Validates every tensor first (non-null pointers, numel >= 0, supported dtypes, step >= 1,
   // finite hyperparameters, lr >= 0, weight_decay >= 0, 0 <= betas < 1, eps > 0 for Adam); an
   // invalid batch changes nothing and the error names the tensor index (kInvalidArgument;

@@ -214,6 +214,11 @@ EMSA_API void emsa_cpu_updater_destroy(emsa_cpu_updater* updater);
  * elements (default 16384; CpuUpdater::SetGuidedScheduling), 0 equal contiguous shares. Same
  * results either way. */
 EMSA_API emsa_status emsa_cpu_updater_set_guided(emsa_cpu_updater* updater, int64_t min_elements);
+/* Linux: the pool's worker threads (all but the thread that calls emsa_cpu_step) run at nice
+ * value `nice` (0..19), so that the process's other threads, such as the framework's that launch
+ * GPU work, go first when cores are short (CpuUpdater::SetWorkerNice). EMSA_UNSUPPORTED where
+ * the OS refuses (lowering a raised nice value needs CAP_SYS_NICE) or off Linux. */
+EMSA_API emsa_status emsa_cpu_updater_set_worker_nice(emsa_cpu_updater* updater, int32_t nice);
 EMSA_API emsa_status emsa_cpu_updater_info(const emsa_cpu_updater* updater, int32_t* threads_out,
                                            int32_t* simd_out);
 /* One optimizer step over `count` tensors on the updater's worker pool; returns when done.

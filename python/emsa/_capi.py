@@ -269,6 +269,7 @@ _TABLE = {
     "emsa_step_report_init": (None, [ctypes.POINTER(StepReport)]),
     "emsa_cpu_updater_create": (_S, [ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(_P)]),
     "emsa_cpu_updater_set_guided": (_S, [_P, ctypes.c_int64]),
+    "emsa_cpu_updater_set_worker_nice": (_S, [_P, ctypes.c_int32]),
     "emsa_cpu_updater_destroy": (None, [_P]),
     "emsa_cpu_updater_info": (
         _S, [_P, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]),

@@ -51,6 +51,10 @@ DEVICE_DELTA = 1
 PACED_COPIES = 2
 PACE_PIECE = 4 << 20
 
+# The CPU pool's worker threads' nice value (CpuUpdater::SetWorkerNice; EMSA_HOST_NICE). 0: the
+# process's own priority (A/B pending).
+WORKER_NICE = 0
+
 
 class HostTier:
     def __init__(self, tensors: list[HostTierTensor], buckets: list[list[int]],
@@ -81,6 +85,11 @@ class HostTier:
         if "EMSA_HOST_GUIDED" in os.environ:
             check(lib.emsa_cpu_updater_set_guided(self.updater,
                                                   int(os.environ["EMSA_HOST_GUIDED"])))
+        # The pool's threads yield to the threads launching forward and backward when cores
+        # are short (EMSA_HOST_NICE: their nice value, 0 = as the process).
+        nice = int(os.environ.get("EMSA_HOST_NICE", WORKER_NICE))
+        if nice:
+            check(lib.emsa_cpu_updater_set_worker_nice(self.updater, nice))
         options = HostTierOptions()
         lib.emsa_host_tier_options_init(ctypes.byref(options))
         options.optimizer = _capi.OPTIMIZER[optimizer]

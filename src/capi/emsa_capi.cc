@@ -557,6 +557,10 @@ emsa_status emsa_cpu_updater_set_guided(emsa_cpu_updater* updater, int64_t min_e
                   [&](auto& h) { return h.updater->SetGuidedScheduling(min_elements); });
 }
 
+emsa_status emsa_cpu_updater_set_worker_nice(emsa_cpu_updater* updater, int32_t nice) {
+  return OnHandle(updater, "updater", [&](auto& h) { return h.updater->SetWorkerNice(nice); });
+}
+
 void emsa_cpu_updater_destroy(emsa_cpu_updater* updater) { delete updater; }
 
 emsa_status emsa_cpu_updater_info(const emsa_cpu_updater* updater, int32_t* threads_out,

@@ -365,6 +365,21 @@ Status CpuUpdater::SetGuidedScheduling(int64_t min_elements) {
   return Status::Ok();
 }
 
+Status CpuUpdater::SetWorkerNice(int nice) {
+  if (nice < 0 || nice > 19) {
+    return Status::InvalidArgument("worker nice value is " + std::to_string(nice) +
+                                   "; use 0 (normal priority) .. 19 (lowest)");
+  }
+  const int refused = pool_->SetWorkerNice(nice);
+  if (refused > 0) {
+    return Status::Unsupported(std::to_string(refused) + " of " + std::to_string(pool_->size() - 1) +
+                               " pool threads could not be set to nice " + std::to_string(nice) +
+                               " (raising priority needs CAP_SYS_NICE; not supported off "
+                               "Linux); leave the nice value as it is");
+  }
+  return Status::Ok();
+}
+
 void CpuUpdater::Update(const TensorUpdate* tensors, size_t count, const StepOptions& options,
                         int64_t first, int64_t total, const RangeDone* done) {
   if (total == 0) return;

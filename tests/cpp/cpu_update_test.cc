@@ -6,9 +6,12 @@
 
 #include <gtest/gtest.h>
 #include <immintrin.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -867,6 +870,28 @@ TEST(CpuUpdate, GuidedSchedulingWritesTheSameBits) {
   auto updater = MakeUpdater(DetectSimdLevel(), 2);
   ExpectError(updater->SetGuidedScheduling(63), StatusCode::kInvalidArgument, "at least 64");
   ExpectError(updater->SetGuidedScheduling(-1), StatusCode::kInvalidArgument, "at least 64");
+}
+
+// The pool's nice value: out-of-range values are refused with what to use; a valid one leaves a
+// working updater with the same results.
+TEST(CpuUpdate, WorkerNiceValidatedAndResultsUnchanged) {
+  auto updater = MakeUpdater(DetectSimdLevel(), 3);
+  ExpectError(updater->SetWorkerNice(-1), StatusCode::kInvalidArgument, "0 (normal priority)");
+  ExpectError(updater->SetWorkerNice(20), StatusCode::kInvalidArgument, "19 (lowest)");
+#if defined(__linux__)
+  errno = 0;
+  const int own = getpriority(PRIO_PROCESS, static_cast<id_t>(gettid()));
+  if (errno != 0 || own > 10) GTEST_SKIP() << "this thread runs at nice " << own;
+  ASSERT_TRUE(updater->SetWorkerNice(own + 9).ok());
+  const Combo c{OptimizerKind::kAdamW, DType::kFloat32,  false,
+                DType::kFloat32,       DType::kFloat32, Rounding::kNearest};
+  Batch want(c, kSizes, 11);
+  Batch got = want;
+  auto reference = MakeUpdater(DetectSimdLevel(), 1);
+  ASSERT_TRUE(want.Step(*reference, want.Options()).ok());
+  ASSERT_TRUE(got.Step(*updater, got.Options()).ok());
+  EXPECT_EQ(FirstDiff(want.t, got.t), "");
+#endif
 }
 
 // TensorUpdate::delta: the update's change to an fp32 parameter is written out instead of the
