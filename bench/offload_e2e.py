@@ -431,7 +431,10 @@ def _run_emsa(args, shape, batches, device, profile, mode: str) -> dict:
     pred = plan.json["prediction"]
     out.update(device_arena_bytes=plan.device_arena_bytes, host_arena_bytes=plan.host_arena_bytes,
                predicted={k: pred.get(k) for k in ("step_time", "peak_device_bytes", "stall_time",
-                                                  "cpu_time", "d2h_time", "h2d_time", "hbm_time")},
+                                                  "cpu_time", "d2h_time", "h2d_time", "hbm_time",
+                                                  "period", "load_slowdown")},
+               probe_period_s=record.forward_time + record.backward_time,
+               probe_period_under_load_s=record.period_under_load,
                plan_budget_bytes=plan.json.get("budget_bytes"),
                min_budget_bytes=plan.json.get("min_budget_bytes"),
                plan_table=str(plan).splitlines()[-14:])
@@ -785,6 +788,12 @@ def table(result: dict) -> str:
             peak = r["peak_device_bytes"] / GIB
             lines.append(f"  {name:28} {r['step_s'] * 1e3:9.1f} {peak:9.2f} "
                          f"{r['final_loss']:8.4f} {pms} {pgib} {l2}")
+            if r.get("probe_period_under_load_s"):
+                lines.append(f"    probe: forward + backward {r['probe_period_s'] * 1e3:.1f} ms "
+                             f"alone, {r['probe_period_under_load_s'] * 1e3:.1f} ms under the "
+                             f"host tier's load; the plan's period "
+                             f"{pred.get('period', 0) * 1e3:.1f} ms "
+                             f"(x{pred.get('load_slowdown', 1):.2f})")
         il = s.get("interleaved_ac")
         if il and "error" not in il:
             lines.append(f"  interleaved, one step of each in turn: (a) {il['a_step_s'] * 1e3:.1f}, "

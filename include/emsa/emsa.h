@@ -78,6 +78,19 @@ EMSA_API int32_t emsa_simd_level(void);
 EMSA_API emsa_status emsa_profile_measure(int32_t measure_bandwidth, int32_t gpu_device,
                                           char** json_out);
 
+/* The host tier's load made on purpose (emsa::HostLoad): the CPU update of `threads` threads
+ * (0: the host tier's count) over `update_params` fp32 parameters' state, and with copies != 0
+ * and a CUDA device, copies of `copy_bytes` both ways between pinned memory and `gpu_device`,
+ * until emsa_host_load_stop. Returns once both run. The probe times the model under it. */
+typedef struct emsa_host_load emsa_host_load;
+EMSA_API emsa_status emsa_host_load_start(int32_t threads, int64_t update_params,
+                                          int32_t gpu_device, int32_t copies, uint64_t copy_bytes,
+                                          emsa_host_load** load_out);
+/* Stops it, reports the first error it met, frees it (NULL is a no-op). Rounds done, when the
+ * pointers are not NULL: CPU update steps, and copies each way. */
+EMSA_API emsa_status emsa_host_load_stop(emsa_host_load* load, int64_t* update_rounds_out,
+                                         int64_t* copy_rounds_out);
+
 /* ---- plan ---------------------------------------------------------------------------------- */
 typedef struct emsa_plan emsa_plan;
 

@@ -121,7 +121,12 @@ struct Bucket {
 };
 
 struct Prediction {
-  double period = 0.0;                // s, P = forward + backward from the probe
+  double period = 0.0;  // s, P = forward + backward from the probe, times
+                        // load_slowdown
+  // How much longer forward and backward take while the host tier loads the host's memory and
+  // PCIe (ProbeRecord::period_under_load over the probe's P), in the share of the period the
+  // host tier's busiest engine is busy: 1 without a host tier or that measurement.
+  double load_slowdown = 1.0;
   double hbm_time = 0.0;              // s, device-tier update traffic / HBM bandwidth
   double d2h_time = 0.0;              // s, host-tier gradients down / d2h bandwidth
   double h2d_time = 0.0;              // s, host-tier parameters up / h2d bandwidth

@@ -50,10 +50,15 @@ struct GraphOp {
 
 struct ProbeRecord {
   static constexpr int kVersion = 1;
-  std::string model;                   // free text, e.g. "LlamaForCausalLM"
-  std::string device;                  // where the probe ran: "cuda:0", "cpu"
-  double forward_time = 0.0;           // s, forward duration
-  double backward_time = 0.0;          // s, backward duration (forward_time + backward_time = P)
+  std::string model;           // free text, e.g. "LlamaForCausalLM"
+  std::string device;          // where the probe ran: "cuda:0", "cpu"
+  double forward_time = 0.0;   // s, forward duration
+  double backward_time = 0.0;  // s, backward duration (forward_time + backward_time = P)
+  // s, forward + backward again while emsa::HostLoad ran (the host tier's CPU update and PCIe
+  // copies): the threads that launch the GPU's work slow down when the host's memory and link
+  // are saturated, which stretches a launch-bound step. 0: not measured (no GPU, or an older
+  // record); the planner then assumes no slowdown.
+  double period_under_load = 0.0;
   uint64_t peak_device_bytes = 0;      // peak device memory during forward+backward, no optimizer
   uint64_t activation_peak_bytes = 0;  // peak minus memory in use before forward
   std::vector<ParamRecord> params;     // trainable and frozen, tied tensors listed once
@@ -72,7 +77,7 @@ Status ValidateProbeRecord(const ProbeRecord& record);
 
 // Pretty-printed JSON, keys in this order (the same record always gives the same bytes):
 //   {"format": "emsa.probe", "version": 1, "model", "device", "forward_time", "backward_time",
-//    "peak_device_bytes", "activation_peak_bytes",
+//    "period_under_load", "peak_device_bytes", "activation_peak_bytes",
 //    "params": [{"name", "module", "shape": [..], "dtype": "float32", "numel", "bytes",
 //                "trainable", "tied_names": [..], "use_count", "forward_order", "forward_time",
 //                "grad_ready_order", "grad_ready_time"}, ...],

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "emsa/status.h"
@@ -89,5 +90,43 @@ Result<DeviceProfile> MeasureDeviceProfile(const ProfileOptions& options = {});
 // Presets for machines not at hand live in examples/profiles/ (h200.json).
 std::string DeviceProfileToJson(const DeviceProfile& profile);
 Result<DeviceProfile> DeviceProfileFromJson(const std::string& text);
+
+// What the host tier puts on this machine while it runs, made on purpose: the CPU update of
+// HostTierThreads(cores) threads streaming through `update_params` fp32 parameters' state in host
+// memory, and (with a CUDA device) copies both ways between pinned host memory and the device,
+// each on its own thread, over and over until Stop. The host's memory and PCIe, saturated so, slow
+// the threads that launch the GPU's forward and backward (on the H200 host a 0.95 B Llama at
+// 4 x 512 tokens went from 52-67 to 87-159 ms a step, bench/README.md); the probe times the
+// model's forward and backward under it (ProbeRecord::period_under_load) and the planner uses
+// that for plans with a host tier.
+struct HostLoadOptions {
+  int threads = 0;                            // CPU update threads; 0: HostTierThreads(all cores)
+  int64_t update_params = int64_t{64} << 20;  // 1 GiB of fp32 param, grad and moments; >= 64
+  int gpu_device = 0;                         // copies to and from this device
+  bool copies = true;                         // false (or no CUDA device): the CPU update only
+  uint64_t copy_bytes = uint64_t{64} << 20;   // per copy; two device and two pinned buffers
+};
+
+class HostLoad {
+ public:
+  // Allocates everything, starts both threads and returns once each has done one round. Bad
+  // options: kInvalidArgument naming the field; allocation failures: kOutOfMemory; nothing is
+  // left running on error.
+  static Result<std::unique_ptr<HostLoad>> Start(const HostLoadOptions& options = {});
+  ~HostLoad();  // stops (errors dropped: call Stop to see them)
+  HostLoad(const HostLoad&) = delete;
+  HostLoad& operator=(const HostLoad&) = delete;
+
+  // Stops both threads and waits for them; the first error either met. Idempotent.
+  Status Stop();
+  // Rounds done so far: CPU update steps, and copies each way (0 without copies).
+  int64_t update_rounds() const;
+  int64_t copy_rounds() const;
+
+ private:
+  struct Impl;
+  explicit HostLoad(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace emsa

@@ -241,6 +241,10 @@ _TABLE = {
     "emsa_parse_bytes": (_S, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint64)]),
     "emsa_simd_level": (ctypes.c_int32, []),
     "emsa_profile_measure": (_S, [ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(_P)]),
+    "emsa_host_load_start": (_S, [ctypes.c_int32, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
+                                  ctypes.c_uint64, ctypes.POINTER(_P)]),
+    "emsa_host_load_stop": (_S, [_P, ctypes.POINTER(ctypes.c_int64),
+                                 ctypes.POINTER(ctypes.c_int64)]),
     "emsa_plan_options_init": (None, [ctypes.POINTER(PlanOptions)]),
     "emsa_plan_create": (
         _S,

@@ -131,7 +131,7 @@ def _preserved_state(model: torch.nn.Module, params: list[torch.Tensor]):
 
 def probe(model: torch.nn.Module, *example_args: Any, loss_fn: Callable[[Any], torch.Tensor]
           | None = None, profile: Any = None, trace: bool = True, warmup: bool = True,
-          **example_kwargs: Any) -> ProbeRecord:
+          under_load: bool = True, **example_kwargs: Any) -> ProbeRecord:
     """Runs model(*example_args, **example_kwargs), then backward of loss_fn(output) (default:
     default_loss), without updating anything, and returns what it observed.
 
@@ -143,6 +143,11 @@ def probe(model: torch.nn.Module, *example_args: Any, loss_fn: Callable[[Any], t
     more after it, timed with three events only: the hooks' Python work can outlast a fast
     GPU's kernels, so the observed pass's forward and backward are rescaled to the unobserved
     durations (each only shortened) with every time inside them.
+    under_load: on a GPU (with warmup), forward and backward timed once more while emsa makes
+    the host tier's load on purpose (its CPU update and PCIe copies both ways, emsa::HostLoad):
+    the threads launching the GPU's work slow down under it, and a launch-bound step with it
+    (record.period_under_load; the planner uses it for plans with a host tier). Adds two passes
+    and about 1 GiB of host memory, 128 MiB of device memory while it runs.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"emsa.probe takes an nn.Module, not {type(model).__name__}")
@@ -175,6 +180,10 @@ def probe(model: torch.nn.Module, *example_args: Any, loss_fn: Callable[[Any], t
                                             example_kwargs,
                                             [p for p in params if p.requires_grad], device)
             _rescale(record, forward, backward)
+            if under_load:
+                record.period_under_load = _period_under_load(
+                    model, loss_fn or default_loss, example_args, example_kwargs,
+                    [p for p in params if p.requires_grad], device)
     record.graph = graph
     record.profile = profile_dict
     return record
@@ -208,6 +217,23 @@ def _timed_pass(model, loss_fn, args, kwargs, targets, device) -> tuple[float, f
     torch.clear_autocast_cache()
     _, forward, end = clock.resolve()
     return forward, end - forward
+
+
+def _period_under_load(model, loss_fn, args, kwargs, targets, device) -> float:
+    """Forward + backward seconds while emsa::HostLoad runs: the better of two passes."""
+    import ctypes
+
+    from ._capi import check, lib
+
+    load = ctypes.c_void_p()
+    check(lib.emsa_host_load_start(0, 64 << 20, device.index or 0, 1, 64 << 20,
+                                   ctypes.byref(load)))
+    try:
+        best = min(sum(_timed_pass(model, loss_fn, args, kwargs, targets, device))
+                   for _ in range(2))
+    finally:
+        check(lib.emsa_host_load_stop(load, None, None))
+    return best
 
 
 def _rescale(record: ProbeRecord, forward: float, backward: float) -> None:

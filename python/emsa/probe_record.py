@@ -59,6 +59,8 @@ class ProbeRecord:
     device: str = ""
     forward_time: float = 0.0
     backward_time: float = 0.0
+    # Forward + backward timed again under emsa's host-tier load (HostLoad); 0: not measured.
+    period_under_load: float = 0.0
     peak_device_bytes: int = 0
     activation_peak_bytes: int = 0
     params: list[ParamRecord] = field(default_factory=list)
@@ -104,6 +106,7 @@ class ProbeRecord:
             device=doc.get("device") or "",
             forward_time=float(doc["forward_time"]),
             backward_time=float(doc["backward_time"]),
+            period_under_load=float(doc.get("period_under_load") or 0.0),
             peak_device_bytes=int(doc["peak_device_bytes"]),
             activation_peak_bytes=int(doc["activation_peak_bytes"]),
             params=[_read(ParamRecord, p, f"params[{i}]") for i, p in enumerate(doc["params"])],

@@ -36,6 +36,9 @@ struct emsa_device_arena {
 struct emsa_cpu_updater {
   std::unique_ptr<emsa::CpuUpdater> updater;
 };
+struct emsa_host_load {
+  std::unique_ptr<emsa::HostLoad> load;
+};
 struct emsa_device_scalars {
   std::unique_ptr<emsa::DeviceScalars> scalars;
 };
@@ -297,6 +300,35 @@ emsa_status emsa_profile_measure(int32_t measure_bandwidth, int32_t gpu_device, 
     auto profile = emsa::MeasureDeviceProfile(options);
     if (!profile.ok()) return Report(profile.status());
     return ReturnString(emsa::DeviceProfileToJson(*profile), json_out);
+  });
+}
+
+emsa_status emsa_host_load_start(int32_t threads, int64_t update_params, int32_t gpu_device,
+                                 int32_t copies, uint64_t copy_bytes, emsa_host_load** load_out) {
+  return Guard([&] {
+    if (load_out == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "load_out is NULL");
+    emsa::HostLoadOptions options;
+    options.threads = threads;
+    options.update_params = update_params;
+    options.gpu_device = gpu_device;
+    options.copies = copies != 0;
+    options.copy_bytes = copy_bytes;
+    auto load = emsa::HostLoad::Start(options);
+    if (!load.ok()) return Report(load.status());
+    *load_out = new emsa_host_load{std::move(load).value()};
+    return Report(emsa::Status::Ok());
+  });
+}
+
+emsa_status emsa_host_load_stop(emsa_host_load* load, int64_t* update_rounds_out,
+                                int64_t* copy_rounds_out) {
+  return Guard([&] {
+    if (load == nullptr) return Report(emsa::Status::Ok());
+    std::unique_ptr<emsa_host_load> owned(load);
+    const emsa::Status s = owned->load->Stop();
+    if (update_rounds_out != nullptr) *update_rounds_out = owned->load->update_rounds();
+    if (copy_rounds_out != nullptr) *copy_rounds_out = owned->load->copy_rounds();
+    return Report(s);
   });
 }
 

@@ -372,7 +372,8 @@ Status CpuUpdater::SetWorkerNice(int nice) {
   }
   const int refused = pool_->SetWorkerNice(nice);
   if (refused > 0) {
-    return Status::Unsupported(std::to_string(refused) + " of " + std::to_string(pool_->size() - 1) +
+    return Status::Unsupported(std::to_string(refused) + " of " +
+                               std::to_string(pool_->size() - 1) +
                                " pool threads could not be set to nice " + std::to_string(nice) +
                                " (raising priority needs CAP_SYS_NICE; not supported off "
                                "Linux); leave the nice value as it is");

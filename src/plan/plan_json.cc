@@ -79,6 +79,7 @@ Value BucketJson(const Bucket& b) {
 Value PredictionJson(const Prediction& p) {
   Value v = Value::MakeObject();
   v.Set("period", p.period);
+  v.Set("load_slowdown", p.load_slowdown);
   v.Set("hbm_time", p.hbm_time);
   v.Set("d2h_time", p.d2h_time);
   v.Set("h2d_time", p.h2d_time);

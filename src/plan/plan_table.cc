@@ -108,7 +108,12 @@ void Totals(const Plan& plan, std::string* out) {
 void PredictionRows(const Plan& plan, std::string* out) {
   const Prediction& p = plan.prediction;
   Append(out, "\nprediction\n");
-  Append(out, "  %-34s %10.3f ms\n", "forward + backward (P)", Ms(p.period));
+  if (p.load_slowdown > 1.0) {
+    Append(out, "  %-34s %10.3f ms  (x%.2f: the host tier's load slows its launches)\n",
+           "forward + backward (P)", Ms(p.period), p.load_slowdown);
+  } else {
+    Append(out, "  %-34s %10.3f ms\n", "forward + backward (P)", Ms(p.period));
+  }
   Append(out, "  %-34s %10.3f ms\n", "device update (HBM)", Ms(p.hbm_time));
   Append(out, "  %-34s %10.3f ms\n", "gradients down (D2H)", Ms(p.d2h_time));
   Append(out, "  %-34s %10.3f ms\n", "host update (CPU)", Ms(p.cpu_time));

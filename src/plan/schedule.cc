@@ -172,6 +172,25 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
   const double cpu_link_slowdown = gpu_link > 0 ? 2.0 : 1.0;
   const double gpu_link_slowdown = gpu_link > 0 ? (cpu_link + gpu_link) / gpu_link : 1.0;
 
+  // The framework under the host tier's load: the probe timed forward and backward alone (Pa)
+  // and under a saturating load (PL). The period stretches by the load's share of it, the time
+  // its busiest engine works (B) over the period: P = Pa + (PL - Pa) * min(1, B / P), solved
+  // for P (the right side falls as P grows, so there is one root: PL when B >= PL, else the
+  // positive root of P^2 - Pa P - (PL - Pa) B = 0). Every time in the probe's timeline
+  // stretches with it.
+  out.load_slowdown = 1.0;
+  const double alone = out.period;
+  if (host_elements > 0 && alone > 0 && record.period_under_load > alone) {
+    const double loaded = record.period_under_load;
+    const double busy = std::max({cpu * cpu_slowdown, d2h, h2d});
+    const double p = busy >= loaded
+                         ? loaded
+                         : 0.5 * (alone + std::sqrt(alone * alone + 4 * (loaded - alone) * busy));
+    out.load_slowdown = p / alone;
+    out.period = p;
+  }
+  const double stretch = out.load_slowdown;
+
   // The engines as the host tier runs them (emsa/host_tier.h). Device buckets update in bucket
   // order on the compute stream. Host buckets: gradients down in submission order (as each
   // bucket is ready when gradients are released in backward; otherwise all at the end of
@@ -193,11 +212,11 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
   double hbm_free = 0, d2h_free = 0, h2d_free = 0;
   for (size_t b = 0; b < nb; ++b) {
     if (plan->buckets[b].tier == Tier::kL2) continue;
-    hbm_free = std::max(plan->buckets[b].ready_time, hbm_free) + work[b].hbm;
+    hbm_free = std::max(plan->buckets[b].ready_time * stretch, hbm_free) + work[b].hbm;
     finish[b] = hbm_free;
   }
   for (size_t b : host) {
-    const double ready = options.release_grads ? plan->buckets[b].ready_time : out.period;
+    const double ready = options.release_grads ? plan->buckets[b].ready_time * stretch : out.period;
     d2h_free = std::max(ready, d2h_free) + work[b].d2h * cpu_link_slowdown;
     landed[b] = d2h_free;
   }
@@ -236,7 +255,7 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
   // going back down trail by a staging slot and hold nothing up).
   std::vector<double> submitted(nb, 0.0);
   for (size_t b : gpu) {
-    submitted[b] = options.release_grads ? plan->buckets[b].ready_time : out.period;
+    submitted[b] = options.release_grads ? plan->buckets[b].ready_time * stretch : out.period;
   }
   drain(gpu, submitted, [&](size_t b, double t) {
     t += work[b].h2d * gpu_link_slowdown;
@@ -246,7 +265,8 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
   double stall = 0.0;
   for (size_t b = 0; b < nb; ++b) {
     for (int64_t i : plan->buckets[b].params) {
-      const double need = out.period + ForwardNeed(record, record.params[static_cast<size_t>(i)]);
+      const double need =
+          out.period + stretch * ForwardNeed(record, record.params[static_cast<size_t>(i)]);
       stall = std::max(stall, finish[b] - need);
     }
   }

@@ -272,6 +272,7 @@ Status ReadProfile(const json::Value& doc, ProbeRecord* record) {
 Status ValidateProbeRecord(const ProbeRecord& record) {
   EMSA_RETURN_IF_ERROR(CheckTime(record.forward_time, "forward_time"));
   EMSA_RETURN_IF_ERROR(CheckTime(record.backward_time, "backward_time"));
+  EMSA_RETURN_IF_ERROR(CheckTime(record.period_under_load, "period_under_load"));
   if (record.activation_peak_bytes > record.peak_device_bytes) {
     return Status::InvalidArgument(
         "activation_peak_bytes: " + std::to_string(record.activation_peak_bytes) +
@@ -323,6 +324,7 @@ std::string ProbeRecordToJson(const ProbeRecord& record) {
   doc.Set("device", record.device);
   doc.Set("forward_time", record.forward_time);
   doc.Set("backward_time", record.backward_time);
+  doc.Set("period_under_load", record.period_under_load);
   doc.Set("peak_device_bytes", record.peak_device_bytes);
   doc.Set("activation_peak_bytes", record.activation_peak_bytes);
   json::Value params = json::Value::MakeArray();
@@ -368,6 +370,7 @@ Result<ProbeRecord> ProbeRecordFromJson(const std::string& text) {
   EMSA_ASSIGN_OR_RETURN(record.device, root.String("device", ""));
   EMSA_ASSIGN_OR_RETURN(record.forward_time, root.Number("forward_time"));
   EMSA_ASSIGN_OR_RETURN(record.backward_time, root.Number("backward_time"));
+  EMSA_ASSIGN_OR_RETURN(record.period_under_load, root.Number("period_under_load", 0.0));
   EMSA_ASSIGN_OR_RETURN(record.peak_device_bytes, root.UInt("peak_device_bytes"));
   EMSA_ASSIGN_OR_RETURN(record.activation_peak_bytes, root.UInt("activation_peak_bytes"));
   EMSA_ASSIGN_OR_RETURN(std::vector<json::Reader> params, root.Array("params"));

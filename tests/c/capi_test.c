@@ -56,6 +56,19 @@ static void test_library(void) {
   CHECK(emsa_profile_measure(0, 0, &profile) == EMSA_OK);
   CHECK(profile != NULL && strstr(profile, "\"cpu\"") != NULL);
   emsa_free(profile);
+
+  /* The host tier's load, CPU part only: refused options leave the output alone. */
+  emsa_host_load* load = NULL;
+  CHECK(emsa_host_load_start(-1, 1 << 16, 0, 0, 0, &load) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "threads") != NULL);
+  CHECK(load == NULL);
+  CHECK(emsa_host_load_start(2, 1 << 16, 0, 0, 0, &load) == EMSA_OK);
+  CHECK(load != NULL);
+  int64_t updates = -1, copies = -1;
+  CHECK(emsa_host_load_stop(load, &updates, &copies) == EMSA_OK);
+  CHECK(updates >= 1);
+  CHECK(copies == 0);
+  CHECK(emsa_host_load_stop(NULL, NULL, NULL) == EMSA_OK);
 }
 
 /* AdamW on 1000 elements against a double-precision reference written here, in C. */
@@ -78,6 +91,8 @@ static void test_cpu_step(void) {
   CHECK(threads == 2);
   CHECK(level == emsa_simd_level());
   /* Scheduling: guided runs of >= 64 elements or equal shares (0); results are the same. */
+  CHECK(emsa_cpu_updater_set_worker_nice(up, 20) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "19 (lowest)") != NULL);
   CHECK(emsa_cpu_updater_set_guided(up, 10) == EMSA_INVALID_ARGUMENT);
   CHECK(strstr(emsa_last_error(), "at least 64") != NULL);
   CHECK(emsa_cpu_updater_set_guided(NULL, 64) == EMSA_INVALID_ARGUMENT);

@@ -883,7 +883,7 @@ TEST(CpuUpdate, WorkerNiceValidatedAndResultsUnchanged) {
   const int own = getpriority(PRIO_PROCESS, static_cast<id_t>(gettid()));
   if (errno != 0 || own > 10) GTEST_SKIP() << "this thread runs at nice " << own;
   ASSERT_TRUE(updater->SetWorkerNice(own + 9).ok());
-  const Combo c{OptimizerKind::kAdamW, DType::kFloat32,  false,
+  const Combo c{OptimizerKind::kAdamW, DType::kFloat32, false,
                 DType::kFloat32,       DType::kFloat32, Rounding::kNearest};
   Batch want(c, kSizes, 11);
   Batch got = want;

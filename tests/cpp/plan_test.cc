@@ -634,6 +634,58 @@ TEST(PlanSchedule, TimelineMatchesHandComputation) {
               1e-12);
 }
 
+// The probe's forward + backward under the host tier's load (period_under_load) stretches a
+// host-tier plan's period by the load's share of it, and every probe time with it; plans without
+// a host tier, and records without the measurement or with a faster one, keep the probe's P.
+TEST(PlanSchedule, LoadSlowdownStretchesTheHostTiersPeriod) {
+  ProbeRecord r;
+  r.forward_time = 0.01;
+  r.backward_time = 0.02;
+  r.params = {Param("a", "a", 1000000, 0, 0.0, 1, 0.03),
+              Param("b", "b", 1000000, 1, 0.005, 0, 0.015)};
+  const DeviceProfile profile = Gpu();
+  PlanOptions o;
+  o.device_update_share = 0;
+  o.force_all_host = true;
+  o.bucket_bytes = 4000000;
+  o.release_grads = true;
+  const double pa = 0.03, down = 4e6 / 10e9, up = 4e6 / 10e9;
+
+  EXPECT_EQ(MustPlan(r, profile, o).prediction.load_slowdown, 1.0);  // not measured
+  r.period_under_load = 0.02;                                        // faster: noise
+  EXPECT_EQ(MustPlan(r, profile, o).prediction.load_slowdown, 1.0);
+
+  // The host engines busy 3.2 ms of the period (the CPU): P = Pa + (PL - Pa) * busy / P.
+  r.period_under_load = 0.06;
+  const Plan light = MustPlan(r, profile, o);
+  const double busy = light.prediction.cpu_time;
+  ASSERT_GT(busy, light.prediction.d2h_time);
+  const double p = light.prediction.period;
+  EXPECT_GT(p, pa);
+  EXPECT_LT(p, 0.06);
+  EXPECT_NEAR(p, pa + (0.06 - pa) * busy / p, 1e-12);
+  EXPECT_NEAR(light.prediction.load_slowdown, p / pa, 1e-12);
+
+  // A host busier than the loaded period: the whole period is under load, P = PL, twice the
+  // probe's, and the timeline with it (b ready at 0.03, a at 0.06; a needed at P, b at P + 0.01).
+  DeviceProfile slow = profile;
+  slow.cpu.host_update_bandwidth = 1e9;
+  const Plan heavy = MustPlan(r, slow, o);
+  const double cpu = 32e6 / 1e9;
+  EXPECT_DOUBLE_EQ(heavy.prediction.period, 0.06);
+  EXPECT_DOUBLE_EQ(heavy.prediction.load_slowdown, 2.0);
+  const double b_done = 0.03 + down + cpu + up, a_done = 0.03 + down + 2 * cpu + up;
+  EXPECT_NEAR(heavy.prediction.stall_time, std::max(a_done - 0.06, b_done - 0.07), 1e-12);
+  EXPECT_NEAR(heavy.prediction.step_time, 0.06 + heavy.prediction.stall_time, 1e-15);
+
+  // No host tier: the load is not there.
+  o.force_all_host = false;
+  const Plan device = MustPlan(r, slow, o);
+  ASSERT_EQ(device.prediction.d2h_time, 0.0);
+  EXPECT_EQ(device.prediction.load_slowdown, 1.0);
+  EXPECT_DOUBLE_EQ(device.prediction.period, pa);
+}
+
 TEST(PlanSchedule, PeakIsBasePlusDeviceArena) {
   const ProbeRecord r = Decoder(true);
   const Plan plan = MustPlan(r, DeviceProfile{}, PlanOptions{});

@@ -36,6 +36,7 @@ ProbeRecord SampleRecord() {
   r.device = "cuda:0";
   r.forward_time = 0.012;
   r.backward_time = 0.025;
+  r.period_under_load = 0.061;
   r.peak_device_bytes = 1 << 20;
   r.activation_peak_bytes = 1 << 19;
 
@@ -108,6 +109,7 @@ void ExpectRecordsEqual(const ProbeRecord& a, const ProbeRecord& b) {
   EXPECT_EQ(a.device, b.device);
   EXPECT_EQ(a.forward_time, b.forward_time);
   EXPECT_EQ(a.backward_time, b.backward_time);
+  EXPECT_EQ(a.period_under_load, b.period_under_load);
   EXPECT_EQ(a.peak_device_bytes, b.peak_device_bytes);
   EXPECT_EQ(a.activation_peak_bytes, b.activation_peak_bytes);
   ASSERT_EQ(a.params.size(), b.params.size());
@@ -244,7 +246,9 @@ TEST(ProbeRecordJson, UnknownKeysAreIgnored) {
 
 TEST(ProbeRecordJson, OptionalKeysTakeDefaults) {
   Result<ProbeRecord> r = ReadEdited([](json::Value& doc) {
-    for (const char* key : {"model", "device", "memory", "graph", "profile"}) Erase(doc, key);
+    for (const char* key : {"model", "device", "period_under_load", "memory", "graph", "profile"}) {
+      Erase(doc, key);
+    }
     json::Value& p = Field(doc, "params").as_array()[1];  // fc.weight
     for (const char* key : {"trainable", "tied_names", "use_count", "forward_order", "forward_time",
                             "grad_ready_order", "grad_ready_time"}) {
@@ -253,6 +257,7 @@ TEST(ProbeRecordJson, OptionalKeysTakeDefaults) {
   });
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->model, "");
+  EXPECT_EQ(r->period_under_load, 0.0);
   EXPECT_TRUE(r->memory.empty());
   EXPECT_TRUE(r->graph.empty());
   EXPECT_FALSE(r->has_profile);
@@ -431,7 +436,8 @@ std::string PathText(const std::vector<PathStep>& path) {
 
 // Keys that may be absent, hence null: nulling them must not crash, but may succeed.
 bool MayBeNull(const std::vector<PathStep>& path) {
-  static const std::set<std::string> top = {"model", "device", "memory", "graph", "profile"};
+  static const std::set<std::string> top = {"model",  "device", "period_under_load",
+                                            "memory", "graph",  "profile"};
   static const std::set<std::string> param = {"trainable",      "tied_names",   "use_count",
                                               "forward_order",  "forward_time", "grad_ready_order",
                                               "grad_ready_time"};
@@ -491,6 +497,8 @@ TEST(ValidateProbeRecord, NamesTheBrokenField) {
       {"nan time", [](ProbeRecord& r) { r.params[2].grad_ready_time = std::nan(""); },
        "params[2] ('fc.bias').grad_ready_time"},
       {"infinite duration", [](ProbeRecord& r) { r.backward_time = HUGE_VAL; }, "backward_time"},
+      {"negative loaded period", [](ProbeRecord& r) { r.period_under_load = -0.5; },
+       "period_under_load"},
       {"duplicate forward rank", [](ProbeRecord& r) { r.params[2].forward_order = 1; },
        "forward_order: rank 1 is also held by params[1]"},
       {"duplicate grad rank", [](ProbeRecord& r) { r.params[0].grad_ready_order = 0; },

@@ -247,6 +247,52 @@ void ExpectSameProfile(const DeviceProfile& a, const DeviceProfile& b) {
   EXPECT_EQ(a.gpu.host_update_duplex_bandwidth, b.gpu.host_update_duplex_bandwidth);
 }
 
+// HostLoad: bad options change nothing and say what to use; a running load has done a round of
+// each part by the time Start returns, keeps going, and stops on request (twice is fine). With a
+// GPU the copies run too; without one (or with copies off) the CPU part alone.
+TEST(HostLoad, OptionsAreCheckedAndTheLoadRunsUntilStopped) {
+  auto expect_refused = [](HostLoadOptions o, const char* field) {
+    Result<std::unique_ptr<HostLoad>> load = HostLoad::Start(o);
+    ASSERT_FALSE(load.ok());
+    EXPECT_EQ(load.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(load.status().message().find(field), std::string::npos) << load.status().message();
+  };
+  HostLoadOptions bad;
+  bad.threads = -1;
+  expect_refused(bad, "threads");
+  bad = HostLoadOptions{};
+  bad.update_params = 63;
+  expect_refused(bad, "update_params");
+  bad = HostLoadOptions{};
+  bad.copy_bytes = 0;
+  expect_refused(bad, "copy_bytes");
+
+  for (bool copies : {false, true}) {
+    HostLoadOptions o;
+    o.threads = 2;
+    o.update_params = 1 << 16;
+    o.copies = copies;
+    o.copy_bytes = 1 << 20;
+    Result<std::unique_ptr<HostLoad>> load = HostLoad::Start(o);
+    ASSERT_TRUE(load.ok()) << load.status().ToString();
+    EXPECT_GE((*load)->update_rounds(), 1);
+    const bool gpu = copies && MeasureGpuProfile(ProfileOptions{false, 0, 0})->present;
+    if (gpu) {
+      EXPECT_GE((*load)->copy_rounds(), 4);
+    } else {
+      EXPECT_EQ((*load)->copy_rounds(), 0);
+    }
+    const int64_t first = (*load)->update_rounds();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_GT((*load)->update_rounds(), first);  // still running
+    EXPECT_TRUE((*load)->Stop().ok());
+    const int64_t stopped = (*load)->update_rounds();
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    EXPECT_EQ((*load)->update_rounds(), stopped);
+    EXPECT_TRUE((*load)->Stop().ok());
+  }
+}
+
 TEST(ProfileJson, RoundTripIsExactAndByteStable) {
   for (bool gpu_present : {true, false}) {
     DeviceProfile original = SampleProfile();

@@ -109,6 +109,7 @@ def test_orders_follow_forward_and_backward():
     assert record.forward_time > 0 and record.backward_time > 0
     assert all(t >= record.forward_time for t in times)
     assert record.peak_device_bytes == 0  # a CPU probe measures no device memory
+    assert record.period_under_load == 0.0  # nor times the model under the host tier's load
     events = {m.event for m in record.memory}
     assert events == {"forward_pre", "forward_post", "backward_post"}
 
@@ -326,4 +327,11 @@ def test_cuda_probe_measures_memory_and_restores_cuda_rng():
     assert 0 < record.activation_peak_bytes <= record.peak_device_bytes
     assert max(m.device_bytes for m in record.memory) > 0
     assert record.param("head.bias").grad_ready_order == 0
+    # Timed again under the host tier's load (two passes, the better kept): a real duration,
+    # kept through JSON; the state restored all the same (the RNG check above).
+    assert record.period_under_load > 0
+    assert emsa.ProbeRecord.from_json(record.to_json()).period_under_load == \
+        record.period_under_load
+    off = emsa.probe(model, idx, targets, profile=PROFILE, under_load=False)
+    assert off.period_under_load == 0.0
     record.check()
