@@ -146,7 +146,7 @@ def probe(model: torch.nn.Module, *example_args: Any, loss_fn: Callable[[Any], t
     under_load: on a GPU (with warmup), forward and backward timed once more while emsa makes
     the host tier's load on purpose (its CPU update and PCIe copies both ways, emsa::HostLoad):
     the threads launching the GPU's work slow down under it, and a launch-bound step with it
-    (record.period_under_load; the planner uses it for plans with a host tier). Adds three passes
+    (record.period_under_load; the planner uses it for plans with a host tier). Adds five passes
     and about 1 GiB of host memory, 128 MiB of device memory while it runs.
     """
     if not isinstance(model, torch.nn.Module):
@@ -220,8 +220,9 @@ def _timed_pass(model, loss_fn, args, kwargs, targets, device) -> tuple[float, f
 
 
 def _period_under_load(model, loss_fn, args, kwargs, targets, device) -> float:
-    """Forward + backward seconds while emsa::HostLoad runs: the best of three passes (on the
-    H200 host two passes gave 141 and 195 ms for the same 0.95 B Llama in two probes)."""
+    """Forward + backward seconds while emsa::HostLoad runs: the median of five passes (on the
+    H200 host the best of two or three gave 107-195 ms for the same 0.95 B Llama in different
+    probes; the training step under load is an average, not a best case)."""
     import ctypes
 
     from ._capi import check, lib
@@ -230,11 +231,11 @@ def _period_under_load(model, loss_fn, args, kwargs, targets, device) -> float:
     check(lib.emsa_host_load_start(0, 64 << 20, device.index or 0, 1, 64 << 20,
                                    ctypes.byref(load)))
     try:
-        best = min(sum(_timed_pass(model, loss_fn, args, kwargs, targets, device))
-                   for _ in range(3))
+        passes = sorted(sum(_timed_pass(model, loss_fn, args, kwargs, targets, device))
+                        for _ in range(5))
     finally:
         check(lib.emsa_host_load_stop(load, None, None))
-    return best
+    return passes[2]
 
 
 def _rescale(record: ProbeRecord, forward: float, backward: float) -> None:
