@@ -578,12 +578,19 @@ TEST(PlanSchedule, BucketsRespectTierAndSize) {
   EXPECT_EQ(tiers.size(), 2u);
 }
 
-TEST(PlanSchedule, TimelineMatchesHandComputation) {
+// Two 1 M-element parameters: forward 10 ms, backward 20 ms; a used first and ready last (30 ms),
+// b used at 5 ms and ready at 15 ms.
+ProbeRecord TwoParams() {
   ProbeRecord r;
   r.forward_time = 0.01;
   r.backward_time = 0.02;
   r.params = {Param("a", "a", 1000000, 0, 0.0, 1, 0.03),
               Param("b", "b", 1000000, 1, 0.005, 0, 0.015)};
+  return r;
+}
+
+TEST(PlanSchedule, TimelineMatchesHandComputation) {
+  const ProbeRecord r = TwoParams();
   const DeviceProfile profile = Gpu();
   PlanOptions o;
   o.device_update_share = 0;  // the CPU updates the host tier: no device staging
@@ -638,11 +645,7 @@ TEST(PlanSchedule, TimelineMatchesHandComputation) {
 // host-tier plan's period by the load's share of it, and every probe time with it; plans without
 // a host tier, and records without the measurement or with a faster one, keep the probe's P.
 TEST(PlanSchedule, LoadSlowdownStretchesTheHostTiersPeriod) {
-  ProbeRecord r;
-  r.forward_time = 0.01;
-  r.backward_time = 0.02;
-  r.params = {Param("a", "a", 1000000, 0, 0.0, 1, 0.03),
-              Param("b", "b", 1000000, 1, 0.005, 0, 0.015)};
+  ProbeRecord r = TwoParams();
   const DeviceProfile profile = Gpu();
   PlanOptions o;
   o.device_update_share = 0;
