@@ -229,8 +229,8 @@ def _period_under_load(model, loss_fn, args, kwargs, targets, device) -> float:
 
     load = ctypes.c_void_p()
     try:
-        check(lib.emsa_host_load_start(0, 64 << 20, device.index or 0, 1, 64 << 20,
-                                       ctypes.byref(load)))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        check(lib.emsa_host_load_start(0, 64 << 20, index, 1, 64 << 20, ctypes.byref(load)))
     except EmsaError as e:  # e.g. no room for its buffers on a full device: said, not hidden
         warnings.warn(f"emsa.probe: forward and backward not timed under the host tier's load "
                       f"({e}); plans will assume that load does not slow them "
