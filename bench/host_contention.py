@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import statistics
 import subprocess
 import sys
@@ -149,10 +147,7 @@ def main():
         print(f"{label:48s} step {r['step_ms']:7.1f} ms   forward launch "
               f"{r['forward_launch_ms']:6.1f}   backward (host) {r['backward_host_ms']:6.1f}",
               flush=True)
-    out = args.out or str(oe.REPO / "bench" / "results" /
-                          f"host-contention-{result['date']}.json")
-    Path(out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"JSON: {out}")
+    print(f"JSON: {oe.write_json(result, args.out, 'host-contention')}")
 
 
 if __name__ == "__main__":

@@ -913,17 +913,22 @@ def main():
     write_result(result, args, table(result))
 
 
+def write_json(result: dict, out: str, name: str) -> Path:
+    """Writes a run's JSON to `out`, else bench/results/<name>-<date>.json; returns the path."""
+    path = Path(out) if out else REPO / "bench" / "results" / f"{name}-{result['date']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
 def write_result(result: dict, args, text: str) -> None:
     """The run's JSON (--out, else bench/results/<benchmark>-<date>.json; /tmp for a dry run),
     then its table."""
     name = result["benchmark"]
-    out = Path(args.out) if args.out else (
-        Path(f"/tmp/{name}-dry-run.json") if args.dry_run
-        else REPO / "bench" / "results" / f"{name}-{result['date']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = args.out or (f"/tmp/{name}-dry-run.json" if args.dry_run else "")
+    path = write_json(result, out, name)
     print(text)
-    print(f"\nJSON: {out}")
+    print(f"\nJSON: {path}")
 
 
 if __name__ == "__main__":

@@ -164,10 +164,8 @@ def main():
         print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()
                           if k != "bins_ms_up_down_compute"}))
     print("CPU threads (operators, their ms, launches, median launch us):", result["cpu_threads"])
-    out = args.out or str(oe.REPO / "bench" / "results" /
-                          f"step-timeline-{args.mode}-{args.shape}-{result['date']}.json")
-    Path(out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"JSON: {out}")
+    name = f"step-timeline-{args.mode}-{args.shape}"
+    print(f"JSON: {oe.write_json(result, args.out, name)}")
 
 
 if __name__ == "__main__":
