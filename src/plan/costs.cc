@@ -76,6 +76,17 @@ uint64_t DeviceUpdateLinkBytes(int64_t numel, const PlanOptions& options) {
   return U(numel) * DTypeSize(options.state_dtype) * StateCount(options.optimizer);
 }
 
+bool DeviceUpdatesAllowed(const PlanOptions& options, bool gpu_present) {
+  const double share = options.device_update_share;
+  return gpu_present && (share > 0.0 || (share < 0.0 && options.release_grads));
+}
+
+uint64_t StreamStagingBytes(const PlanOptions& options, int64_t largest) {
+  HostTierOptions tier;
+  tier.optimizer = options.optimizer;
+  return static_cast<uint64_t>(HostTier::StreamStagingBytes(tier, options.state_dtype, largest));
+}
+
 uint64_t HostMemoryTraffic(int64_t numel, DType param_dtype, const PlanOptions& options) {
   const uint64_t dma = 2 * U(numel) * DTypeSize(param_dtype);  // gradient in, parameter out
   return HostUpdateTraffic(numel, param_dtype, options) + dma;

@@ -71,6 +71,14 @@ inline bool DeviceUpdatable(DType param_dtype) { return param_dtype == DType::kF
 // A GPU-updated host-tier parameter's moments: the bytes that cross PCIe each way per step, and
 // half of what the host's memory carries for it (the DMA reads them, then writes them back).
 uint64_t DeviceUpdateLinkBytes(int64_t numel, const PlanOptions& options);
+// Whether the plan may give host-tier parameters to the GPU: a GPU, and a share asked for, or the
+// balanced share (-1) with gradients released in backward (a step() after backward makes the
+// compute stream wait until every gradient has been read: for the GPU path, until its kernels
+// ran, which needs its moments up first).
+bool DeviceUpdatesAllowed(const PlanOptions& options, bool gpu_present);
+// The device staging the host tier sets aside for GPU-updated parameters with its default
+// options (HostTier::StreamStagingBytes), the largest of them `largest` elements.
+uint64_t StreamStagingBytes(const PlanOptions& options, int64_t largest);
 
 inline uint64_t AlignUp(uint64_t x, uint64_t align) { return (x + align - 1) & ~(align - 1); }
 

@@ -9,7 +9,6 @@
 #include <string>
 #include <vector>
 
-#include "emsa/host_tier.h"
 #include "emsa/plan.h"
 #include "plan/costs.h"
 #include "plan/hotness.h"
@@ -170,21 +169,16 @@ Result<Plan> MakePlan(const ProbeRecord& record, const DeviceProfile& profile,
   std::vector<char> on_host(record.params.size(), 0);
   // With any state on the host, room for the staging of GPU-updated parameters unless none may
   // be (a little more than needed when the planner then chooses none).
-  const bool gpu_updates =
-      profile.gpu.present && (options.device_update_share > 0.0 ||
-                              (options.device_update_share < 0.0 && options.release_grads));
-  HostTierOptions tier_options;
-  tier_options.optimizer = options.optimizer;
   int64_t largest = 0;  // the largest parameter the GPU could update
   for (const ParamPlan& p : plan.params) {
     if (p.trainable && plan_internal::DeviceUpdatable(p.param_dtype)) {
       largest = std::max(largest, p.numel);
     }
   }
-  const uint64_t staging = gpu_updates && largest > 0
-                               ? static_cast<uint64_t>(HostTier::StreamStagingBytes(
-                                     tier_options, options.state_dtype, largest))
-                               : 0;
+  const uint64_t staging =
+      plan_internal::DeviceUpdatesAllowed(options, profile.gpu.present) && largest > 0
+          ? plan_internal::StreamStagingBytes(options, largest)
+          : 0;
   auto device_need = [&](size_t k) {
     MarkHost(offload, k, &on_host);
     return sizer.ArenaBytes(on_host) + (k > 0 ? staging : 0);
@@ -214,8 +208,9 @@ Result<Plan> MakePlan(const ProbeRecord& record, const DeviceProfile& profile,
   if (options.force_all_host) {
     k = n;
   } else if (limited && base + device_need(0) > plan.budget_bytes) {
-    size_t lo = 1, hi = k_max;  // past k = 0 the need only shrinks  // device_need(hi) fits; find
-                                // the smallest such k
+    // device_need(hi) fits; find the smallest such k (past k = 0, where the staging joins,
+    // the need only shrinks).
+    size_t lo = 1, hi = k_max;
     while (lo < hi) {
       const size_t mid = lo + (hi - lo) / 2;
       if (base + device_need(mid) <= plan.budget_bytes) {

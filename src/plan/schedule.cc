@@ -5,7 +5,6 @@
 #include <cmath>
 #include <vector>
 
-#include "emsa/host_tier.h"
 #include "plan/hotness.h"
 
 namespace emsa::plan_internal {
@@ -40,7 +39,7 @@ void ChooseDeviceUpdates(const ProbeRecord& record, const Bandwidths& bw, bool g
     Bucket& bucket = plan->buckets[b];
     bucket.device_update = false;
     if (bucket.tier != Tier::kL2) continue;
-    bool can = gpu_present;
+    bool can = DeviceUpdatesAllowed(o, gpu_present);
     double host = 0, link = 0, moments = 0, n = 0;
     for (int64_t i : bucket.params) {
       const ParamRecord& rec = record.params[static_cast<size_t>(i)];
@@ -62,11 +61,7 @@ void ChooseDeviceUpdates(const ProbeRecord& record, const Bandwidths& bw, bool g
     eligible += n;
     elements[b] = n;
   }
-  double share = eligible > 0 ? o.device_update_share : 0.0;
-  // Balanced only when gradients are released in backward (step_in_backward): a step() after
-  // backward makes the compute stream wait until every gradient has been read, for the GPU path
-  // until its kernels ran, which needs its moments up first.
-  if (share < 0 && !o.release_grads) share = 0.0;
+  double share = eligible > 0 ? o.device_update_share : 0.0;  // none eligible unless allowed
   if (share < 0) {                     // the CPU path and the links busy equally long
     const double link_bw = bw.duplex;  // the moments go up and down at once
     // The CPU's rate with the DMA running, measured; else its rate alone, with the DMA's
@@ -150,12 +145,7 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
   out.h2d_time = h2d;
   out.device_update_share = host_elements > 0 ? gpu_elements / host_elements : 0.0;
   out.stream_staging_bytes = 0;
-  if (gpu_elements > 0) {
-    HostTierOptions tier;
-    tier.optimizer = options.optimizer;
-    out.stream_staging_bytes =
-        static_cast<uint64_t>(HostTier::StreamStagingBytes(tier, options.state_dtype, largest));
-  }
+  if (gpu_elements > 0) out.stream_staging_bytes = StreamStagingBytes(options, largest);
   // Both host paths run through the step at once. The CPU path is bound by the host's memory,
   // which also carries the GPU path's moments: its update runs at the rate the profile measured
   // with copies running both ways, else takes as much longer as the moments add bytes. The GPU path
