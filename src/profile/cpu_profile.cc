@@ -2,7 +2,6 @@
 // measured host-memory bandwidths (a streaming read-modify-write, and the host tier's own AdamW
 // update on its own pool, which predicts the host tier's update speed).
 #include <sched.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -29,7 +28,6 @@ namespace emsa {
 namespace {
 
 constexpr uint64_t kMiB = uint64_t{1} << 20;
-constexpr uint64_t kHugePage = 2 * kMiB;
 // Scratch size: several times the L3 of one CCD or socket (a sweep over more than the cache
 // gets almost no hits), 32 MiB per thread on many-core hosts, at most an eighth of RAM so that
 // small machines are not pushed into swap. Not derived from sysconf's L3 size: VMs report the
@@ -127,21 +125,15 @@ Result<HostBandwidths> MeasureHostBandwidths(int threads) {
   ThreadPool& pool = *owned;
   const int workers = pool.size();
   const uint64_t total = ScratchBytes(workers);
-  const uint64_t alloc_bytes = (total + kHugePage - 1) / kHugePage * kHugePage;
-  char* scratch = static_cast<char*>(std::aligned_alloc(kHugePage, alloc_bytes));
+  const int64_t count = static_cast<int64_t>(total / sizeof(float));
+  const profile_internal::HostFloats scratch =
+      profile_internal::TouchedHostFloats(pool, count, kClaimFloats);
   if (scratch == nullptr) {
     return Status::OutOfMemory("host bandwidth measurement could not allocate " +
-                               std::to_string(alloc_bytes) +
+                               std::to_string(total) +
                                " bytes of scratch; free memory or set measure_bandwidth=false");
   }
-  std::unique_ptr<char, decltype(&std::free)> owner(scratch, &std::free);
-  // Huge pages shorten the first touch and match the host arena, which asks for them too.
-  (void)madvise(scratch, alloc_bytes, MADV_HUGEPAGE);
-  float* const floats = reinterpret_cast<float*>(scratch);
-  const int64_t count = static_cast<int64_t>(total / sizeof(float));
-  pool.ParallelFor(count, kClaimFloats, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) floats[i] = 1e-3f * static_cast<float>(i % 1000);
-  });
+  float* const floats = scratch.get();
 
   HostBandwidths out;
   // In place, a += s*b over the two halves: every written line was just read, so no

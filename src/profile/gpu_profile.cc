@@ -10,8 +10,6 @@
 
 #if EMSA_HAVE_CUDA
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -109,21 +107,16 @@ Result<double> HostUpdateWhileCopying(int threads, cudaStream_t stream, Enqueue&
   Result<std::unique_ptr<CpuUpdater>> updater = CpuUpdater::Create(o);
   if (!updater.ok()) return updater.status();
   constexpr int64_t n = int64_t{64} << 20;  // parameters: 1 GiB of four fp32 arrays
-  constexpr size_t kHuge = size_t{2} << 20;
-  const size_t bytes = 4 * n * sizeof(float);
-  float* data = static_cast<float*>(std::aligned_alloc(kHuge, bytes));
+  const profile_internal::HostFloats data =
+      profile_internal::TouchedHostFloats((*updater)->pool(), 4 * n, 1 << 16);
   if (data == nullptr) {
-    return Status::OutOfMemory("GPU profile: could not allocate " + std::to_string(bytes) +
+    return Status::OutOfMemory("GPU profile: could not allocate " +
+                               std::to_string(4 * n * sizeof(float)) +
                                " bytes for the host update under copies; set "
                                "measure_bandwidth=false");
   }
-  std::unique_ptr<float, decltype(&std::free)> owner(data, &std::free);
-  (void)madvise(data, bytes, MADV_HUGEPAGE);
-  (*updater)->pool().ParallelFor(4 * n, 1 << 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) data[i] = 1e-3f * static_cast<float>(i % 1000);
-  });
   const HyperParams hyper;
-  TensorUpdate t = profile_internal::FourArrayUpdate(data, n, &hyper);
+  TensorUpdate t = profile_internal::FourArrayUpdate(data.get(), n, &hyper);
   const StepOptions step = profile_internal::NearestRounding();
   EMSA_RETURN_IF_ERROR((*updater)->Step(&t, 1, step));  // first touch, warm pool
   Event done;

@@ -1,6 +1,5 @@
 // host_load.cc — HostLoad (emsa/profile.h): the host tier's load on the machine, made on
 // purpose, so that the probe can time the model's forward and backward under it.
-#include <sys/mman.h>
 
 #include <atomic>
 #include <chrono>
@@ -22,7 +21,7 @@ namespace emsa {
 struct HostLoad::Impl {
   HostLoadOptions options;
   std::unique_ptr<CpuUpdater> updater;
-  std::unique_ptr<float, decltype(&std::free)> state{nullptr, &std::free};
+  profile_internal::HostFloats state{nullptr, &std::free};
   HyperParams hyper;
   std::atomic<bool> stop{false};
   std::atomic<int64_t> updates{0}, copies{0};
@@ -140,22 +139,13 @@ Result<std::unique_ptr<HostLoad>> HostLoad::Start(const HostLoadOptions& options
   CpuUpdaterOptions o;
   o.threads = options.threads > 0 ? options.threads : HostTierThreads(ThreadPool::AvailableCpus());
   EMSA_ASSIGN_OR_RETURN(impl->updater, CpuUpdater::Create(o));
-  constexpr size_t kHuge = size_t{2} << 20;
-  const size_t bytes =
-      (4 * static_cast<size_t>(options.update_params) * sizeof(float) + kHuge - 1) / kHuge * kHuge;
-  impl->state.reset(static_cast<float*>(std::aligned_alloc(kHuge, bytes)));
+  impl->state = profile_internal::TouchedHostFloats(impl->updater->pool(),
+                                                    4 * options.update_params, 1 << 16);
   if (impl->state == nullptr) {
-    return Status::OutOfMemory("HostLoad: could not allocate " + std::to_string(bytes) +
+    return Status::OutOfMemory("HostLoad: could not allocate " +
+                               std::to_string(4 * options.update_params * sizeof(float)) +
                                " bytes of host memory; lower update_params");
   }
-  (void)madvise(impl->state.get(), bytes, MADV_HUGEPAGE);
-  float* data = impl->state.get();
-  impl->updater->pool().ParallelFor(4 * options.update_params, 1 << 16,
-                                    [&](int64_t begin, int64_t end) {
-                                      for (int64_t i = begin; i < end; ++i) {
-                                        data[i] = 1e-3f * static_cast<float>(i % 1000);
-                                      }
-                                    });
   bool copies = false;
 #if EMSA_HAVE_CUDA
   int count = 0;
