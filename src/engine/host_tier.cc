@@ -277,7 +277,7 @@ struct HostTier::Impl {
   // kernel (the bucket's first after its gradients are final on the compute stream), moments
   // down. Recording an event only moves what later waits on it refer to, and every wait below
   // is enqueued after the record it is meant for, so the slots' events can be reused in turn.
-  // The streamer thread alone calls this.
+  // One thread calls this: the streamer when there is one, else Submit's caller.
   Status EnqueueRun(Bucket& b, size_t r, int64_t s) {
     const Span& run = b.runs[r];
     const TensorUpdate& u = b.updates[run.tensor];
