@@ -139,14 +139,14 @@ def probe(model: torch.nn.Module, *example_args: Any, loss_fn: Callable[[Any], t
     (well under a second on the CPU side). trace=False skips the optional torch.fx graph.
     warmup: on a GPU, one unobserved forward and backward first, so the observed one is timed
     as training runs it (the first pass pays for cuBLAS set-up and the caching allocator's
-    cudaMalloc calls, which made a 0.95 B Llama's probed step 3-4x its real length), and one
-    more after it, timed with three events only: the hooks' Python work can outlast a fast
-    GPU's kernels, so the observed pass's forward and backward are rescaled to the unobserved
-    durations (each only shortened) with every time inside them.
+    cudaMalloc calls, which made a 0.95 B Llama's probed step 3-4x its real length), and three
+    more after it, each timed with three events only (the median one counts): the hooks'
+    Python work can outlast a fast GPU's kernels, so the observed pass's forward and backward
+    are rescaled to the unobserved durations (each only shortened) with every time inside them.
     under_load: on a GPU (with warmup), forward and backward timed once more while emsa makes
     the host tier's load on purpose (its CPU update and PCIe copies both ways, emsa::HostLoad):
     the threads launching the GPU's work slow down under it, and a launch-bound step with it
-    (record.period_under_load; the planner uses it for plans with a host tier). Adds five passes
+    (record.period_under_load; the planner uses it for plans with a host tier). Adds nine passes
     and about 1 GiB of host memory, 128 MiB of device memory while it runs.
     """
     if not isinstance(model, torch.nn.Module):
@@ -176,9 +176,10 @@ def probe(model: torch.nn.Module, *example_args: Any, loss_fn: Callable[[Any], t
         with obs.installed():
             record = obs.run(loss_fn or default_loss, example_args, example_kwargs)
         if warmup and device.type == "cuda":
-            forward, backward = _timed_pass(model, loss_fn or default_loss, example_args,
-                                            example_kwargs,
-                                            [p for p in params if p.requires_grad], device)
+            forward, backward = _median_pass(model, loss_fn or default_loss, example_args,
+                                             example_kwargs,
+                                             [p for p in params if p.requires_grad], device,
+                                             ALONE_PASSES)
             _rescale(record, forward, backward)
             if under_load:
                 record.period_under_load = _period_under_load(
@@ -219,10 +220,25 @@ def _timed_pass(model, loss_fn, args, kwargs, targets, device) -> tuple[float, f
     return forward, end - forward
 
 
+# Passes timed: alone, and under the host tier's load. On the H200's host one pass of a 0.95 B
+# Llama (4 x 512 tokens) under load took 66-197 ms, one process, one minute; the median of five
+# still read 124 / 199 / 124 ms in three probes back to back, and alone 47-68 ms pass to pass.
+# The training step is a median over steps, so the probe's figures are medians over enough
+# passes that one slow stretch of the host does not make them (a pass under load is ~0.15 s).
+ALONE_PASSES = 3
+LOADED_PASSES = 9
+
+
+def _median_pass(model, loss_fn, args, kwargs, targets, device, count: int) -> tuple[float, float]:
+    """The forward and backward of the pass with the median forward + backward of `count`."""
+    passes = sorted((_timed_pass(model, loss_fn, args, kwargs, targets, device)
+                     for _ in range(count)), key=sum)
+    return passes[len(passes) // 2]
+
+
 def _period_under_load(model, loss_fn, args, kwargs, targets, device) -> float:
-    """Forward + backward seconds while emsa::HostLoad runs: the median of five passes (on the
-    H200 host the best of two or three gave 107-195 ms for the same 0.95 B Llama in different
-    probes; the training step under load is an average, not a best case)."""
+    """Forward + backward seconds while emsa::HostLoad runs: the median of LOADED_PASSES (the
+    training step under load is an average, not a best case)."""
     import ctypes
 
     from ._capi import EmsaError, check, lib
@@ -237,11 +253,11 @@ def _period_under_load(model, loss_fn, args, kwargs, targets, device) -> float:
                       f"(probe(..., under_load=False) skips this)", stacklevel=3)
         return 0.0
     try:
-        passes = sorted(sum(_timed_pass(model, loss_fn, args, kwargs, targets, device))
-                        for _ in range(5))
+        forward, backward = _median_pass(model, loss_fn, args, kwargs, targets, device,
+                                         LOADED_PASSES)
     finally:
         check(lib.emsa_host_load_stop(load, None, None))
-    return passes[2]
+    return forward + backward
 
 
 def _rescale(record: ProbeRecord, forward: float, backward: float) -> None:

@@ -327,7 +327,7 @@ def test_cuda_probe_measures_memory_and_restores_cuda_rng():
     assert 0 < record.activation_peak_bytes <= record.peak_device_bytes
     assert max(m.device_bytes for m in record.memory) > 0
     assert record.param("head.bias").grad_ready_order == 0
-    # Timed again under the host tier's load (the median of five passes): a real duration,
+    # Timed again under the host tier's load (the median of nine passes): a real duration,
     # kept through JSON; the state restored all the same (the RNG check above).
     assert record.period_under_load > 0
     assert emsa.ProbeRecord.from_json(record.to_json()).period_under_load == \
