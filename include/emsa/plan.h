@@ -64,7 +64,9 @@ struct PlanOptions {
   // down and the update up. Chosen by whole buckets, spread over the gradient-ready order so
   // that both paths have work from the first gradients of backward to the last.
   // -1: with release_grads, the share at which the CPU path and the PCIe links finish together
-  // (the bandwidths of the profile), else none (a step() after backward waits for every
+  // (the bandwidths of the profile), or the share of 0, 0.05, ..., 1 whose predicted step is
+  // more than 1% shorter than that one's (the framework's period under the host tier's load
+  // counted), else none (a step() after backward waits for every
   // gradient to be read, the GPU path's only after its moments came up); 0: none (the CPU
   // updates every host-tier parameter); up to 1.
   double device_update_share = -1.0;
@@ -125,7 +127,8 @@ struct Prediction {
                         // load_slowdown
   // How much longer forward and backward take while the host tier loads the host's memory and
   // PCIe (ProbeRecord::period_under_load over the probe's P), in the share of the period the
-  // host tier's busiest engine is busy: 1 without a host tier or that measurement.
+  // host tier's host-memory traffic would keep the probe's load (emsa::HostLoad) busy: 1
+  // without a host tier or that measurement.
   double load_slowdown = 1.0;
   double hbm_time = 0.0;              // s, device-tier update traffic / HBM bandwidth
   double d2h_time = 0.0;              // s, host-tier gradients down / d2h bandwidth

@@ -233,8 +233,7 @@ Result<Plan> MakePlan(const ProbeRecord& record, const DeviceProfile& profile,
     return Status::Internal("device arena layout disagrees with its size estimate");
   }
   plan_internal::MakeBuckets(record, order, &plan);
-  plan_internal::ChooseDeviceUpdates(record, bw, profile.gpu.present, &plan);
-  plan_internal::Predict(record, bw, base, &plan);
+  plan_internal::PlanHostPaths(record, bw, profile.gpu.present, base, &plan);
   return plan;
 }
 

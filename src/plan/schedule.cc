@@ -28,7 +28,7 @@ void MakeBuckets(const ProbeRecord& record, const LayoutOrder& order, Plan* plan
 }
 
 void ChooseDeviceUpdates(const ProbeRecord& record, const Bandwidths& bw, bool gpu_present,
-                         Plan* plan) {
+                         double asked, Plan* plan) {
   const PlanOptions& o = plan->options;
   // Over the host tier: host-memory and per-link bytes of what the CPU must update (fixed), and
   // of the eligible buckets on the CPU path (cpu_*) or the GPU path (gpu_*).
@@ -61,9 +61,9 @@ void ChooseDeviceUpdates(const ProbeRecord& record, const Bandwidths& bw, bool g
     eligible += n;
     elements[b] = n;
   }
-  double share = eligible > 0 ? o.device_update_share : 0.0;  // none eligible unless allowed
-  if (share < 0) {                     // the CPU path and the links busy equally long
-    const double link_bw = bw.duplex;  // the moments go up and down at once
+  double share = eligible > 0 ? asked : 0.0;  // none eligible unless allowed
+  if (share < 0) {                            // the CPU path and the links busy equally long
+    const double link_bw = bw.duplex;         // the moments go up and down at once
     // The CPU's rate with the DMA running, measured; else its rate alone, with the DMA's
     // moments charged to the host's memory in full.
     const bool measured = bw.host_update_duplex > 0;
@@ -163,16 +163,21 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
   const double gpu_link_slowdown = gpu_link > 0 ? (cpu_link + gpu_link) / gpu_link : 1.0;
 
   // The framework under the host tier's load: the probe timed forward and backward alone (Pa)
-  // and under a saturating load (PL). The period stretches by the load's share of it, the time
-  // its busiest engine works (B) over the period: P = Pa + (PL - Pa) * min(1, B / P), solved
-  // for P (the right side falls as P grows, so there is one root: PL when B >= PL, else the
-  // positive root of P^2 - Pa P - (PL - Pa) B = 0). Every time in the probe's timeline
-  // stretches with it.
+  // and under a saturating load (PL): emsa::HostLoad, the CPU update with copies both ways,
+  // which moves host memory at the rate of both. What slows the threads launching the GPU's
+  // work is that traffic in the host's memory (the DMA's as well as the CPU's; busy cores alone
+  // cost little, measured), so the load's share of the period is B / P, B the time HostLoad
+  // would take to move the host tier's bytes of a step (the CPU path's update and its DMA, the
+  // GPU path's moments both ways). P = Pa + (PL - Pa) * min(1, B / P), solved for P (the right
+  // side falls as P grows, so there is one root: PL when B >= PL, else the positive root of
+  // P^2 - Pa P - (PL - Pa) B = 0). Every time in the probe's timeline stretches with it.
   out.load_slowdown = 1.0;
   const double alone = out.period;
   if (host_elements > 0 && alone > 0 && record.period_under_load > alone) {
     const double loaded = record.period_under_load;
-    const double busy = std::max({cpu * cpu_slowdown, d2h, h2d});
+    const double load_rate =
+        (bw.host_update_duplex > 0 ? bw.host_update_duplex : bw.host_update) + 2 * bw.duplex;
+    const double busy = (cpu_host + gpu_host) / load_rate;
     const double p = busy >= loaded
                          ? loaded
                          : 0.5 * (alone + std::sqrt(alone * alone + 4 * (loaded - alone) * busy));
@@ -263,6 +268,35 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
   out.stall_time = stall;
   out.step_time = out.period + stall;
   out.peak_device_bytes = base_device_bytes + out.device_state_bytes + out.stream_staging_bytes;
+}
+
+void PlanHostPaths(const ProbeRecord& record, const Bandwidths& bw, bool gpu_present,
+                   uint64_t base_device_bytes, Plan* plan) {
+  const double asked = plan->options.device_update_share;
+  ChooseDeviceUpdates(record, bw, gpu_present, asked, plan);
+  Predict(record, bw, base_device_bytes, plan);
+  if (asked >= 0 || !DeviceUpdatesAllowed(plan->options, gpu_present)) return;
+  // The balanced share evens the engines' busy times, but the step is also the framework's
+  // period, which the host tier's traffic stretches (the GPU path moves fewer host-memory bytes
+  // per parameter than the CPU path), and the timeline's stall: the grid's best prediction
+  // replaces it where it is kShareGain shorter (smaller differences are inside the model's
+  // error, and the balanced share keeps both paths' margins).
+  constexpr int kGrid = 20;
+  constexpr double kShareGain = 0.01;
+  const double balanced = plan->prediction.step_time;
+  double best = balanced, best_share = asked;
+  for (int k = 0; k <= kGrid; ++k) {
+    const double share = static_cast<double>(k) / kGrid;
+    ChooseDeviceUpdates(record, bw, gpu_present, share, plan);
+    Predict(record, bw, base_device_bytes, plan);
+    if (plan->prediction.step_time < best) {
+      best = plan->prediction.step_time;
+      best_share = share;
+    }
+  }
+  if (best > balanced * (1 - kShareGain)) best_share = asked;
+  ChooseDeviceUpdates(record, bw, gpu_present, best_share, plan);
+  Predict(record, bw, base_device_bytes, plan);
 }
 
 }  // namespace emsa::plan_internal

@@ -16,15 +16,16 @@ namespace emsa::plan_internal {
 void MakeBuckets(const ProbeRecord& record, const LayoutOrder& order, Plan* plan);
 
 // Marks which host-tier buckets the GPU updates (Bucket::device_update, and each member's
-// ParamPlan::device_update): of the buckets whose parameters are all DeviceUpdatable, a share
-// options.device_update_share of their elements, spread over the gradient-ready order (each
-// bucket goes where the running share stays nearest it, so both paths have work throughout);
-// with the share at -1, the share s at which the host's memory and the PCIe links would be busy
-// equally long: over the host tier, host memory (1-s) x HostMemoryTraffic + s x 2 x the moments
-// at host_update bandwidth, each link (1-s) x the gradient (or update) + s x the moments at its
-// bandwidth. No GPU in the profile: none. Call after MakeBuckets.
+// ParamPlan::device_update): of the buckets whose parameters are all DeviceUpdatable (and only
+// where options allow it, DeviceUpdatesAllowed), a share `asked` of their elements, spread over
+// the gradient-ready order (each bucket goes where the running share stays nearest it, so both
+// paths have work throughout); with `asked` at -1, the balanced share s at which the host's
+// memory and the PCIe links would be busy equally long: over the host tier, host memory
+// (1-s) x HostMemoryTraffic + s x 2 x the moments at host_update bandwidth, each link (1-s) x
+// the gradient (or update) + s x the moments at its bandwidth. No GPU in the profile: none.
+// Call after MakeBuckets.
 void ChooseDeviceUpdates(const ProbeRecord& record, const Bandwidths& bw, bool gpu_present,
-                         Plan* plan);
+                         double asked, Plan* plan);
 
 // Fills plan->prediction except the arena sizes (LayoutArenas sets those): engine totals, then a
 // timeline. Each bucket is ready at its ready_time; device buckets run back to back on the HBM
@@ -36,5 +37,11 @@ void ChooseDeviceUpdates(const ProbeRecord& record, const Bandwidths& bw, bool g
 // base_device_bytes: the device memory in use without optimizer state (see planner.cc).
 void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_device_bytes,
              Plan* plan);
+
+// ChooseDeviceUpdates with options.device_update_share, then Predict. With the share at -1
+// (the planner's choice), the shares 0, 0.05, ..., 1 are predicted too, and the one with the
+// shortest step is kept where it beats the balanced share's by more than 1%.
+void PlanHostPaths(const ProbeRecord& record, const Bandwidths& bw, bool gpu_present,
+                   uint64_t base_device_bytes, Plan* plan);
 
 }  // namespace emsa::plan_internal

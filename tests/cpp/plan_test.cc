@@ -652,29 +652,33 @@ TEST(PlanSchedule, LoadSlowdownStretchesTheHostTiersPeriod) {
   o.force_all_host = true;
   o.bucket_bytes = 4000000;
   o.release_grads = true;
-  const double pa = 0.03, down = 4e6 / 10e9, up = 4e6 / 10e9;
+  const double pa = 0.03;
 
   EXPECT_EQ(MustPlan(r, profile, o).prediction.load_slowdown, 1.0);  // not measured
   r.period_under_load = 0.02;                                        // faster: noise
   EXPECT_EQ(MustPlan(r, profile, o).prediction.load_slowdown, 1.0);
 
-  // The host engines busy 3.2 ms of the period (the CPU): P = Pa + (PL - Pa) * busy / P.
+  // The load's share: the host tier's host-memory bytes (32 B per parameter: the update's 24, the
+  // DMA's 8) at the load's rate (the CPU update's 20 GB/s plus the copies' 10 GB/s each way),
+  // 1.6 ms of the period: P = Pa + (PL - Pa) * busy / P.
   r.period_under_load = 0.06;
   const Plan light = MustPlan(r, profile, o);
-  const double busy = light.prediction.cpu_time;
-  ASSERT_GT(busy, light.prediction.d2h_time);
+  const double busy = 2e6 * 32 / 40e9;
   const double p = light.prediction.period;
   EXPECT_GT(p, pa);
   EXPECT_LT(p, 0.06);
   EXPECT_NEAR(p, pa + (0.06 - pa) * busy / p, 1e-12);
   EXPECT_NEAR(light.prediction.load_slowdown, p / pa, 1e-12);
 
-  // A host busier than the loaded period: the whole period is under load, P = PL, twice the
-  // probe's, and the timeline with it (b ready at 0.03, a at 0.06; a needed at P, b at P + 0.01).
+  // A host busier than the loaded period (64 MB at 0.5 + 2 x 0.25 GB/s): the whole period is
+  // under load, P = PL, twice the probe's, and the timeline with it (b ready at 0.03, a at 0.06;
+  // a needed at P, b at P + 0.01).
   DeviceProfile slow = profile;
-  slow.cpu.host_update_bandwidth = 1e9;
+  slow.cpu.host_update_bandwidth = 0.5e9;
+  slow.gpu.d2h_bandwidth = slow.gpu.h2d_bandwidth = 0.25e9;
+  const double down = 4e6 / 0.25e9, up = down;
   const Plan heavy = MustPlan(r, slow, o);
-  const double cpu = 32e6 / 1e9;
+  const double cpu = 32e6 / 0.5e9;
   EXPECT_DOUBLE_EQ(heavy.prediction.period, 0.06);
   EXPECT_DOUBLE_EQ(heavy.prediction.load_slowdown, 2.0);
   const double b_done = 0.03 + down + cpu + up, a_done = 0.03 + down + 2 * cpu + up;
@@ -827,6 +831,45 @@ TEST(PlanDeviceUpdate, BalancedShareIsSpreadOverBackwardAndPredictsNoWorse) {
   const double s2 = (32.0 / 110 - 4.0 / 50) / (32.0 / 110 + 4.0 / 50);
   EXPECT_NEAR(measured.prediction.device_update_share, s2, 0.1);
   EXPECT_LT(measured.prediction.device_update_share, balanced.prediction.device_update_share);
+}
+
+// Under the host tier's load (period_under_load measured) the GPU path, half the CPU path's
+// host-memory bytes per parameter, also shortens the framework's period: the planner predicts the
+// shares 0, 0.05, ..., 1 and keeps the shortest step, here more GPU than the balanced share and
+// more than 1% shorter; no share of the grid predicts shorter. A share asked for is kept.
+TEST(PlanDeviceUpdate, UnderLoadTheShareWithTheShortestPredictedStepIsKept) {
+  ProbeRecord r = Decoder(false, DType::kFloat32, 8);
+  DeviceProfile profile = Gpu();
+  profile.gpu.d2h_bandwidth = profile.gpu.h2d_bandwidth = 150e9;
+  profile.cpu.host_update_bandwidth = 450e9;
+  PlanOptions o;
+  o.force_all_host = true;
+  o.release_grads = true;
+  o.bucket_bytes = 256 << 10;
+  // A slower framework (every probe time x30): the host tier's engines about as busy as it.
+  r.forward_time *= 30;
+  r.backward_time *= 30;
+  for (ParamRecord& p : r.params) {
+    p.forward_time *= 30;
+    p.grad_ready_time *= 30;
+  }
+  for (MemorySample& m : r.memory) m.time *= 30;
+  const double balanced_share = (32.0 / 450 - 4.0 / 150) / (16.0 / 450 + 4.0 / 150);
+  const double pa = r.forward_time + r.backward_time;
+  r.period_under_load = 3 * pa;
+  const Plan chosen = MustPlan(r, profile, o);
+  o.device_update_share = balanced_share;
+  const Plan balanced = MustPlan(r, profile, o);
+  EXPECT_GT(chosen.prediction.device_update_share, balanced.prediction.device_update_share + 0.04);
+  EXPECT_LT(chosen.prediction.step_time, balanced.prediction.step_time * 0.99);
+  EXPECT_LT(chosen.prediction.load_slowdown, balanced.prediction.load_slowdown);
+  for (int k = 0; k <= 20; ++k) {
+    o.device_update_share = k / 20.0;
+    const Plan fixed = MustPlan(r, profile, o);
+    EXPECT_LE(chosen.prediction.step_time, fixed.prediction.step_time * (1 + 1e-12))
+        << "share " << k / 20.0;
+    EXPECT_NEAR(fixed.prediction.device_update_share, k / 20.0, 0.1);  // asked: kept
+  }
 }
 
 // ---- options and input ----------------------------------------------------------------------
