@@ -455,7 +455,9 @@ def profile_summary(profile: dict) -> dict:
     return dict(host_update_bandwidth=cpu.get("host_update_bandwidth"),
                 host_mem_bandwidth=cpu.get("host_mem_bandwidth"),
                 d2h_bandwidth=gpu.get("d2h_bandwidth"), h2d_bandwidth=gpu.get("h2d_bandwidth"),
-                duplex_bandwidth=gpu.get("duplex_bandwidth"))
+                duplex_bandwidth=gpu.get("duplex_bandwidth"),
+                host_update_duplex_bandwidth=gpu.get("host_update_duplex_bandwidth"),
+                duplex_under_update_bandwidth=gpu.get("duplex_under_update_bandwidth"))
 
 
 def host_trace(opt) -> dict | None:
@@ -794,6 +796,14 @@ def table(result: dict) -> str:
                              f"host tier's load; the plan's period "
                              f"{pred.get('period', 0) * 1e3:.1f} ms "
                              f"(x{pred.get('load_slowdown', 1):.2f})")
+                prof = r.get("profile") or {}
+                lines.append(f"    plan: GPU share {r.get('device_update_share', 0):.0%}; "
+                             f"predicted CPU {pred.get('cpu_time', 0) * 1e3:.1f} ms, links "
+                             f"{pred.get('h2d_time', 0) * 1e3:.1f} ms, stall "
+                             f"{pred.get('stall_time', 0) * 1e3:.1f} ms; profile: both ways "
+                             f"{(prof.get('duplex_bandwidth') or 0) / 1e9:.1f} GB/s, under the "
+                             f"CPU update {(prof.get('duplex_under_update_bandwidth') or 0) / 1e9:.1f}"
+                             f" GB/s")
         il = s.get("interleaved_ac")
         if il and "error" not in il:
             lines.append(f"  interleaved, one step of each in turn: (a) {il['a_step_s'] * 1e3:.1f}, "

@@ -131,8 +131,9 @@ struct Prediction {
   // without a host tier or that measurement.
   double load_slowdown = 1.0;
   double hbm_time = 0.0;              // s, device-tier update traffic / HBM bandwidth
-  double d2h_time = 0.0;              // s, host-tier gradients down / d2h bandwidth
-  double h2d_time = 0.0;              // s, host-tier parameters up / h2d bandwidth
+  double d2h_time = 0.0;              // s, host-tier gradients down / d2h bandwidth (lower
+                                      // while the CPU path updates: duplex_under_update)
+  double h2d_time = 0.0;              // s, host-tier parameters up / h2d bandwidth (likewise)
   double cpu_time = 0.0;              // s, host-tier update traffic plus the DMA's gradient and
                                       // parameter bytes (they share DRAM) / host update bandwidth
   double stall_time = 0.0;            // s, how long the next forward waits (timeline simulation)

@@ -61,6 +61,11 @@ struct GpuProfile {
   // GPU-updated path (whose moments stream both ways) with it. 0: not measured (older profiles);
   // the planner then charges the DMA's bytes to the host's memory in full.
   double host_update_duplex_bandwidth = 0.0;
+  // B/s each way, the copies both ways at once (as duplex_bandwidth) while that CPU update runs
+  // throughout: the CPU's traffic in host memory slows the DMA too. The planner times the host
+  // tier's links with it while its CPU path works. 0: not measured (older profiles); the
+  // planner then takes duplex_bandwidth.
+  double duplex_under_update_bandwidth = 0.0;
 };
 
 struct DeviceProfile {

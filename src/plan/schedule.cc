@@ -38,6 +38,7 @@ void ChooseDeviceUpdates(const ProbeRecord& record, const Bandwidths& bw, bool g
   for (size_t b = 0; b < plan->buckets.size(); ++b) {
     Bucket& bucket = plan->buckets[b];
     bucket.device_update = false;
+    for (int64_t i : bucket.params) plan->params[static_cast<size_t>(i)].device_update = false;
     if (bucket.tier != Tier::kL2) continue;
     bool can = DeviceUpdatesAllowed(o, gpu_present);
     double host = 0, link = 0, moments = 0, n = 0;
@@ -139,10 +140,6 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
     cpu += work[b].cpu;
     h2d += work[b].h2d;
   }
-  out.hbm_time = hbm;
-  out.d2h_time = d2h;
-  out.cpu_time = cpu;
-  out.h2d_time = h2d;
   out.device_update_share = host_elements > 0 ? gpu_elements / host_elements : 0.0;
   out.stream_staging_bytes = 0;
   if (gpu_elements > 0) out.stream_staging_bytes = StreamStagingBytes(options, largest);
@@ -159,25 +156,48 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
   } else if (cpu_host > 0) {
     cpu_slowdown = (cpu_host + gpu_host) / cpu_host;
   }
+  // The CPU path's traffic in host memory slows the DMA as well: the links run at the rate the
+  // profile measured for copies both ways under the CPU update, for the share of their busy time
+  // the CPU path works alongside (on the H200 host 33-37 GB/s up under it, 50.7 without).
+  const double links = std::max(d2h, h2d);
+  if (cpu > 0 && links > 0 && bw.duplex_under_update > 0 && bw.duplex_under_update < bw.duplex) {
+    const double alongside = std::min(1.0, cpu * cpu_slowdown / links);
+    const double stretch = 1.0 + (bw.duplex / bw.duplex_under_update - 1.0) * alongside;
+    for (Work& w : work) {
+      w.d2h *= stretch;
+      w.h2d *= stretch;
+    }
+    d2h *= stretch;
+    h2d *= stretch;
+  }
+  out.hbm_time = hbm;
+  out.d2h_time = d2h;
+  out.cpu_time = cpu;
+  out.h2d_time = h2d;
   const double cpu_link_slowdown = gpu_link > 0 ? 2.0 : 1.0;
   const double gpu_link_slowdown = gpu_link > 0 ? (cpu_link + gpu_link) / gpu_link : 1.0;
 
   // The framework under the host tier's load: the probe timed forward and backward alone (Pa)
-  // and under a saturating load (PL): emsa::HostLoad, the CPU update with copies both ways,
-  // which moves host memory at the rate of both. What slows the threads launching the GPU's
-  // work is that traffic in the host's memory (the DMA's as well as the CPU's; busy cores alone
-  // cost little, measured), so the load's share of the period is B / P, B the time HostLoad
-  // would take to move the host tier's bytes of a step (the CPU path's update and its DMA, the
-  // GPU path's moments both ways). P = Pa + (PL - Pa) * min(1, B / P), solved for P (the right
-  // side falls as P grows, so there is one root: PL when B >= PL, else the positive root of
-  // P^2 - Pa P - (PL - Pa) B = 0). Every time in the probe's timeline stretches with it.
+  // and under a saturating load (PL): emsa::HostLoad, the CPU update with copies both ways.
+  // What slows the threads launching the GPU's work is traffic in the host's memory (busy cores
+  // alone cost little, measured). The load's share of the period is B / P: while the CPU path
+  // updates, the load is HostLoad's kind (its update with the DMA running), so B is at least
+  // the CPU path's time; the GPU path alone moves only its moments through host memory (DMA),
+  // so B is at least the time HostLoad would take to move the host tier's bytes of a step (the
+  // CPU path's update and DMA, the GPU path's moments both ways), and no more where the CPU's
+  // part is shorter (on the H200 host, a 0.95 B Llama with half its state on the host, all of it
+  // GPU-updated, ran a 4 x 512 step in 91-93 ms: the links' busy time, 80 ms, predicted 107, its
+  // bytes 83-89).
+  // P = Pa + (PL - Pa) * min(1, B / P), solved for P (the right side falls as P grows, so there
+  // is one root: PL when B >= PL, else the positive root of P^2 - Pa P - (PL - Pa) B = 0).
+  // Every time in the probe's timeline stretches with it.
   out.load_slowdown = 1.0;
   const double alone = out.period;
   if (host_elements > 0 && alone > 0 && record.period_under_load > alone) {
     const double loaded = record.period_under_load;
-    const double load_rate =
-        (bw.host_update_duplex > 0 ? bw.host_update_duplex : bw.host_update) + 2 * bw.duplex;
-    const double busy = (cpu_host + gpu_host) / load_rate;
+    const double load_rate = (bw.host_update_duplex > 0 ? bw.host_update_duplex : bw.host_update) +
+                             2 * (bw.duplex_under_update > 0 ? bw.duplex_under_update : bw.duplex);
+    const double busy = std::max(cpu * cpu_slowdown, (cpu_host + gpu_host) / load_rate);
     const double p = busy >= loaded
                          ? loaded
                          : 0.5 * (alone + std::sqrt(alone * alone + 4 * (loaded - alone) * busy));

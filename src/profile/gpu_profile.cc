@@ -96,12 +96,21 @@ Result<double> MedianBandwidth(cudaStream_t stream, double bytes_counted, const 
   return seconds > 0.0 ? bytes_counted / seconds : 0.0;
 }
 
+// The host tier's CPU update and copies both ways at once, each measured under the other.
+struct UpdateAndCopies {
+  double update = 0.0;  // B/s, the CPU update (28 B per parameter) while the copies run
+  double copies = 0.0;  // B/s each way, the copies while the CPU update runs
+};
+
 // The host tier's CPU update (CpuProfile's measurement: 28 B per parameter, the host tier's pool
-// size) while `enqueue_pair` copies run both ways on `stream`: copies for well over the passes
-// are enqueued first; a pass counts only if they were still running when it ended. Best of the
-// passes; 0 when none qualified (the copies finished early: a very slow CPU).
+// size) while `enqueue_pair` copies `pair_bytes` each way on `stream`. Copies for well over a
+// pass are enqueued first, and passes run back to back until they have finished: the update's
+// rate is the best pass that ended while they still ran; the copies' is their event-timed
+// duration, the CPU updating throughout it. Either is 0 when it did not qualify (the copies
+// finished within the first pass, or outlasted kMaxPasses).
 template <typename Enqueue>
-Result<double> HostUpdateWhileCopying(int threads, cudaStream_t stream, Enqueue&& enqueue_pair) {
+Result<UpdateAndCopies> UpdateWhileCopying(int threads, cudaStream_t stream, double pair_bytes,
+                                           Enqueue&& enqueue_pair) {
   CpuUpdaterOptions o;
   o.threads = HostTierThreads(threads);
   Result<std::unique_ptr<CpuUpdater>> updater = CpuUpdater::Create(o);
@@ -119,27 +128,39 @@ Result<double> HostUpdateWhileCopying(int threads, cudaStream_t stream, Enqueue&
   TensorUpdate t = profile_internal::FourArrayUpdate(data.get(), n, &hyper);
   const StepOptions step = profile_internal::NearestRounding();
   EMSA_RETURN_IF_ERROR((*updater)->Step(&t, 1, step));  // first touch, warm pool
-  Event done;
-  EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&done.event, cudaEventDisableTiming));
-  constexpr int kPairs = 24;  // 256 MiB each way per pair: ~0.1 s of copies at 50 GB/s
+  Event start, done;
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start.event));
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&done.event));
+  constexpr int kPairs = 24;      // 256 MiB each way per pair: ~0.1 s of copies at 50 GB/s
+  constexpr int kMaxPasses = 64;  // ~20 ms each at the H200 host's rate
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.event, stream));
   for (int i = 0; i < kPairs; ++i) {
     EMSA_RETURN_IF_ERROR(CudaStatus(enqueue_pair(), "GPU profile: copies both ways"));
   }
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(done.event, stream));
-  double best = 0.0;
-  for (int pass = 0; pass < 4; ++pass) {
+  UpdateAndCopies out;
+  bool copying = true;
+  for (int pass = 0; pass < kMaxPasses && copying; ++pass) {
     ++t.step;
-    const auto start = std::chrono::steady_clock::now();
+    const auto begin = std::chrono::steady_clock::now();
     EMSA_RETURN_IF_ERROR((*updater)->Step(&t, 1, step));
     const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
     const cudaError_t q = cudaEventQuery(done.event);
-    if (q == cudaSuccess) break;  // the copies ended during this pass: it does not count
-    if (q != cudaErrorNotReady) return CudaStatus(q, "GPU profile: cudaEventQuery");
-    if (seconds > 0.0 && (best == 0.0 || seconds < best)) best = seconds;
+    if (q != cudaSuccess && q != cudaErrorNotReady) {
+      return CudaStatus(q, "GPU profile: cudaEventQuery");
+    }
+    copying = q == cudaErrorNotReady;
+    if (copying && seconds > 0.0) out.update = std::max(out.update, 28.0 * n / seconds);
+    // The copies ended during a pass after the first: the CPU updated throughout them.
+    if (!copying && pass > 0) {
+      float ms = 0.0f;
+      EMSA_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start.event, done.event));
+      if (ms > 0.0f) out.copies = kPairs * pair_bytes / (ms * 1e-3);
+    }
   }
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(done.event));
-  return best > 0.0 ? 28.0 * static_cast<double>(n) / best : 0.0;
+  return out;
 }
 
 Status MeasureCopies(GpuProfile* gpu, int threads) {
@@ -224,8 +245,10 @@ Status MeasureCopies(GpuProfile* gpu, int threads) {
   EMSA_ASSIGN_OR_RETURN(gpu->duplex_bandwidth,
                         MedianBandwidth(stream.stream, 1.0 * pcie_bytes,
                                         "GPU profile: copies both ways at once", both));
-  EMSA_ASSIGN_OR_RETURN(gpu->host_update_duplex_bandwidth,
-                        HostUpdateWhileCopying(threads, stream.stream, both));
+  EMSA_ASSIGN_OR_RETURN(const UpdateAndCopies together,
+                        UpdateWhileCopying(threads, stream.stream, 1.0 * pcie_bytes, both));
+  gpu->host_update_duplex_bandwidth = together.update;
+  gpu->duplex_under_update_bandwidth = together.copies;
   return CudaStatus(cudaStreamSynchronize(stream.stream), "GPU profile: cudaStreamSynchronize");
 }
 

@@ -42,6 +42,7 @@ json::Value GpuToJson(const GpuProfile& gpu) {
   v.Set("d2h_bandwidth", gpu.d2h_bandwidth);
   v.Set("duplex_bandwidth", gpu.duplex_bandwidth);
   v.Set("host_update_duplex_bandwidth", gpu.host_update_duplex_bandwidth);
+  v.Set("duplex_under_update_bandwidth", gpu.duplex_under_update_bandwidth);
   return v;
 }
 
@@ -107,7 +108,8 @@ Result<GpuProfile> GpuFromJson(const json::Reader& r) {
   EMSA_ASSIGN_OR_RETURN(gpu.d2h_bandwidth, ReadBandwidth(r, "d2h_bandwidth"));
   for (auto [key, field] :
        {std::pair<const char*, double*>{"duplex_bandwidth", &gpu.duplex_bandwidth},
-        {"host_update_duplex_bandwidth", &gpu.host_update_duplex_bandwidth}}) {
+        {"host_update_duplex_bandwidth", &gpu.host_update_duplex_bandwidth},
+        {"duplex_under_update_bandwidth", &gpu.duplex_under_update_bandwidth}}) {
     if (r.Has(key)) {  // absent from older profiles
       EMSA_ASSIGN_OR_RETURN(*field, ReadBandwidth(r, key));
     }

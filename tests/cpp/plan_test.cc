@@ -658,17 +658,28 @@ TEST(PlanSchedule, LoadSlowdownStretchesTheHostTiersPeriod) {
   r.period_under_load = 0.02;                                        // faster: noise
   EXPECT_EQ(MustPlan(r, profile, o).prediction.load_slowdown, 1.0);
 
-  // The load's share: the host tier's host-memory bytes (32 B per parameter: the update's 24, the
-  // DMA's 8) at the load's rate (the CPU update's 20 GB/s plus the copies' 10 GB/s each way),
-  // 1.6 ms of the period: P = Pa + (PL - Pa) * busy / P.
+  // The CPU path busy 3.2 ms of the period, longer than the load would take for its bytes (32 B
+  // per parameter, the update's 24 and the DMA's 8, at the CPU update's 20 GB/s plus the copies'
+  // 10 GB/s each way: 1.6 ms): P = Pa + (PL - Pa) * busy / P.
   r.period_under_load = 0.06;
   const Plan light = MustPlan(r, profile, o);
-  const double busy = 2e6 * 32 / 40e9;
+  const double busy = light.prediction.cpu_time;
+  EXPECT_NEAR(busy, 2e6 * 32 / 20e9, 1e-15);
   const double p = light.prediction.period;
   EXPECT_GT(p, pa);
   EXPECT_LT(p, 0.06);
   EXPECT_NEAR(p, pa + (0.06 - pa) * busy / p, 1e-12);
   EXPECT_NEAR(light.prediction.load_slowdown, p / pa, 1e-12);
+
+  // The GPU updating all: no CPU path, the moments both ways (2 x 8 B per parameter) at the
+  // load's rate, 0.8 ms: less than their 1.6 ms on the links (which load the host less).
+  o.device_update_share = 1;
+  const Plan streamed = MustPlan(r, profile, o);
+  ASSERT_EQ(streamed.prediction.cpu_time, 0.0);
+  ASSERT_GT(streamed.prediction.h2d_time, 1.5e-3);
+  const double gpu_busy = 2e6 * 16 / 40e9, q = streamed.prediction.period;
+  EXPECT_NEAR(q, pa + (0.06 - pa) * gpu_busy / q, 1e-12);
+  o.device_update_share = 0;
 
   // A host busier than the loaded period (64 MB at 0.5 + 2 x 0.25 GB/s): the whole period is
   // under load, P = PL, twice the probe's, and the timeline with it (b ready at 0.03, a at 0.06;
@@ -691,6 +702,36 @@ TEST(PlanSchedule, LoadSlowdownStretchesTheHostTiersPeriod) {
   ASSERT_EQ(device.prediction.d2h_time, 0.0);
   EXPECT_EQ(device.prediction.load_slowdown, 1.0);
   EXPECT_DOUBLE_EQ(device.prediction.period, pa);
+}
+
+// The copies both ways under the CPU update (duplex_under_update_bandwidth) time the links for
+// the share of their busy time the CPU path works alongside; without a CPU path, the links keep
+// their rates.
+TEST(PlanSchedule, LinksSlowWhileTheCpuPathUpdates) {
+  const ProbeRecord r = TwoParams();
+  DeviceProfile profile = Gpu();  // links 10 GB/s each way, the CPU 20 GB/s
+  PlanOptions o;
+  o.device_update_share = 0;
+  o.force_all_host = true;
+  o.bucket_bytes = 4000000;
+  o.release_grads = true;
+  const double down = 8e6 / 10e9;  // both gradients
+  EXPECT_NEAR(MustPlan(r, profile, o).prediction.d2h_time, down, 1e-15);
+  profile.gpu.duplex_under_update_bandwidth = 5e9;
+  // The CPU path (3.2 ms) outlasts the links (0.8 ms): at half the rate throughout.
+  const Plan slow = MustPlan(r, profile, o);
+  EXPECT_NEAR(slow.prediction.d2h_time, 2 * down, 1e-15);
+  EXPECT_NEAR(slow.prediction.h2d_time, 2 * down, 1e-15);
+  // A CPU 50x faster (0.064 ms): alongside 8% of the links' time.
+  profile.cpu.host_update_bandwidth = 1e12;
+  const Plan brief = MustPlan(r, profile, o);
+  EXPECT_NEAR(brief.prediction.d2h_time, down * (1 + 1.0 * (64e6 / 1e12) / down), 1e-15);
+  // The GPU updating all: no CPU path, the moments each way (8 B per parameter) at the duplex
+  // rate.
+  o.device_update_share = 1;
+  const Plan streamed = MustPlan(r, profile, o);
+  ASSERT_EQ(streamed.prediction.cpu_time, 0.0);
+  EXPECT_NEAR(streamed.prediction.h2d_time, 2e6 * 8 / 10e9, 1e-15);
 }
 
 TEST(PlanSchedule, PeakIsBasePlusDeviceArena) {
@@ -809,6 +850,9 @@ TEST(PlanDeviceUpdate, BalancedShareIsSpreadOverBackwardAndPredictsNoWorse) {
   EXPECT_NEAR(balanced.prediction.device_update_share, s, 0.1);
   double seen = 0, taken = 0, largest = 0;
   for (const Bucket& b : balanced.buckets) {
+    for (int64_t i : b.params) {  // the shares tried on the way left no member marked
+      EXPECT_EQ(balanced.params[static_cast<size_t>(i)].device_update, b.device_update);
+    }
     double n = 0;
     for (int64_t i : b.params)
       n += static_cast<double>(balanced.params[static_cast<size_t>(i)].numel);

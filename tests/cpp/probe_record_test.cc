@@ -447,7 +447,8 @@ bool MayBeNull(const std::vector<PathStep>& path) {
   if (path.size() == 3 && path[0].first == "graph") return op.count(path[2].first) > 0;
   // Absent from profiles written before it was measured.
   if (path.size() == 3 && path[0].first == "profile" && path[1].first == "gpu") {
-    return path[2].first == "duplex_bandwidth" || path[2].first == "host_update_duplex_bandwidth";
+    return path[2].first == "duplex_bandwidth" || path[2].first == "host_update_duplex_bandwidth" ||
+           path[2].first == "duplex_under_update_bandwidth";
   }
   return false;
 }

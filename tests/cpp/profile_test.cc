@@ -180,11 +180,13 @@ TEST(ProfileGpu, AbsentIsNotAnErrorAndPresentIsPlausible) {
   }
   std::printf(
       "[ profile  ] GPU %s: cc %d.%d, %d SMs, %llu MiB, HBM %.0f GB/s, h2d %.1f GB/s, "
-      "d2h %.1f GB/s, both ways at once %.1f GB/s each, host update meanwhile %.1f GB/s\n",
+      "d2h %.1f GB/s, both ways at once %.1f GB/s each, host update meanwhile %.1f GB/s, "
+      "both ways under that update %.1f GB/s each\n",
       gpu->name.c_str(), gpu->compute_capability_major, gpu->compute_capability_minor,
       gpu->sm_count, static_cast<unsigned long long>(gpu->total_memory >> 20),
       gpu->hbm_bandwidth / 1e9, gpu->h2d_bandwidth / 1e9, gpu->d2h_bandwidth / 1e9,
-      gpu->duplex_bandwidth / 1e9, gpu->host_update_duplex_bandwidth / 1e9);
+      gpu->duplex_bandwidth / 1e9, gpu->host_update_duplex_bandwidth / 1e9,
+      gpu->duplex_under_update_bandwidth / 1e9);
   EXPECT_FALSE(gpu->name.empty());
   EXPECT_GE(gpu->compute_capability_major, 7);
   EXPECT_GT(gpu->sm_count, 0);
@@ -197,6 +199,8 @@ TEST(ProfileGpu, AbsentIsNotAnErrorAndPresentIsPlausible) {
   EXPECT_GT(gpu->d2h_bandwidth, 1e9);
   EXPECT_GT(gpu->duplex_bandwidth, 1e9);
   EXPECT_GT(gpu->host_update_duplex_bandwidth, 1e9);
+  EXPECT_GT(gpu->duplex_under_update_bandwidth, 1e9);
+  EXPECT_LE(gpu->duplex_under_update_bandwidth, 1.05 * gpu->duplex_bandwidth);
 }
 
 DeviceProfile SampleProfile() {
@@ -221,6 +225,7 @@ DeviceProfile SampleProfile() {
   p.gpu.d2h_bandwidth = 0.0;
   p.gpu.duplex_bandwidth = 47e9 + 0.25;
   p.gpu.host_update_duplex_bandwidth = 0.7 * 104e9;
+  p.gpu.duplex_under_update_bandwidth = 0.8 * 47e9;
   return p;
 }
 
@@ -245,6 +250,7 @@ void ExpectSameProfile(const DeviceProfile& a, const DeviceProfile& b) {
   EXPECT_EQ(a.gpu.d2h_bandwidth, b.gpu.d2h_bandwidth);
   EXPECT_EQ(a.gpu.duplex_bandwidth, b.gpu.duplex_bandwidth);
   EXPECT_EQ(a.gpu.host_update_duplex_bandwidth, b.gpu.host_update_duplex_bandwidth);
+  EXPECT_EQ(a.gpu.duplex_under_update_bandwidth, b.gpu.duplex_under_update_bandwidth);
 }
 
 // HostLoad: bad options change nothing and say what to use; a running load has done a round of
