@@ -65,10 +65,10 @@ struct PlanOptions {
   // that both paths have work from the first gradients of backward to the last.
   // -1: with release_grads, the share at which the CPU path and the PCIe links finish together
   // (the bandwidths of the profile), or the share of 0, 0.05, ..., 1 whose predicted step is
-  // more than 1% shorter than that one's (the framework's period under the host tier's load
-  // counted), else none (a step() after backward waits for every
-  // gradient to be read, the GPU path's only after its moments came up); 0: none (the CPU
-  // updates every host-tier parameter); up to 1.
+  // shortest, where it is more than 1% shorter than that one's and predicts no stall (the
+  // framework's period under the host tier's load counted), else none (a step() after backward
+  // waits for every gradient to be read, the GPU path's only after its moments came up); 0: none
+  // (the CPU updates every host-tier parameter); up to 1.
   double device_update_share = -1.0;
 };
 

@@ -617,7 +617,8 @@ class Lion(_EmsaOptimizer):
 def _device_update_share() -> float:
     """EMSA_HOST_DEVICE_SHARE: of the host tier's fp32 parameters, the share the GPU updates with
     their moments streamed through it (PlanOptions.device_update_share); unset or -1: the
-    planner balances the host's memory against PCIe; 0: the CPU updates them all."""
+    planner chooses (the shortest predicted step that does not stall); 0: the CPU updates them
+    all."""
     text = os.environ.get("EMSA_HOST_DEVICE_SHARE", "-1")
     try:
         share = float(text)

@@ -138,7 +138,8 @@ def make_plan(record, profile: Any = None, *, optimizer: str = "adamw",
     """Plans a ProbeRecord (or its JSON text) against a profile (dict, JSON text, path; None:
     the record's embedded profile, else this machine measured). budget: bytes or "20GiB".
     device_update_share: of the host tier's fp32 parameters, the share the GPU updates with
-    their moments streamed through it (-1: balanced by the planner; 0: the CPU updates all)."""
+    their moments streamed through it (-1: chosen by the planner, the shortest predicted step
+    that does not stall; 0: the CPU updates all)."""
     if optimizer not in _capi.OPTIMIZER:
         raise ValueError(f"optimizer={optimizer!r}; use one of {sorted(_capi.OPTIMIZER)}")
     if state_dtype not in STATE_DTYPES:

@@ -722,10 +722,10 @@ TEST(PlanSchedule, LinksSlowWhileTheCpuPathUpdates) {
   const Plan slow = MustPlan(r, profile, o);
   EXPECT_NEAR(slow.prediction.d2h_time, 2 * down, 1e-15);
   EXPECT_NEAR(slow.prediction.h2d_time, 2 * down, 1e-15);
-  // A CPU 50x faster (0.064 ms): alongside 8% of the links' time.
+  // A CPU 50x faster (0.064 ms): the links at half their rate while it works, L + Tc / 2.
   profile.cpu.host_update_bandwidth = 1e12;
   const Plan brief = MustPlan(r, profile, o);
-  EXPECT_NEAR(brief.prediction.d2h_time, down * (1 + 1.0 * (64e6 / 1e12) / down), 1e-15);
+  EXPECT_NEAR(brief.prediction.d2h_time, down + (64e6 / 1e12) * (1 - 0.5), 1e-15);
   // The GPU updating all: no CPU path, the moments each way (8 B per parameter) at the duplex
   // rate.
   o.device_update_share = 1;
@@ -879,8 +879,9 @@ TEST(PlanDeviceUpdate, BalancedShareIsSpreadOverBackwardAndPredictsNoWorse) {
 
 // Under the host tier's load (period_under_load measured) the GPU path, half the CPU path's
 // host-memory bytes per parameter, also shortens the framework's period: the planner predicts the
-// shares 0, 0.05, ..., 1 and keeps the shortest step, here more GPU than the balanced share and
-// more than 1% shorter; no share of the grid predicts shorter. A share asked for is kept.
+// shares 0, 0.05, ..., 1 and keeps the shortest step of those that predict no stall, here more
+// GPU than the balanced share and more than 1% shorter; no share of the grid predicts shorter.
+// With slow links the shortest steps stall and are not taken. A share asked for is kept.
 TEST(PlanDeviceUpdate, UnderLoadTheShareWithTheShortestPredictedStepIsKept) {
   ProbeRecord r = Decoder(false, DType::kFloat32, 8);
   DeviceProfile profile = Gpu();
@@ -891,16 +892,16 @@ TEST(PlanDeviceUpdate, UnderLoadTheShareWithTheShortestPredictedStepIsKept) {
   o.release_grads = true;
   o.bucket_bytes = 256 << 10;
   // A slower framework (every probe time x30): the host tier's engines about as busy as it.
-  r.forward_time *= 30;
-  r.backward_time *= 30;
+  r.forward_time *= 1000;
+  r.backward_time *= 1000;
   for (ParamRecord& p : r.params) {
-    p.forward_time *= 30;
-    p.grad_ready_time *= 30;
+    p.forward_time *= 1000;
+    p.grad_ready_time *= 1000;
   }
-  for (MemorySample& m : r.memory) m.time *= 30;
+  for (MemorySample& m : r.memory) m.time *= 1000;
   const double balanced_share = (32.0 / 450 - 4.0 / 150) / (16.0 / 450 + 4.0 / 150);
   const double pa = r.forward_time + r.backward_time;
-  r.period_under_load = 3 * pa;
+  r.period_under_load = 10 * pa;
   const Plan chosen = MustPlan(r, profile, o);
   o.device_update_share = balanced_share;
   const Plan balanced = MustPlan(r, profile, o);
@@ -914,6 +915,31 @@ TEST(PlanDeviceUpdate, UnderLoadTheShareWithTheShortestPredictedStepIsKept) {
         << "share " << k / 20.0;
     EXPECT_NEAR(fixed.prediction.device_update_share, k / 20.0, 0.1);  // asked: kept
   }
+  EXPECT_LE(chosen.prediction.stall_time, 0.01 * chosen.prediction.period);
+
+  // Links a tenth as fast: the GPU path's moments outlast the period at high shares, and a share
+  // that the timeline says stalls is not taken, however short its step is predicted.
+  profile.gpu.d2h_bandwidth = profile.gpu.h2d_bandwidth = 15e9;
+  o.device_update_share = -1;
+  const Plan slow_links = MustPlan(r, profile, o);
+  // Kept: a share that predicts no stall, or the balanced one, 0 here (the CPU path's 32 B at
+  // 450 GB/s are quicker than the links' 4 B each way at 15 GB/s).
+  if (slow_links.prediction.stall_time > 0.01 * slow_links.prediction.period) {
+    EXPECT_EQ(slow_links.prediction.device_update_share, 0.0);
+  }
+  bool a_stalling_share_was_shorter = false;
+  for (int k = 0; k <= 20; ++k) {
+    o.device_update_share = k / 20.0;
+    const Plan fixed = MustPlan(r, profile, o);
+    const bool stalls = fixed.prediction.stall_time > 0.01 * fixed.prediction.period;
+    if (!stalls) {
+      EXPECT_LE(slow_links.prediction.step_time, fixed.prediction.step_time * (1 + 1e-12));
+    }
+    a_stalling_share_was_shorter =
+        a_stalling_share_was_shorter ||
+        (stalls && fixed.prediction.step_time < slow_links.prediction.step_time);
+  }
+  EXPECT_TRUE(a_stalling_share_was_shorter);
 }
 
 // ---- options and input ----------------------------------------------------------------------
