@@ -785,6 +785,23 @@ TEST(PlanSchedule, ReleasedGradientsLeaveThePeak) {
 
 // ---- GPU-updated host-tier parameters (PlanOptions::device_update_share) -------------------
 
+// All state on the host, gradients released in backward (the GPU path allowed), small buckets.
+PlanOptions AllHostInBackward() {
+  PlanOptions o;
+  o.force_all_host = true;
+  o.release_grads = true;
+  o.bucket_bytes = 256 << 10;
+  return o;
+}
+
+// Gpu() with each link and the CPU update at the given rates.
+DeviceProfile LinksAndHost(double link, double host_update) {
+  DeviceProfile p = Gpu();
+  p.gpu.d2h_bandwidth = p.gpu.h2d_bandwidth = link;
+  p.cpu.host_update_bandwidth = host_update;
+  return p;
+}
+
 // Every state on the host, a bf16 parameter among fp32 ones. Share 1: every bucket of fp32
 // parameters is GPU-updated, the bf16 one's bucket not (it has a master); the staging
 // (3 slots of the largest GPU-updated tensor, capped at 8 Mi elements, two fp32 moments) is in
@@ -836,13 +853,8 @@ TEST(PlanDeviceUpdate, ShareOneTakesEveryFp32ParameterAndCountsItsStaging) {
 // CPU or the GPU updating everything.
 TEST(PlanDeviceUpdate, BalancedShareIsSpreadOverBackwardAndPredictsNoWorse) {
   const ProbeRecord r = Decoder(false, DType::kFloat32, 8);
-  DeviceProfile profile = Gpu();
-  profile.gpu.d2h_bandwidth = profile.gpu.h2d_bandwidth = 50e9;
-  profile.cpu.host_update_bandwidth = 150e9;
-  PlanOptions o;
-  o.force_all_host = true;
-  o.release_grads = true;
-  o.bucket_bytes = 256 << 10;
+  DeviceProfile profile = LinksAndHost(50e9, 150e9);
+  PlanOptions o = AllHostInBackward();
   const Plan balanced = MustPlan(r, profile, o);
   // By hand: per parameter the CPU path costs 32 B of host memory and 4 B each way over PCIe,
   // the GPU path 16 B and 8 B: equal busy times at s with (32 - 16 s) / 150 = (4 + 4 s) / 50.
@@ -883,15 +895,9 @@ TEST(PlanDeviceUpdate, BalancedShareIsSpreadOverBackwardAndPredictsNoWorse) {
 // GPU than the balanced share and more than 1% shorter; no share of the grid predicts shorter.
 // With slow links the shortest steps stall and are not taken. A share asked for is kept.
 TEST(PlanDeviceUpdate, UnderLoadTheShareWithTheShortestPredictedStepIsKept) {
+  // A slower framework (every probe time x1000): the host tier's engines busy a few % of it,
+  // the load (x10 under it) a large part.
   ProbeRecord r = Decoder(false, DType::kFloat32, 8);
-  DeviceProfile profile = Gpu();
-  profile.gpu.d2h_bandwidth = profile.gpu.h2d_bandwidth = 150e9;
-  profile.cpu.host_update_bandwidth = 450e9;
-  PlanOptions o;
-  o.force_all_host = true;
-  o.release_grads = true;
-  o.bucket_bytes = 256 << 10;
-  // A slower framework (every probe time x30): the host tier's engines about as busy as it.
   r.forward_time *= 1000;
   r.backward_time *= 1000;
   for (ParamRecord& p : r.params) {
@@ -899,6 +905,8 @@ TEST(PlanDeviceUpdate, UnderLoadTheShareWithTheShortestPredictedStepIsKept) {
     p.grad_ready_time *= 1000;
   }
   for (MemorySample& m : r.memory) m.time *= 1000;
+  DeviceProfile profile = LinksAndHost(150e9, 450e9);
+  PlanOptions o = AllHostInBackward();
   const double balanced_share = (32.0 / 450 - 4.0 / 150) / (16.0 / 450 + 4.0 / 150);
   const double pa = r.forward_time + r.backward_time;
   r.period_under_load = 10 * pa;
