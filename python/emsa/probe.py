@@ -221,10 +221,12 @@ def _timed_pass(model, loss_fn, args, kwargs, targets, device) -> tuple[float, f
 
 
 # Passes timed: alone, and under the host tier's load. On the H200's host one pass of a 0.95 B
-# Llama (4 x 512 tokens) under load took 66-197 ms, one process, one minute; the median of five
-# still read 124 / 199 / 124 ms in three probes back to back, and alone 47-68 ms pass to pass.
-# The training step is a median over steps, so the probe's figures are medians over enough
-# passes that one slow stretch of the host does not make them (a pass under load is ~0.15 s).
+# Llama (4 x 512 tokens) under load took 66-209 ms, one process, one minute, and alone 43-73 ms
+# pass to pass; the median of five read 124 / 199 / 124 ms in three probes back to back. The
+# training step is a median over steps, so the probe's figures are medians over enough passes
+# that one slow pass does not make them (a pass under load is ~0.15 s). The medians of nine still
+# read 100 / 116 / 151 ms in three probes: what is left is the host's own drift over seconds
+# (bench/probe_passes.py).
 ALONE_PASSES = 3
 LOADED_PASSES = 9
 
