@@ -21,7 +21,7 @@ Bandwidths ResolveBandwidths(const DeviceProfile& profile) {
   bw.h2d = Or(profile.gpu.h2d_bandwidth, kDefaultLinkBandwidth);
   bw.duplex = Or(profile.gpu.duplex_bandwidth, std::min(bw.d2h, bw.h2d));
   bw.host_update_duplex = profile.gpu.host_update_duplex_bandwidth;
-  bw.duplex_under_update = profile.gpu.duplex_under_update_bandwidth;
+  bw.duplex_under_update = Or(profile.gpu.duplex_under_update_bandwidth, bw.duplex);
   bw.host_update = Or(profile.cpu.host_update_bandwidth,
                       Or(profile.cpu.host_mem_bandwidth, kDefaultHostUpdateBandwidth));
   return bw;

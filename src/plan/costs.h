@@ -23,11 +23,11 @@ struct Bandwidths {
   double h2d = kDefaultLinkBandwidth;
   double duplex = kDefaultLinkBandwidth;  // each way, both directions at once
   double host_update_duplex = 0.0;        // host_update with copies both ways (0: unknown)
-  double duplex_under_update = 0.0;       // duplex with the CPU update running (0: unknown)
+  double duplex_under_update = kDefaultLinkBandwidth;  // duplex with the CPU update running
   double host_update = kDefaultHostUpdateBandwidth;
 };
 // Measured values where present; host_update falls back to host_mem_bandwidth, then the default;
-// duplex to the slower single direction.
+// duplex to the slower single direction; duplex_under_update to duplex (no slowdown known).
 Bandwidths ResolveBandwidths(const DeviceProfile& profile);
 
 enum class ViewKind { kGrad, kExpAvg, kExpAvgSq, kMaster, kParamOut };

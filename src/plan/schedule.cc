@@ -161,7 +161,7 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
   // (on the H200 host 33-35 GB/s each way, 50 without). Links busy L at the full rate then take
   // L + Tc (1 - slow / fast), or L fast / slow if the CPU works throughout.
   const double links = std::max(d2h, h2d);
-  if (cpu > 0 && links > 0 && bw.duplex_under_update > 0 && bw.duplex_under_update < bw.duplex) {
+  if (cpu > 0 && links > 0 && bw.duplex_under_update < bw.duplex) {
     const double slow = bw.duplex_under_update / bw.duplex, cpu_busy = cpu * cpu_slowdown;
     const double stretch =
         cpu_busy * slow >= links ? 1.0 / slow : 1.0 + cpu_busy * (1.0 - slow) / links;
@@ -198,7 +198,7 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
   if (host_elements > 0 && alone > 0 && record.period_under_load > alone) {
     const double loaded = record.period_under_load;
     const double load_rate = (bw.host_update_duplex > 0 ? bw.host_update_duplex : bw.host_update) +
-                             2 * (bw.duplex_under_update > 0 ? bw.duplex_under_update : bw.duplex);
+                             2 * bw.duplex_under_update;
     const double busy = std::max(cpu * cpu_slowdown, (cpu_host + gpu_host) / load_rate);
     const double p = busy >= loaded
                          ? loaded

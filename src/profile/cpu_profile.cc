@@ -164,11 +164,12 @@ Result<HostBandwidths> MeasureHostBandwidths(int threads) {
   TensorUpdate t = profile_internal::FourArrayUpdate(floats, n, &hyper);
   const StepOptions step = profile_internal::NearestRounding();
   Status failed;
-  out.update = BestBytesPerSecond(28.0 * static_cast<double>(n), [&] {
-    failed = (*updater)->Step(&t, 1, step);
-    ++t.step;
-    return failed.ok();
-  });
+  out.update =
+      BestBytesPerSecond(profile_internal::kFourArrayUpdateBytes * static_cast<double>(n), [&] {
+        failed = (*updater)->Step(&t, 1, step);
+        ++t.step;
+        return failed.ok();
+      });
   EMSA_RETURN_IF_ERROR(failed);
   return out;
 }

@@ -151,7 +151,8 @@ Result<UpdateAndCopies> UpdateWhileCopying(int threads, cudaStream_t stream, dou
       return CudaStatus(q, "GPU profile: cudaEventQuery");
     }
     copying = q == cudaErrorNotReady;
-    if (copying && seconds > 0.0) out.update = std::max(out.update, 28.0 * n / seconds);
+    if (copying && seconds > 0.0)
+      out.update = std::max(out.update, profile_internal::kFourArrayUpdateBytes * n / seconds);
     // The copies ended during a pass after the first: the CPU updated throughout them.
     if (!copying && pass > 0) {
       float ms = 0.0f;

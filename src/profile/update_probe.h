@@ -34,6 +34,10 @@ inline HostFloats TouchedHostFloats(ThreadPool& pool, int64_t count, int64_t gra
   return out;
 }
 
+// The bytes FourArrayUpdate's step moves per parameter: param, gradient and both moments read,
+// param and moments written.
+constexpr double kFourArrayUpdateBytes = 28.0;
+
 inline TensorUpdate FourArrayUpdate(float* data, int64_t n, const HyperParams* hyper) {
   TensorUpdate t;
   t.param = data;
