@@ -16,7 +16,7 @@ events (host work such as a CPU optimizer step is inside: the end event is enque
   (d) emsa.AdamW with the budget halfway between the all-device and all-host plans' peaks
   (e) emsa.AdamW(tier="host"): all Adam state and the fp32 master on the host
   (f), (g) (e) and (d) with the host tier's tuning knobs set from --ab-knobs (environment
-      variables, e.g. EMSA_HOST_THREADS=16 or EMSA_HOST_UPLOAD_PIECE=4194304): A/B runs, only
+      variables, e.g. EMSA_HOST_THREADS=16 or EMSA_HOST_PACE=0): A/B runs, only
       when asked for in --configs
   (h), (i), (j) (c) with step_in_backward=True: each bucket's update on the device engine's
       side stream as its gradients become final, overlapped with the rest of backward, one block
@@ -322,9 +322,15 @@ def l2_split(plan) -> dict:
     host = [p for p in trainable if p["tier"] == "L2"]
     size = {"float32": 4, "bfloat16": 2, "float16": 2}
     total = sum(p["numel"] for p in trainable) or 1
-    from emsa import _host_tier
+    import ctypes
 
-    delta = int(os.environ.get("EMSA_HOST_DELTA", _host_tier.DEVICE_DELTA)) == 1
+    from emsa import _capi, _tuning
+
+    delta = _tuning.host_delta()
+    if delta is None:  # libemsa's default (HostTierOptions::device_delta)
+        defaults = _capi.HostTierOptions()
+        _capi.lib.emsa_host_tier_options_init(ctypes.byref(defaults))
+        delta = defaults.device_delta == 1
     update_bytes = built_bytes = copy_bytes = gpu_numel = 0
     for p in host:
         n, ps, ss = p["numel"], size[p["param_dtype"]], size[p["state_dtype"]]

@@ -38,16 +38,6 @@ namespace cpu {
 struct KernelTable;
 }
 
-// What StepRange tells its caller while it runs: each pool thread calls fn(context, tensor,
-// begin, end) as soon as it has written elements [begin, end) of tensors[tensor], in pieces of
-// at most `elements` (cut at multiples of 64 within the tensor), from the thread that wrote them,
-// while they are still in its caches. fn must be thread-safe and must not call the updater.
-struct RangeDone {
-  void (*fn)(void* context, size_t tensor, int64_t begin, int64_t end) = nullptr;
-  void* context = nullptr;
-  int64_t elements = 0;  // >= 64
-};
-
 struct CpuUpdaterOptions {
   int threads = 0;  // 0 = every core this process may run on; at most 4096
   // Highest ISA to use; the detected level is used if lower. Tests force each level.
@@ -106,11 +96,10 @@ class CpuUpdater {
   // Step() for the elements [first, last) of the batch, counted across its tensors in order
   // (element i of tensor t is at t's offset plus i): the same results those elements get from
   // Step(), since each element's result depends only on its own index within its tensor. The
-  // host tier updates a bucket piece by piece with it and uploads each piece at once. first and
+  // host tier updates a bucket with it piece by piece as the bucket's gradients land. first and
   // last must be Aligned(); options.check_finite must be false (kInvalidArgument otherwise).
-  // With `done`, the pool reports the pieces it has written as it goes (RangeDone).
   Status StepRange(const TensorUpdate* tensors, size_t count, const StepOptions& options,
-                   int64_t first, int64_t last, const RangeDone* done = nullptr);
+                   int64_t first, int64_t last);
   // The batch position `position` moved back to a tensor boundary or to a multiple of 64
   // elements within its tensor (where Step splits work); the batch's size when past its end.
   static int64_t Aligned(const TensorUpdate* tensors, size_t count, int64_t position);
@@ -135,7 +124,7 @@ class CpuUpdater {
   Scan ScanGrads(const TensorUpdate* tensors, size_t count, int64_t total);
   // Runs the update of the batch's elements [first, first + total) on the pool (validated).
   void Update(const TensorUpdate* tensors, size_t count, const StepOptions& options, int64_t first,
-              int64_t total, const RangeDone* done = nullptr);
+              int64_t total);
 
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<Partial[]> partials_;  // pool size entries, sized at Create

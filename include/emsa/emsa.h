@@ -223,10 +223,6 @@ EMSA_API void emsa_step_report_init(emsa_step_report* report);
 EMSA_API emsa_status emsa_cpu_updater_create(int32_t threads, int32_t max_simd,
                                              emsa_cpu_updater** updater_out);
 EMSA_API void emsa_cpu_updater_destroy(emsa_cpu_updater* updater);
-/* How the pool shares out a step: >= 64 guided self-scheduling with runs of at least this many
- * elements (default 16384; CpuUpdater::SetGuidedScheduling), 0 equal contiguous shares. Same
- * results either way. */
-EMSA_API emsa_status emsa_cpu_updater_set_guided(emsa_cpu_updater* updater, int64_t min_elements);
 /* Linux: the pool's worker threads (all but the thread that calls emsa_cpu_step) run at nice
  * value `nice` (0..19), so that the process's other threads, such as the framework's that launch
  * GPU work, go first when cores are short (CpuUpdater::SetWorkerNice). EMSA_UNSUPPORTED where
@@ -429,29 +425,25 @@ typedef struct emsa_host_tier_options {
   int32_t rounding;     /* EMSA_ROUNDING_*; default STOCHASTIC */
   uint64_t seed;        /* stochastic rounding stream; default 0 */
   int32_t device;       /* CUDA device; default 0 */
-  /* 0 (default): upload a bucket's parameters once its whole update is done; >= 64: update and
-   * upload it this many elements at a time (emsa/host_tier.h, HostTierOptions) */
-  int64_t upload_piece_elements;
-  /* 0 (default): copy a bucket's gradients down whole; >= 64: this many elements at a time, the
-   * update following them as they land (HostTierOptions.grad_piece_elements) */
-  int64_t grad_piece_elements;
-  /* 0 (default): uploads enqueued per piece by the tier's worker; >= 64: each CPU pool thread
-   * enqueues the upload of every this many elements it has written, while they are in its cache
-   * (HostTierOptions.worker_upload_elements) */
-  int64_t worker_upload_elements;
-  /* 0 (default): the CPU updates the host copy of each parameter, which is uploaded; 1: for fp32
-   * parameters with fp32 gradients under AdamW or Lion, the CPU writes only the change and the
-   * device applies it (HostTierOptions.device_delta), through a device staging buffer of
-   * delta_staging_elements floats (default 4 Mi) */
+  /* 1: buckets are submitted from backward, each as its gradients become final; 0 (default):
+   * after backward, all at once. A fact about the caller: only from backward are the copies
+   * paced (HostTierOptions.submit_in_backward, paced_copies) */
+  int32_t submit_in_backward;
+  /* 1 (default): for fp32 parameters with fp32 gradients under AdamW or Lion, the CPU writes only
+   * the change and the device applies it (HostTierOptions.device_delta), through a device
+   * staging buffer of delta_staging_elements floats (default 4 Mi); 0: the CPU updates the host
+   * copy of each parameter, which is uploaded */
   int32_t device_delta;
   int64_t delta_staging_elements;
-  /* 0 (default): a bucket's gradient copies are enqueued by emsa_host_tier_submit; N >= 1: the
-   * tier's worker enqueues them grad_piece_elements (required) at a time, N pieces ahead of the
-   * CPU, so they land just before it reads them (HostTierOptions.paced_copies). The caller then
-   * keeps each bucket's device gradients until emsa_host_tier_bucket_copies_enqueued says 1. */
+  /* with submit_in_backward, N >= 1 (default 2): the tier's worker enqueues a bucket's gradient
+   * copies pace_piece_elements (default 4 Mi, >= 64) at a time, N pieces ahead of the CPU, so
+   * they land just before it reads them (HostTierOptions.paced_copies). The caller then keeps
+   * each bucket's device gradients until emsa_host_tier_bucket_copies_enqueued says 1. 0, or
+   * without submit_in_backward: emsa_host_tier_submit enqueues them whole */
   int32_t paced_copies;
-  /* under paced_copies: at most this many bytes of submitted gradients wait on the device for
-   * their copies (-1, the default: no limit); past it a bucket is copied at once */
+  int64_t pace_piece_elements;
+  /* under pacing: at most this many bytes of submitted gradients wait on the device for their
+   * copies (-1, the default: no limit); past it a bucket is copied at once */
   int64_t paced_hold_bytes;
   /* device-updated tensors: staging slots of this many elements per moment (default 8 Mi) and
    * how many slots (default 3) (HostTierOptions.stream_piece_elements, stream_slots) */
@@ -516,7 +508,7 @@ EMSA_API void* emsa_host_tier_update_stream(const emsa_host_tier* tier);
  * uninitialized options, a bad dtype or largest < 1. */
 EMSA_API int64_t emsa_host_tier_stream_staging_bytes(const emsa_host_tier_options* options,
                                                      int32_t state_dtype, int64_t largest);
-/* 1: every gradient copy of the bucket's last submit is enqueued (under paced_copies its device
+/* 1: every gradient copy of the bucket's last submit is enqueued (under pacing its device
  * gradients may be released now; the stream order keeps them until read), or the tier failed;
  * 0: not yet; -1: tier NULL or no such bucket. */
 EMSA_API int32_t emsa_host_tier_bucket_copies_enqueued(const emsa_host_tier* tier, size_t bucket);

@@ -6,19 +6,19 @@
 // parameter). Per step and per bucket (the plan's unit, in gradient-ready order):
 //
 //   Submit(b, grads, compute)   an event on the compute stream; the D2H stream waits on it and
-//                               copies the bucket's gradients into their staging buffers (piece
-//                               by piece with grad_piece_elements), then records grads_copied[b];
-//                               b joins the worker's queue. (With paced_copies the worker
-//                               enqueues those copies itself, a few pieces ahead of the CPU.)
+//                               copies the bucket's gradients into their staging buffers, then
+//                               records that they have landed; b joins the worker's queue.
+//                               (When buckets are submitted from backward and pacing is on,
+//                               the worker enqueues those copies itself, a few pieces ahead of
+//                               the CPU.)
 //   worker thread               takes, of the submitted buckets whose gradients have landed
-//                               (their first piece),
-//                               the one with the highest index (buckets are numbered in
-//                               gradient-ready order, so that is what the next forward needs
-//                               first), waits for the previous step's upload of it (no DMA may
-//                               still read what it is about to write), runs its CPU update on
-//                               the CpuUpdater's pool, enqueues the uploads of its parameters on
-//                               the H2D stream (piece by piece with upload_piece_elements) and
-//                               records params_copied[b].
+//                               (their first piece), the one with the highest index (buckets
+//                               are numbered in gradient-ready order, so that is what the next
+//                               forward needs first), waits for the previous step's upload of
+//                               it (no DMA may still read what it is about to write), runs its
+//                               CPU update on the CpuUpdater's pool, enqueues the upload of its
+//                               parameters (or their deltas) on the H2D stream and records
+//                               params_copied[b].
 //   Wait(b, stream)             the next forward's module pre-hook: waits on the host until b's
 //                               upload is enqueued (usually already), then makes `stream` wait
 //                               on params_copied[b]; the compute stream never waits for the
@@ -37,6 +37,7 @@
 #include <memory>
 #include <vector>
 
+#include "emsa/host_tier_costs.h"
 #include "emsa/status.h"
 #include "emsa/types.h"
 #include "emsa/update.h"
@@ -72,70 +73,61 @@ struct HostTierOptions {
   uint64_t seed = 0;
   int device = 0;         // CUDA device of the parameters and streams
   size_t history = 4096;  // steps whose measurements are kept (ring)
-  // 0: a bucket's parameters are uploaded once its whole update is done. N >= 64: the bucket is
-  // updated N elements at a time (cut at tensor boundaries or multiples of 64 within a tensor)
-  // and each piece's upload is enqueued as soon as it is written, while it may still be in the
-  // CPU's cache (the DMA then need not read it back from DRAM) and so the H2D stream starts
-  // earlier. Results are identical either way. Measured on the H200 host (953 M fp32 params,
-  // 4 Mi-element pieces, bench/README.md): steps 5% slower, the CPU busier; hence off.
-  int64_t upload_piece_elements = 0;
-  // 0: a bucket's gradients are copied down whole, and its update waits for all of them. N >= 64:
-  // they are copied N elements at a time (the same cuts), an event after each; the worker may
-  // take the bucket once its first piece has landed and, if the rest has not, updates piece by
-  // piece as they land. That only changes anything when the CPU is waiting for the D2H stream,
-  // as at the start of each step, when the first bucket's gradients (the LM head's, the
-  // largest) are on their way. Results are identical either way.
-  int64_t grad_piece_elements = 0;
-  // 0: the worker enqueues each piece's uploads once the pool has updated all of it. N >= 64:
-  // each of the pool's threads enqueues the upload of every N elements it has written right
-  // after writing them, while the parameters are still in the CPU's caches, so the DMA can
-  // read them from there instead of from DRAM, whose bandwidth the update is bound by. The
-  // piece's H2D time is then its span from the start of its update. Results are identical.
-  int64_t worker_upload_elements = 0;
-  // false: the CPU updates the host's copy of every parameter, which is then uploaded. true: for
-  // fp32 parameters with fp32 gradients under AdamW or Lion (the rest as before), the CPU writes
-  // only the update's change, over the gradient in its staging buffer (TensorUpdate::delta);
-  // that is uploaded into a device staging buffer of delta_staging_elements floats and a kernel
-  // on the H2D stream sets p = p * (1 - lr*wd) + delta on the device: the same bits. The host's
-  // copy of those parameters is then neither read nor written (it goes stale): the CPU moves 24
-  // bytes of host memory per parameter instead of 28, the DMA the same 8. Not with
-  // worker_upload_elements.
-  bool device_delta = false;
+  // How the caller submits buckets, a fact about the caller, not a tuning choice. false: after
+  // backward, all at once (an optimizer's step()). true: from backward, each as its gradients
+  // become final (gradient hooks). Only then are the copies paced (paced_copies): after
+  // backward a step would wait for every copy, and there is no backward left to overlap them
+  // with.
+  bool submit_in_backward = false;
+  // true: for fp32 parameters with fp32 gradients under AdamW or Lion (HostTierAppliesDelta; the
+  // rest as with false), the CPU writes only the update's change, over the gradient in its
+  // staging buffer (TensorUpdate::delta); that is uploaded into a device staging buffer of
+  // delta_staging_elements floats and a kernel on the H2D stream sets p = p * (1 - lr*wd) + delta
+  // on the device: the same bits. The host's copy of those parameters is then neither read nor
+  // written (it goes stale), so the CPU moves 24 bytes of host memory per parameter instead of
+  // 28, the DMA the same 8; the update is bound by host memory. false: the CPU updates the
+  // host's copy of every parameter, which is then uploaded.
+  bool device_delta = kHostTierDeviceDelta;
   int64_t delta_staging_elements = int64_t{4} << 20;
-  // 0: Submit enqueues a bucket's gradient copies at once; they run at PCIe speed, well ahead of
-  // the CPU (backward hands gradients over faster than the CPU updates them), so the CPU reads
-  // them back from DRAM. N >= 1: the worker enqueues them itself, grad_piece_elements (required)
-  // at a time, keeping N pieces copied ahead of the piece it is updating (into the next bucket
-  // it will take when the current one runs out), so each piece lands just before the CPU reads
-  // it: where the host's PCIe writes allocate in its last-level cache (Intel DDIO) the CPU then
-  // reads gradients from there, not from DRAM, and the host memory the update is bound by
-  // carries less traffic. The worker reads Submit's device pointers when it copies: the caller
-  // must keep those gradients alive (and unwritten) until BucketCopiesEnqueued(b) says so.
-  // WaitGradsCopied then blocks the host until the copies are enqueued. Results are identical.
-  // bench/host_dma_bench.cu measures what pacing gains on a host.
-  int paced_copies = 0;
-  // Under paced_copies, the device memory pacing may hold: gradients submitted whose copies are
-  // not yet enqueued, at most this many bytes (-1: no limit). A Submit that would pass it
-  // enqueues that bucket's copies at once, as without pacing. The planner's peak counts about two
-  // buckets of gradients in flight; the caller passes what its budget has beyond that.
+  // With submit_in_backward, N >= 1: the worker enqueues the gradient copies itself,
+  // pace_piece_elements at a time, keeping N pieces copied ahead of the piece it is updating
+  // (into the next bucket it will take when the current one runs out), so each piece lands just
+  // before the CPU reads it: where the host's PCIe writes allocate in its last-level cache (Intel
+  // DDIO) the CPU then reads gradients from there, not from DRAM, and the host memory the update
+  // is bound by carries less traffic. Copies enqueued at Submit instead run at PCIe speed, well
+  // ahead of the CPU, so the CPU reads them back from DRAM. The worker reads Submit's device
+  // pointers when it copies: the caller must keep those gradients alive (and unwritten) until
+  // BucketCopiesEnqueued(b) says so; WaitGradsCopied then blocks the host until the copies are
+  // enqueued. 0, or without submit_in_backward: Submit enqueues each bucket's copies whole.
+  // Results are identical either way. bench/host_dma_bench.cu measures what pacing gains on a
+  // host.
+  int paced_copies = 2;
+  int64_t pace_piece_elements = int64_t{4} << 20;  // >= 64; cut as CpuUpdater::Aligned allows
+  // Under pacing, the device memory it may hold: gradients submitted whose copies are not yet
+  // enqueued, at most this many bytes (-1: no limit). A Submit that would pass it enqueues that
+  // bucket's copies at once, as without pacing. The planner's peak counts about two buckets of
+  // gradients in flight; the caller passes what its budget has beyond that.
   int64_t paced_hold_bytes = -1;
   // Device-updated tensors (HostTierTensor::device_update): their moments go through stream_slots
   // device staging slots of stream_piece_elements elements per moment (allocated at Create when
   // any tensor is device-updated), a tensor stream_piece_elements at a time. With more than one
-  // slot, one run's moments come up while another's go down. Without paced_copies, Submit
-  // enqueues a bucket's copies and kernels (update_stream() runs the kernels, which read Submit's
-  // gradients: keep them alive in that stream's order). With paced_copies, a streamer thread
-  // enqueues them run by run as slots free up, choosing as the worker does (in backward the
-  // buckets as their gradients become final, after it what the next forward needs first); the
-  // caller then keeps each bucket's gradients until BucketCopiesEnqueued, as for paced copies.
-  int64_t stream_piece_elements = int64_t{8} << 20;
-  int stream_slots = 3;
+  // slot, one run's moments come up while another's go down. Without pacing, Submit enqueues a
+  // bucket's copies and kernels (update_stream() runs the kernels, which read Submit's
+  // gradients: keep them alive in that stream's order). Under pacing, a streamer thread enqueues
+  // them run by run as slots free up, choosing as the worker does (in backward the buckets as
+  // their gradients become final, after it what the next forward needs first); the caller then
+  // keeps each bucket's gradients until BucketCopiesEnqueued, as for paced copies.
+  int64_t stream_piece_elements = kHostTierStreamPieceElements;
+  int stream_slots = kHostTierStreamSlots;
   // The stream the device-updated buckets' kernels run on (they read Submit's gradients): the
   // caller's, which must outlive the tier, or null for one the tier makes and destroys with
   // itself. A framework that keeps gradients alive by recording their use on a stream (torch's
   // record_stream) must pass its own: memory recorded on a destroyed stream is never freed
   // cleanly.
   cudaStream_t device_update_stream = nullptr;
+
+  // Whether the worker paces the gradient copies: submitted from backward, with pieces ahead.
+  bool paced() const { return submit_in_backward && paced_copies > 0; }
 };
 
 // What one step took on each engine, measured (CUDA events for copies, a steady clock for the
@@ -154,23 +146,12 @@ struct HostTierStepStats {
   double grad_wait_s = 0.0;
   double worker_s = 0.0;
   // Device-updated buckets submitted, and their moments' copies up, summed (CUDA events): the
-  // link time the GPU path took. Under paced_copies each run is timed when the streamer next
+  // link time the GPU path took. Under pacing each run is timed when the streamer next
   // takes its staging slot (the step's last ones in the next step, or at Synchronize); Submit's
   // own enqueues time only runs whose copies are done when their slot comes round again.
   int64_t device_buckets = 0;
   double stream_up_s = 0.0;
 };
-
-// The host tier's CPU update pool for `cores` usable cores: one fewer (the thread launching the
-// GPU's work must not wait for a core, and the memory-bound pool gains nothing from the last
-// one), at least 1. The profile measures the host update bandwidth on as many threads.
-int HostTierThreads(int cores);
-
-// Whether HostTierOptions::device_delta applies to a tensor: an fp32 parameter without a master,
-// with an fp32 gradient (which holds the delta), under AdamW or Lion (Adam's L2 decay reads the
-// parameter on the host). The planner's cost model asks the same.
-bool HostTierAppliesDelta(OptimizerKind optimizer, DType param_dtype, DType grad_dtype,
-                          bool has_master);
 
 class HostTier {
  public:
@@ -200,10 +181,11 @@ class HostTier {
   Status WaitGradsCopied(cudaStream_t stream);
   // Waits on the host until every submitted bucket is updated and uploaded.
   Status Synchronize();
-  // Under paced_copies: whether every gradient copy of bucket b's last Submit is enqueued (its
-  // device gradients may then be freed in the D2H stream's order), and how many buckets' copies
-  // have been enqueued in all since Create (a caller polls this, cheaply, for a change). Without
-  // paced_copies Submit enqueues them itself: true once Submit has returned.
+  // Under pacing (HostTierOptions::paced()): whether every gradient copy of bucket b's last
+  // Submit is enqueued (its device gradients may then be freed in the D2H stream's order), and
+  // how many buckets' copies have been enqueued in all since Create (a caller polls this,
+  // cheaply, for a change). Without pacing Submit enqueues them itself: true once Submit has
+  // returned.
   bool BucketCopiesEnqueued(size_t bucket) const;
   int64_t copies_enqueued() const;
   // Measurements of steps [first, BeginStep count], oldest first, at most `capacity`; steps

@@ -8,8 +8,9 @@ A missing library or an ABI mismatch raises EmsaLibraryError with what to do.
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
+
+from . import _tuning
 
 __all__ = [
     "EmsaError",
@@ -173,12 +174,11 @@ class HostTierOptions(ctypes.Structure):
         ("rounding", ctypes.c_int32),
         ("seed", ctypes.c_uint64),
         ("device", ctypes.c_int32),
-        ("upload_piece_elements", ctypes.c_int64),
-        ("grad_piece_elements", ctypes.c_int64),
-        ("worker_upload_elements", ctypes.c_int64),
+        ("submit_in_backward", ctypes.c_int32),
         ("device_delta", ctypes.c_int32),
         ("delta_staging_elements", ctypes.c_int64),
         ("paced_copies", ctypes.c_int32),
+        ("pace_piece_elements", ctypes.c_int64),
         ("paced_hold_bytes", ctypes.c_int64),
         ("stream_piece_elements", ctypes.c_int64),
         ("stream_slots", ctypes.c_int32),
@@ -272,8 +272,6 @@ _TABLE = {
     "emsa_step_options_init": (None, [ctypes.POINTER(StepOptions)]),
     "emsa_step_report_init": (None, [ctypes.POINTER(StepReport)]),
     "emsa_cpu_updater_create": (_S, [ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(_P)]),
-    "emsa_cpu_updater_set_guided": (_S, [_P, ctypes.c_int64]),
-    "emsa_cpu_updater_set_worker_nice": (_S, [_P, ctypes.c_int32]),
     "emsa_cpu_updater_destroy": (None, [_P]),
     "emsa_cpu_updater_info": (
         _S, [_P, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]),
@@ -353,7 +351,7 @@ _TABLE = {
 
 
 def _candidates() -> list[Path]:
-    env = os.environ.get("EMSA_LIBRARY")
+    env = _tuning.library_path()
     if env:
         return [Path(env)]
     here = Path(__file__).resolve().parent

@@ -46,7 +46,7 @@ when the bucket is submitted, the CPU update on a worker pool, parameters up on 
 the next forward waiting per module. Buckets are submitted at step() (after backward, in
 gradient-ready order) or, with step_in_backward=True, from the gradient hooks as each bucket
 becomes ready, which hides the copies under backward and frees each gradient once its copy has
-read it; the copies are then paced to the CPU's progress (emsa._host_tier.PACED_COPIES) so the
+read it; the copies are then paced to the CPU's progress (HostTierOptions.paced_copies) so the
 CPU reads gradients from its cache, holding at most _pacing_hold(plan) bytes of them. A host-tier step cannot be skipped on a non-finite gradient (the decision would need
 every gradient before the first bucket's update): the optimizer turns skip_nonfinite off for
 such plans (GradScaler still skips, before step() is called), and refuses an explicit True.

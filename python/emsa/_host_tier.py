@@ -4,12 +4,13 @@ from the CUDA backend, and the forward pre-hook that makes the next forward wait
 For each host-tier bucket of a step: submit() enqueues its gradients' copy to pinned staging on
 a D2H stream after an event on the compute stream (record_stream keeps each gradient's memory
 until the copy has read it, so the caller may drop .grad at once). With step_in_backward the
-copies are paced instead (PACED_COPIES): libemsa's worker enqueues them a few pieces ahead of
-its CPU update, and this class holds each bucket's gradients until their copies are enqueued
-(then record_stream takes over), at most hold_bytes of them. libemsa's worker updates the
-bucket on the CPU pool and enqueues the upload of its parameters on an H2D stream (for fp32
-parameters under AdamW or Lion, by default, the upload of the update's delta and a kernel that
-applies it: HostTierOptions.device_delta). Buckets the plan marks device_update instead bring
+copies are paced instead (HostTierOptions.paced_copies, which applies when buckets are
+submitted from backward): libemsa's worker enqueues them a few pieces ahead of its CPU update,
+and this class holds each bucket's gradients until their copies are enqueued (then
+record_stream takes over), at most hold_bytes of them. libemsa's worker updates the bucket on
+the CPU pool and enqueues the upload of its parameters on an H2D stream (for fp32 parameters
+under AdamW or Lion, by default, the upload of the update's delta and a kernel that applies it:
+HostTierOptions.device_delta). Buckets the plan marks device_update instead bring
 their moments from the pinned arena into device staging, a kernel on update_stream updates them
 and the parameters on the GPU, and the moments go back (with step_in_backward libemsa's streamer
 enqueues those runs, and their gradients are held the same way until it has). The bucket is
@@ -32,29 +33,8 @@ import weakref
 
 import torch
 
-from . import _capi
+from . import _capi, _tuning
 from ._capi import HostTierOptions, HostTierStepStats, HostTierTensor, check, lib
-
-
-# Whether the host tier applies fp32 parameters' updates on the device (HostTierOptions::
-# device_delta). On: the A/B in bench/README.md (H200 host, 953 M params at 4 x 512, all state on
-# the host: 260.2 -> 217.6 ms a step, the CPU's busy time 269.9 -> 196.4 ms; same bits).
-DEVICE_DELTA = 1
-
-# Whether the worker paces the gradient copies to the CPU (HostTierOptions.paced_copies: this many
-# pieces of PACE_PIECE elements copied ahead of the piece the CPU is updating), so that the CPU
-# reads each gradient from the last-level cache the PCIe write put it in (Intel DDIO) instead of
-# from DRAM. Only with step_in_backward (step()'s path would wait for every copy). Set by
-# EMSA_HOST_PACE (pieces; 0 turns it off) and EMSA_HOST_GRAD_PIECE (elements). On: the A/B in
-# bench/README.md ("Paced gradient copies"; H200 host, 953 M params at 4 x 512, all state on the
-# host: the CPU's busy time 172.6 -> 145.6 ms, the step 191.8 -> 179.3 ms; same bits).
-PACED_COPIES = 2
-PACE_PIECE = 4 << 20
-
-# The CPU pool's worker threads' nice value (CpuUpdater::SetWorkerNice; EMSA_HOST_NICE). 0: the
-# process's own priority. Off: at nice 10 the A/B in bench/README.md measured no gain (H200 host,
-# 953 M params at 4 x 512: all state on the host 159.8 -> 159.6 ms, half of it 97.4 -> 98.7).
-WORKER_NICE = 0
 
 
 class HostTier:
@@ -76,46 +56,31 @@ class HostTier:
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
         # libemsa's rule for the pool (one core fewer than this process may use; the profile
-        # measures on as many). EMSA_HOST_THREADS, EMSA_HOST_GUIDED (CpuUpdater's guided
-        # scheduling), EMSA_HOST_UPLOAD_PIECE, EMSA_HOST_GRAD_PIECE and EMSA_HOST_WORKER_UPLOAD
-        # (elements; HostTierOptions) are tuning knobs for benchmarks.
-        threads = int(os.environ.get("EMSA_HOST_THREADS", 0)) or lib.emsa_host_tier_threads(
+        # measures on as many), unless EMSA_HOST_THREADS overrides it.
+        threads = _tuning.host_threads() or lib.emsa_host_tier_threads(
             len(os.sched_getaffinity(0)))
         check(lib.emsa_cpu_updater_create(threads, _capi.SIMD["avx512"],
                                           ctypes.byref(self.updater)))
-        if "EMSA_HOST_GUIDED" in os.environ:
-            check(lib.emsa_cpu_updater_set_guided(self.updater,
-                                                  int(os.environ["EMSA_HOST_GUIDED"])))
-        # The pool's threads yield to the threads launching forward and backward when cores
-        # are short (EMSA_HOST_NICE: their nice value, 0 = as the process).
-        nice = int(os.environ.get("EMSA_HOST_NICE", WORKER_NICE))
-        if nice:
-            check(lib.emsa_cpu_updater_set_worker_nice(self.updater, nice))
+        # libemsa's defaults (HostTierOptions) are the product's; this states only how buckets
+        # are submitted and what the caller's budget lets pacing hold. The rest are overrides
+        # for A/B runs, read by _tuning (None: keep the default).
         options = HostTierOptions()
         lib.emsa_host_tier_options_init(ctypes.byref(options))
         options.optimizer = _capi.OPTIMIZER[optimizer]
         options.device = device.index
-        options.upload_piece_elements = int(os.environ.get("EMSA_HOST_UPLOAD_PIECE", 0))
-        pace = int(os.environ.get("EMSA_HOST_PACE", PACED_COPIES)) if in_backward else 0
-        options.paced_copies = pace
-        options.paced_hold_bytes = int(os.environ.get("EMSA_HOST_PACE_HOLD", hold_bytes))
-        self.paced = pace > 0
-        options.grad_piece_elements = int(os.environ.get("EMSA_HOST_GRAD_PIECE",
-                                                         PACE_PIECE if pace else 0))
-        options.worker_upload_elements = int(os.environ.get("EMSA_HOST_WORKER_UPLOAD", 0))
-        # fp32 parameters: the CPU writes the update's change and the device applies it
-        # (HostTierOptions.device_delta); EMSA_HOST_DELTA=0/1 overrides for A/B.
-        options.device_delta = int(os.environ.get("EMSA_HOST_DELTA", DEVICE_DELTA))
+        options.submit_in_backward = 1 if in_backward else 0
+        options.paced_hold_bytes = hold_bytes
+        for field, value in (("paced_copies", _tuning.host_pace()),
+                             ("device_delta", _tuning.host_delta()),
+                             ("stream_slots", _tuning.host_stream_slots()),
+                             ("stream_piece_elements", _tuning.host_stream_piece())):
+            if value is not None:
+                setattr(options, field, int(value))
+        self.paced = in_backward and options.paced_copies > 0
         # Device-updated buckets' kernels read their gradients here: a stream of torch's own, so
         # record_stream on it stays valid after the tier is gone.
         self.update_stream = torch.cuda.Stream(device)
         options.device_update_stream = self.update_stream.cuda_stream
-        # Tuning knobs for benchmarks (the plan counts the default staging in its peak):
-        # EMSA_HOST_STREAM_SLOTS, EMSA_HOST_STREAM_PIECE (elements per slot and moment).
-        options.stream_slots = int(os.environ.get("EMSA_HOST_STREAM_SLOTS",
-                                                  options.stream_slots))
-        options.stream_piece_elements = int(os.environ.get("EMSA_HOST_STREAM_PIECE",
-                                                           options.stream_piece_elements))
         array = (HostTierTensor * max(len(tensors), 1))(*tensors)
         try:
             check(lib.emsa_host_tier_create(self.updater, array, len(tensors), len(buckets),

@@ -584,11 +584,6 @@ emsa_status emsa_cpu_updater_create(int32_t threads, int32_t max_simd,
   });
 }
 
-emsa_status emsa_cpu_updater_set_guided(emsa_cpu_updater* updater, int64_t min_elements) {
-  return OnHandle(updater, "updater",
-                  [&](auto& h) { return h.updater->SetGuidedScheduling(min_elements); });
-}
-
 emsa_status emsa_cpu_updater_set_worker_nice(emsa_cpu_updater* updater, int32_t nice) {
   return OnHandle(updater, "updater", [&](auto& h) { return h.updater->SetWorkerNice(nice); });
 }
@@ -980,16 +975,26 @@ void emsa_host_tier_tensor_init(emsa_host_tier_tensor* tensor) {
   emsa_tensor_update_init(&tensor->update);
 }
 
+// The C options' defaults are HostTierOptions' (the optimizer, rounding and seed as every
+// options struct of the C ABI starts them).
 void emsa_host_tier_options_init(emsa_host_tier_options* options) {
   if (options == nullptr) return;
+  const emsa::HostTierOptions d;
   std::memset(options, 0, sizeof(*options));
   options->struct_size = sizeof(emsa_host_tier_options);
   options->optimizer = EMSA_OPTIMIZER_ADAMW;
   options->rounding = EMSA_ROUNDING_STOCHASTIC;
-  options->delta_staging_elements = emsa::HostTierOptions{}.delta_staging_elements;
-  options->paced_hold_bytes = emsa::HostTierOptions{}.paced_hold_bytes;
-  options->stream_piece_elements = emsa::HostTierOptions{}.stream_piece_elements;
-  options->stream_slots = emsa::HostTierOptions{}.stream_slots;
+  options->seed = d.seed;
+  options->device = d.device;
+  options->submit_in_backward = d.submit_in_backward ? 1 : 0;
+  options->device_delta = d.device_delta ? 1 : 0;
+  options->delta_staging_elements = d.delta_staging_elements;
+  options->paced_copies = d.paced_copies;
+  options->pace_piece_elements = d.pace_piece_elements;
+  options->paced_hold_bytes = d.paced_hold_bytes;
+  options->stream_piece_elements = d.stream_piece_elements;
+  options->stream_slots = d.stream_slots;
+  options->device_update_stream = d.device_update_stream;
 }
 
 void emsa_host_tier_step_stats_init(emsa_host_tier_step_stats* stats) {
@@ -1071,15 +1076,17 @@ emsa_status emsa_host_tier_create(emsa_cpu_updater* updater, const emsa_host_tie
     o.rounding = static_cast<emsa::Rounding>(options->rounding);
     o.seed = options->seed;
     o.device = options->device;
-    o.upload_piece_elements = options->upload_piece_elements;
-    o.grad_piece_elements = options->grad_piece_elements;
-    o.worker_upload_elements = options->worker_upload_elements;
+    if (options->submit_in_backward != 0 && options->submit_in_backward != 1) {
+      return Fail(EMSA_INVALID_ARGUMENT, "submit_in_backward must be 0 or 1");
+    }
+    o.submit_in_backward = options->submit_in_backward == 1;
     if (options->device_delta != 0 && options->device_delta != 1) {
       return Fail(EMSA_INVALID_ARGUMENT, "device_delta must be 0 or 1");
     }
     o.device_delta = options->device_delta == 1;
     o.delta_staging_elements = options->delta_staging_elements;
     o.paced_copies = options->paced_copies;
+    o.pace_piece_elements = options->pace_piece_elements;
     o.paced_hold_bytes = options->paced_hold_bytes;
     o.stream_piece_elements = options->stream_piece_elements;
     o.stream_slots = options->stream_slots;

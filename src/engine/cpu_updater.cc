@@ -328,7 +328,7 @@ Status CpuUpdater::Step(const TensorUpdate* tensors, size_t count, const StepOpt
 }
 
 Status CpuUpdater::StepRange(const TensorUpdate* tensors, size_t count, const StepOptions& options,
-                             int64_t first, int64_t last, const RangeDone* done) {
+                             int64_t first, int64_t last) {
   int64_t total = 0;
   EMSA_RETURN_IF_ERROR(ValidateBatch(tensors, count, options, &total));
   if (options.check_finite) {
@@ -346,12 +346,7 @@ Status CpuUpdater::StepRange(const TensorUpdate* tensors, size_t count, const St
                                    ") must start and end at a tensor boundary or a multiple of " +
                                    std::to_string(kSplitAlign) + " elements within a tensor");
   }
-  if (done != nullptr && (done->fn == nullptr || done->elements < kSplitAlign)) {
-    return Status::InvalidArgument(
-        "done needs a function and elements >= " + std::to_string(kSplitAlign) + " (got " +
-        std::to_string(done->elements) + ")");
-  }
-  Update(tensors, count, options, first, last - first, done);
+  Update(tensors, count, options, first, last - first);
   return Status::Ok();
 }
 
@@ -382,22 +377,12 @@ Status CpuUpdater::SetWorkerNice(int nice) {
 }
 
 void CpuUpdater::Update(const TensorUpdate* tensors, size_t count, const StepOptions& options,
-                        int64_t first, int64_t total, const RangeDone* done) {
+                        int64_t first, int64_t total) {
   if (total == 0) return;
   const cpu::KernelTable& kernels = *kernels_;
-  const int64_t step = done == nullptr ? 0 : done->elements / kSplitAlign * kSplitAlign;
-  // Updates [begin, end) of tensor t, reporting pieces of `step` elements when asked to.
+  // Updates [begin, end) of tensor t.
   const auto piece = [&](size_t t, int64_t begin, int64_t end) {
-    if (done == nullptr) {
-      UpdatePiece(kernels, tensors[t], options, begin, end);
-      return;
-    }
-    while (begin < end) {
-      const int64_t stop = std::min(end, (begin + step) / kSplitAlign * kSplitAlign);
-      UpdatePiece(kernels, tensors[t], options, begin, stop);
-      done->fn(done->context, t, begin, stop);
-      begin = stop;
-    }
+    UpdatePiece(kernels, tensors[t], options, begin, end);
   };
   if (guided_min_ == 0) {
     pool_->Run([&](int index, int workers) {

@@ -3,7 +3,7 @@
 
 #include <algorithm>
 
-#include "emsa/host_tier.h"
+#include "emsa/host_tier_costs.h"
 
 namespace emsa::plan_internal {
 namespace {
@@ -65,8 +65,8 @@ uint64_t HostUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions& 
   const uint64_t param = n * DTypeSize(param_dtype);
   const uint64_t moments = n * DTypeSize(options.state_dtype) * StateCount(options.optimizer);
   // The front end's gradients are in the parameter's dtype; a low-precision one has a master.
-  if (HostTierAppliesDelta(options.optimizer, param_dtype, param_dtype,
-                           param_dtype != DType::kFloat32)) {
+  if (kHostTierDeviceDelta && HostTierAppliesDelta(options.optimizer, param_dtype, param_dtype,
+                                                   param_dtype != DType::kFloat32)) {
     return 2 * n * 4 + 2 * moments;  // grad r, delta w (device_delta)
   }
   const uint64_t param_out = param_dtype == DType::kFloat32 ? 0 : param;
@@ -83,9 +83,9 @@ bool DeviceUpdatesAllowed(const PlanOptions& options, bool gpu_present) {
 }
 
 uint64_t StreamStagingBytes(const PlanOptions& options, int64_t largest) {
-  HostTierOptions tier;
-  tier.optimizer = options.optimizer;
-  return static_cast<uint64_t>(HostTier::StreamStagingBytes(tier, options.state_dtype, largest));
+  return static_cast<uint64_t>(HostTierStreamStagingBytes(options.optimizer, options.state_dtype,
+                                                          kHostTierStreamPieceElements,
+                                                          kHostTierStreamSlots, largest));
 }
 
 uint64_t HostMemoryTraffic(int64_t numel, DType param_dtype, const PlanOptions& options) {

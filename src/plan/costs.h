@@ -53,8 +53,9 @@ uint64_t DeviceUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions
 // Bytes the CPU reads plus writes for one host-tier update: grad r, each moment r+w, and master
 // r+w with param_out w when the param is not fp32. Where HostTierAppliesDelta (fp32 under AdamW
 // or Lion), the param is updated on the device from a delta the CPU writes over its gradient
-// (HostTierOptions::device_delta, on in the PyTorch front end): grad r, delta w, moments r+w
-// (24 B in fp32); under Adam its L2 decay reads the parameter, which the CPU then updates: 28 B.
+// (HostTierOptions::device_delta, on by default: kHostTierDeviceDelta): grad r, delta w,
+// moments r+w (24 B in fp32); under Adam its L2 decay reads the parameter, which the CPU then
+// updates: 28 B.
 uint64_t HostUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions& options);
 // What one host-tier update costs the host's memory, at the profile's host_update_bandwidth:
 // the CPU's own traffic (HostUpdateTraffic) plus the DMA's, which crosses the same DRAM: the
@@ -78,7 +79,7 @@ uint64_t DeviceUpdateLinkBytes(int64_t numel, const PlanOptions& options);
 // ran, which needs its moments up first).
 bool DeviceUpdatesAllowed(const PlanOptions& options, bool gpu_present);
 // The device staging the host tier sets aside for GPU-updated parameters with its default
-// options (HostTier::StreamStagingBytes), the largest of them `largest` elements.
+// options (HostTierStreamStagingBytes), the largest of them `largest` elements.
 uint64_t StreamStagingBytes(const PlanOptions& options, int64_t largest);
 
 inline uint64_t AlignUp(uint64_t x, uint64_t align) { return (x + align - 1) & ~(align - 1); }

@@ -90,14 +90,8 @@ static void test_cpu_step(void) {
   CHECK(emsa_cpu_updater_info(up, &threads, &level) == EMSA_OK);
   CHECK(threads == 2);
   CHECK(level == emsa_simd_level());
-  /* Scheduling: guided runs of >= 64 elements or equal shares (0); results are the same. */
   CHECK(emsa_cpu_updater_set_worker_nice(up, 20) == EMSA_INVALID_ARGUMENT);
   CHECK(strstr(emsa_last_error(), "19 (lowest)") != NULL);
-  CHECK(emsa_cpu_updater_set_guided(up, 10) == EMSA_INVALID_ARGUMENT);
-  CHECK(strstr(emsa_last_error(), "at least 64") != NULL);
-  CHECK(emsa_cpu_updater_set_guided(NULL, 64) == EMSA_INVALID_ARGUMENT);
-  CHECK(emsa_cpu_updater_set_guided(up, 0) == EMSA_OK);
-  CHECK(emsa_cpu_updater_set_guided(up, 64) == EMSA_OK);
 
   emsa_hyperparams h;
   emsa_hyperparams_init(&h);
@@ -451,12 +445,17 @@ static void test_host_tier(void) {
   emsa_host_tier_options o;
   emsa_host_tier_options_init(&o);
   CHECK(o.struct_size == sizeof o && o.optimizer == EMSA_OPTIMIZER_ADAMW);
-  CHECK(o.device_delta == 0 && o.delta_staging_elements == 4 << 20);
+  CHECK(o.device_delta == 1 && o.delta_staging_elements == 4 << 20);
+  CHECK(o.submit_in_backward == 0 && o.paced_copies == 2 && o.pace_piece_elements == 4 << 20);
   emsa_host_tier* tier = NULL;
   o.device_delta = 2;
   CHECK(emsa_host_tier_create(up, &t, 1, 1, 1, NULL, NULL, &o, &tier) == EMSA_INVALID_ARGUMENT);
   CHECK(strstr(emsa_last_error(), "device_delta must be 0 or 1") != NULL && tier == NULL);
-  o.device_delta = 0;
+  o.device_delta = 1;
+  o.submit_in_backward = 3;
+  CHECK(emsa_host_tier_create(up, &t, 1, 1, 1, NULL, NULL, &o, &tier) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "submit_in_backward must be 0 or 1") != NULL && tier == NULL);
+  o.submit_in_backward = 0;
   CHECK(emsa_host_tier_create(NULL, &t, 1, 1, 1, NULL, NULL, &o, &tier) == EMSA_INVALID_ARGUMENT);
   CHECK(tier == NULL);
   o.struct_size = 3;
@@ -481,10 +480,10 @@ static void test_host_tier(void) {
   CHECK(emsa_host_tier_copies_enqueued(NULL) == -1);
   CHECK(emsa_host_tier_bucket_copies_enqueued(NULL, 0) == -1);
   emsa_host_tier_options_init(&o);
-  CHECK(o.paced_copies == 0 && o.paced_hold_bytes == -1);
-  o.paced_copies = 2; /* without grad_piece_elements */
+  CHECK(o.paced_hold_bytes == -1);
+  o.pace_piece_elements = 10; /* pieces of fewer than 64 elements */
   CHECK(emsa_host_tier_create(up, &t, 1, 1, 1, NULL, NULL, &o, &tier) == EMSA_INVALID_ARGUMENT);
-  CHECK(strstr(emsa_last_error(), "grad_piece_elements") != NULL && tier == NULL);
+  CHECK(strstr(emsa_last_error(), "pace_piece_elements is 10") != NULL && tier == NULL);
   emsa_host_tier_options_init(&o);
   CHECK(o.stream_piece_elements == 8 << 20 && o.stream_slots == 3);
   /* AdamW, fp32 moments: 3 slots x 8 Mi elements x 2 moments x 4 bytes */

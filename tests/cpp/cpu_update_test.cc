@@ -774,66 +774,8 @@ TEST(CpuUpdate, StepRangePiecesEqualOneStepBitwise) {
   }
 }
 
-// With a RangeDone, every element of the range is reported exactly once, by pieces of at most
-// `elements` that start on a tensor boundary or a multiple of 64, after it was written (the
-// callback checks the parameter against the one-Step result); the bits equal one Step.
-TEST(CpuUpdate, StepRangeReportsWrittenPiecesOnceEach) {
-  const Combo c{OptimizerKind::kAdamW, DType::kBFloat16, true,
-                DType::kFloat32,       DType::kBFloat16, Rounding::kStochastic};
-  auto updater = MakeUpdater(DetectSimdLevel(), 3);
-  Batch whole(c, kSizes, 33);
-  Batch pieces = whole;
-  ASSERT_TRUE(whole.Step(*updater, whole.Options()).ok());
-  std::vector<TensorUpdate> ups = pieces.Updates();
-  const std::vector<TensorUpdate> want = whole.Updates();
-  struct Seen {
-    std::mutex mu;
-    std::vector<std::vector<int>> count;  // per tensor, per element
-    const std::vector<TensorUpdate>* ups;
-    const std::vector<TensorUpdate>* want;
-    int64_t elements = 0;
-    int bad = 0;
-  } seen;
-  for (int64_t n : kSizes) seen.count.emplace_back(static_cast<size_t>(n), 0);
-  seen.ups = &ups;
-  seen.want = &want;
-  seen.elements = 1000;
-  RangeDone done;
-  done.context = &seen;
-  done.elements = seen.elements;
-  done.fn = [](void* context, size_t t, int64_t begin, int64_t end) {
-    auto* s = static_cast<Seen*>(context);
-    std::lock_guard<std::mutex> lock(s->mu);
-    const TensorUpdate& got = (*s->ups)[t];
-    const size_t size = DTypeSize(got.param_dtype);
-    if (end - begin > s->elements || (begin % 64 != 0) ||
-        std::memcmp(static_cast<const char*>(got.param) + begin * size,
-                    static_cast<const char*>((*s->want)[t].param) + begin * size,
-                    static_cast<size_t>(end - begin) * size) != 0) {
-      ++s->bad;
-    }
-    for (int64_t i = begin; i < end; ++i) ++s->count[t][static_cast<size_t>(i)];
-  };
-  int64_t total = 0;
-  for (int64_t n : kSizes) total += n;
-  const int64_t mid = CpuUpdater::Aligned(ups.data(), ups.size(), total / 3);
-  ASSERT_TRUE(updater->StepRange(ups.data(), ups.size(), pieces.Options(), 0, mid, &done).ok());
-  ASSERT_TRUE(updater->StepRange(ups.data(), ups.size(), pieces.Options(), mid, total, &done).ok());
-  EXPECT_EQ(seen.bad, 0);
-  for (size_t t = 0; t < seen.count.size(); ++t) {
-    for (size_t i = 0; i < seen.count[t].size(); ++i) {
-      ASSERT_EQ(seen.count[t][i], 1) << "tensor " << t << " element " << i;
-    }
-  }
-  EXPECT_EQ(FirstDiff(whole.t, pieces.t), "");
-  done.elements = 63;
-  ExpectError(updater->StepRange(ups.data(), ups.size(), pieces.Options(), 0, mid, &done),
-              StatusCode::kInvalidArgument, "elements >= 64");
-}
-
 // Guided self-scheduling (the default) deals the same elements to whichever thread claims them
-// first: the same bits as equal shares, for Step and for StepRange with pieces reported (each
-// once).
+// first: the same bits as equal shares, for Step and for StepRange.
 TEST(CpuUpdate, GuidedSchedulingWritesTheSameBits) {
   const Combo c{OptimizerKind::kAdamW, DType::kBFloat16, true,
                 DType::kFloat32,       DType::kBFloat16, Rounding::kStochastic};
@@ -853,17 +795,9 @@ TEST(CpuUpdate, GuidedSchedulingWritesTheSameBits) {
       EXPECT_EQ(FirstDiff(want.t, whole.t), "") << threads << " threads, " << min_elements;
       Batch ranged = start;
       std::vector<TensorUpdate> ups = ranged.Updates();
-      std::atomic<int64_t> reported{0};
-      RangeDone done;
-      done.context = &reported;
-      done.elements = 777;
-      done.fn = [](void* context, size_t, int64_t begin, int64_t end) {
-        static_cast<std::atomic<int64_t>*>(context)->fetch_add(end - begin);
-      };
       const int64_t mid = CpuUpdater::Aligned(ups.data(), ups.size(), total / 2);
-      ASSERT_TRUE(updater->StepRange(ups.data(), ups.size(), ranged.Options(), 0, mid, &done).ok());
+      ASSERT_TRUE(updater->StepRange(ups.data(), ups.size(), ranged.Options(), 0, mid).ok());
       ASSERT_TRUE(updater->StepRange(ups.data(), ups.size(), ranged.Options(), mid, total).ok());
-      EXPECT_EQ(reported.load(), mid);
       EXPECT_EQ(FirstDiff(want.t, ranged.t), "") << threads << " threads, " << min_elements;
     }
   }

@@ -63,28 +63,16 @@ TEST(HostTierValidation, NamesTheBadField) {
   t.device_param = buf.data();
   ExpectError(create(2), StatusCode::kInvalidArgument, "bucket 1 has no tensors");
   ExpectError(create(0), StatusCode::kInvalidArgument, "bucket_count");
-  o.upload_piece_elements = 63;
-  ExpectError(create(), StatusCode::kInvalidArgument, "upload_piece_elements is 63");
-  o.upload_piece_elements = 0;
-  o.grad_piece_elements = 10;
-  ExpectError(create(), StatusCode::kInvalidArgument, "grad_piece_elements is 10");
-  o.grad_piece_elements = 0;
   o.paced_copies = -1;
   ExpectError(create(), StatusCode::kInvalidArgument, "paced_copies is -1");
   o.paced_copies = 2;
-  ExpectError(create(), StatusCode::kInvalidArgument, "set grad_piece_elements too");
-  o.paced_copies = 0;
-  o.worker_upload_elements = 32;
-  ExpectError(create(), StatusCode::kInvalidArgument, "worker_upload_elements is 32");
-  o.worker_upload_elements = 0;
+  o.pace_piece_elements = 10;
+  ExpectError(create(), StatusCode::kInvalidArgument, "pace_piece_elements is 10");
+  o.pace_piece_elements = 1000;
   o.device_delta = true;
   o.delta_staging_elements = 10;
   ExpectError(create(), StatusCode::kInvalidArgument, "delta_staging_elements is 10");
   o.delta_staging_elements = 1000;
-  o.worker_upload_elements = 1000;
-  ExpectError(create(), StatusCode::kInvalidArgument, "cannot be combined");
-  o.worker_upload_elements = 0;
-  o.device_delta = false;
   o.stream_piece_elements = 10;
   ExpectError(create(), StatusCode::kInvalidArgument, "stream_piece_elements is 10");
   o.stream_piece_elements = 1000;
@@ -397,43 +385,22 @@ void HostTierPipeline::RunSteps() {
   EXPECT_EQ(tier_->Stats(3, stats, 8), 2u);
 }
 
+// The CPU updates every parameter's host copy, which is uploaded; copies whole at Submit.
 TEST_F(HostTierPipeline, MatchesTheCpuUpdaterBitwiseOverSteps) {
-  RunStepsAgainstTheCpuUpdater(HostTierOptions{});
-}
-
-// Pieces of 1000 elements cut tensors of bucket 1 (4097 bf16 with master, 100003 fp32) inside,
-// the 1 MiB tensor of bucket 0 into 1049 pieces and take bucket 2's two tiny tensors in one:
-// the uploads follow each piece, the results are the same bits.
-TEST_F(HostTierPipeline, PiecewiseUploadsMatchTheCpuUpdaterBitwise) {
   HostTierOptions options;
-  options.upload_piece_elements = 1000;
+  options.device_delta = false;
   RunStepsAgainstTheCpuUpdater(options);
 }
 
-// Gradients copied down in pieces of 1000 elements: the 1 MiB tensor's 1049 small copies take
-// milliseconds, so the worker starts on bucket 0 once its first piece has landed and follows the
-// rest as they land. The same bits, also with piecewise uploads cut elsewhere.
-TEST_F(HostTierPipeline, PiecewiseGradientCopiesMatchTheCpuUpdaterBitwise) {
+// The product defaults with buckets submitted from backward: paced copies of 4 Mi-element
+// pieces (each bucket here is one piece), device deltas.
+TEST_F(HostTierPipeline, DefaultsInBackwardMatchTheCpuUpdaterBitwise) {
+  late_grads_ = true;
   HostTierOptions options;
-  options.grad_piece_elements = 1000;
+  options.submit_in_backward = true;
   RunStepsAgainstTheCpuUpdater(options);
-}
-
-TEST_F(HostTierPipeline, PiecewiseGradientCopiesAndUploadsMatchTheCpuUpdaterBitwise) {
-  HostTierOptions options;
-  options.grad_piece_elements = 1000;
-  options.upload_piece_elements = 4096;
-  RunStepsAgainstTheCpuUpdater(options);
-}
-
-// The pool's threads upload every 1000 elements they write (cut at multiples of 64: 960), with
-// gradients copied in pieces and uploads grouped in pieces too: the same bits.
-TEST_F(HostTierPipeline, UploadsFromThePoolThreadsMatchTheCpuUpdaterBitwise) {
-  HostTierOptions options;
-  options.worker_upload_elements = 1000;
-  options.grad_piece_elements = 5000;
-  options.upload_piece_elements = 4096;
-  RunStepsAgainstTheCpuUpdater(options);
+  ExpectHostParamsUntouched();
+  EXPECT_EQ(tier_->copies_enqueued(), 12);  // 3 buckets x 4 steps
 }
 
 // device_delta: the fp32 tensors' updates are written over their gradients on the host and
@@ -449,25 +416,17 @@ TEST_F(HostTierPipeline, DeviceDeltasMatchTheCpuUpdaterBitwise) {
   ExpectHostParamsUntouched();
 }
 
-TEST_F(HostTierPipeline, DeviceDeltasInUploadPiecesMatchTheCpuUpdaterBitwise) {
-  HostTierOptions options;
-  options.device_delta = true;
-  options.delta_staging_elements = 3000;
-  options.upload_piece_elements = 4096;
-  options.grad_piece_elements = 5000;
-  RunStepsAgainstTheCpuUpdater(options);
-  ExpectHostParamsUntouched();
-}
-
-// paced_copies: the worker copies gradients down 1000 elements at a time, 2 (or 1) pieces ahead
-// of the CPU and into the next bucket it takes; the gradients become final on the compute stream
-// only after a long copy there, so a copy that did not wait for them would read the previous
-// step's. The same bits; every bucket's copies are reported enqueued by the end of each step.
+// Pacing: the worker copies gradients down 1000 elements at a time, 2 (or 1) pieces ahead of the
+// CPU and into the next bucket it takes; the gradients become final on the compute stream only
+// after a long copy there, so a copy that did not wait for them would read the previous step's.
+// The same bits; every bucket's copies are reported enqueued by the end of each step.
 TEST_F(HostTierPipeline, PacedGradientCopiesMatchTheCpuUpdaterBitwise) {
   late_grads_ = true;
   HostTierOptions options;
+  options.submit_in_backward = true;
   options.paced_copies = 2;
-  options.grad_piece_elements = 1000;
+  options.pace_piece_elements = 1000;
+  options.device_delta = false;
   RunStepsAgainstTheCpuUpdater(options);
   for (size_t b = 0; b < 3; ++b) EXPECT_TRUE(tier_->BucketCopiesEnqueued(b)) << b;
   EXPECT_EQ(tier_->copies_enqueued(), 12);  // 3 buckets x 4 steps
@@ -477,17 +436,19 @@ TEST_F(HostTierPipeline, PacedGradientCopiesMatchTheCpuUpdaterBitwise) {
 TEST_F(HostTierPipeline, PacedOnePieceAheadMatchesTheCpuUpdaterBitwise) {
   late_grads_ = true;
   HostTierOptions options;
+  options.submit_in_backward = true;
   options.paced_copies = 1;
-  options.grad_piece_elements = 1000;
+  options.pace_piece_elements = 1000;
+  options.device_delta = false;
   RunStepsAgainstTheCpuUpdater(options);
 }
 
-TEST_F(HostTierPipeline, PacedCopiesWithDeviceDeltasAndUploadPiecesMatchBitwise) {
+TEST_F(HostTierPipeline, PacedCopiesWithDeviceDeltasMatchBitwise) {
   late_grads_ = true;
   HostTierOptions options;
+  options.submit_in_backward = true;
   options.paced_copies = 3;
-  options.grad_piece_elements = 5000;
-  options.upload_piece_elements = 4096;
+  options.pace_piece_elements = 5000;
   options.device_delta = true;
   options.delta_staging_elements = 3000;
   RunStepsAgainstTheCpuUpdater(options);
@@ -503,8 +464,9 @@ TEST_F(HostTierPipeline, DeviceUpdatedBucketsMatchTheCpuUpdaterBitwise) {
   late_grads_ = true;
   HostTierOptions options;
   options.stream_piece_elements = 1000;
+  options.submit_in_backward = true;
   options.paced_copies = 2;
-  options.grad_piece_elements = 5000;
+  options.pace_piece_elements = 5000;
   options.device_delta = true;
   options.device_update_stream = update_;  // the caller's: the tier must not destroy it
   RunStepsAgainstTheCpuUpdater(options, true);
@@ -521,6 +483,7 @@ TEST_F(HostTierPipeline, DeviceUpdatesThroughOneSlotMatchTheCpuUpdaterBitwise) {
   HostTierOptions options;
   options.stream_piece_elements = 4096;
   options.stream_slots = 1;
+  options.device_delta = false;
   RunStepsAgainstTheCpuUpdater(options, true);
   EXPECT_NE(tier_->update_stream(), nullptr);  // its own
 }
@@ -530,14 +493,17 @@ TEST_F(HostTierPipeline, DeviceUpdatesThroughOneSlotMatchTheCpuUpdaterBitwise) {
 TEST_F(HostTierPipeline, PacedCopiesPastTheHoldAreCopiedAtSubmit) {
   late_grads_ = true;
   HostTierOptions options;
+  options.submit_in_backward = true;
   options.paced_copies = 2;
-  options.grad_piece_elements = 1000;
+  options.pace_piece_elements = 1000;
   options.paced_hold_bytes = 20000;
+  options.device_delta = false;
   RunStepsAgainstTheCpuUpdater(options);
   EXPECT_EQ(tier_->copies_enqueued(), 12);
 }
 
-// Without pacing Submit enqueues the copies itself: reported at once.
+// Without pacing Submit enqueues the copies itself: reported at once. The defaults pace only
+// buckets submitted from backward, so after backward (submit_in_backward false) this is them.
 TEST_F(HostTierPipeline, UnpacedCopiesAreEnqueuedBySubmit) {
   Build({{64, DType::kFloat32, 0, 0}, {64, DType::kFloat32, 0, 1}}, 2, 1);
   HyperParams h;

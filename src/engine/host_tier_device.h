@@ -1,0 +1,99 @@
+// host_tier_device.h — the host tier's GPU-updated path (HostTierTensor::device_update): a
+// bucket's moments come up from the pinned host arena into device staging slots, a kernel
+// updates the parameters and moments where they are (the CPU's bits), and the moments go back.
+//
+// Its own streams (moments up, kernels, moments down; the kernels' stream may be the caller's)
+// and staging slots, used in turn. Runs are enqueued by Submit's caller or, under pacing, by
+// the path's own streamer thread, which picks them as slots free up; one of the two only, so
+// the slots need no lock. What it shares with the rest of the tier is in TierShared, under its
+// mutex. CUDA builds only.
+#pragma once
+
+#include "common/cuda_util.h"
+
+#if EMSA_HAVE_CUDA
+
+#include <cstddef>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+#include "emsa/host_tier.h"
+#include "engine/cuda_event.h"
+#include "engine/host_tier_state.h"
+
+namespace emsa {
+
+class DeviceUpdatePath {
+ public:
+  // buckets and shared belong to the tier and outlive the path.
+  DeviceUpdatePath(const HostTierOptions& options, const StepOptions& step_options,
+                   std::vector<TierBucket>* buckets, TierShared* shared);
+  ~DeviceUpdatePath();  // joins the streamer (the tier has set stop), waits for the last copies
+  DeviceUpdatePath(const DeviceUpdatePath&) = delete;
+  DeviceUpdatePath& operator=(const DeviceUpdatePath&) = delete;
+
+  // At Create: the staging slots for moments of `state_dtype`, the largest device-updated
+  // tensor `largest` elements; the streams; each device-updated bucket's runs and events; and,
+  // under pacing, the streamer.
+  Status Init(DType state_dtype, int64_t largest);
+
+  // Bucket `index` is submitted with its device gradients: enqueues its runs here, or under
+  // pacing hands them to the streamer.
+  Status Submit(size_t index, const void* const* grads, size_t count);
+  // Waits on the host for every run's copies down and times the slots (the streamer is idle:
+  // the tier has drained).
+  Status Synchronize();
+  // Joins the streamer once the tier has set stop (idempotent).
+  void Join();
+
+  cudaStream_t kernels() const { return kernels_; }
+
+ private:
+  // Elements [first, first + count) of tensor `tensor`, updated through one staging slot.
+  struct Span {
+    size_t tensor = 0;
+    int64_t first = 0, count = 0;
+  };
+  struct Runs {  // one device-updated bucket's
+    std::vector<Span> spans;
+    size_t next = 0;                 // the next to enqueue (under mu)
+    OwnedEvent written_back;         // its moments are back on the host
+    std::vector<const void*> grads;  // Submit's device pointers
+  };
+  // A staging slot; its moments have come up (in_done), been updated (updated) and gone back
+  // down (free).
+  struct Slot {
+    void* exp_avg = nullptr;
+    void* exp_avg_sq = nullptr;
+    OwnedEvent in_done, updated, free;
+    OwnedEvent up_start;  // before its moments' copies up (with in_done: their time)
+    bool used = false;    // `updated` has been recorded
+    bool timed = true;    // the last run's copies up are in the stats
+    int64_t step = 0;     // the step of the last run through it
+  };
+
+  Status MakeSlots(DType state_dtype, int64_t largest);
+  void CutRuns(TierBucket& b, Runs& runs) const;
+  void TimeSlot(Slot& slot);
+  Status EnqueueRun(size_t index, size_t r, int64_t s);
+  size_t PickBucket() const;
+  void Stream();
+
+  HostTierOptions options_;
+  StepOptions step_options_;
+  std::vector<TierBucket>& buckets_;
+  TierShared& shared_;
+  std::vector<Runs> runs_;  // per bucket (empty for CPU-updated ones)
+  std::vector<Slot> slots_;
+  size_t next_slot_ = 0;
+  void* staging_ = nullptr;  // the slots' device memory
+  cudaStream_t up_ = nullptr, kernels_ = nullptr, down_ = nullptr;
+  bool own_kernels_ = true;      // kernels_ was made here (not options.device_update_stream)
+  std::vector<size_t> waiting_;  // submitted buckets with runs left, for the streamer (under mu)
+  std::thread streamer_;
+};
+
+}  // namespace emsa
+
+#endif  // EMSA_HAVE_CUDA

@@ -1,0 +1,98 @@
+// host_tier_impl.h — HostTier's state (HostTier::Impl), shared by the coordinator's two files:
+// host_tier.cc (Create and the caller's side: Submit, Wait, BeginStep, ...) and
+// host_tier_worker.cc (the worker that takes buckets from the queue and updates them on the
+// CPU). Private to the engine; CUDA builds only.
+#pragma once
+
+#include "common/cuda_util.h"
+
+#if EMSA_HAVE_CUDA
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "emsa/cpu_update.h"
+#include "emsa/host_tier.h"
+#include "engine/host_tier_device.h"
+#include "engine/host_tier_state.h"
+
+namespace emsa {
+
+inline double Seconds(std::chrono::steady_clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+inline constexpr size_t kNoBucket = ~size_t{0};
+
+// What Create needs to know about the tensors once they are sorted into buckets.
+struct TensorSummary {
+  bool any_delta = false;               // some tensor takes the device-delta path
+  bool any_device_update = false;       // some bucket is updated on the GPU
+  DType state_dtype = DType::kFloat32;  // the GPU-updated tensors' moments (all alike)
+  int64_t largest = 1;                  // elements of the largest GPU-updated tensor
+};
+
+struct HostTier::Impl {
+  explicit Impl(size_t bucket_count) : buckets(bucket_count) {}
+  ~Impl();
+
+  CpuUpdater* updater = nullptr;
+  HostTierOptions options;
+  StepOptions step_options;
+  cudaStream_t d2h = nullptr, h2d = nullptr;
+  std::vector<TierBucket> buckets;
+  std::vector<HyperParams> hypers;
+  std::vector<float> decays;       // per group, this step: 1 - lr*wd as the CPU kernels round it
+  float* delta_staging = nullptr;  // device, delta_staging_elements floats (deltas only)
+  TierShared shared;
+  std::unique_ptr<DeviceUpdatePath> device;  // when some bucket is GPU-updated
+
+  // The queue. Submitted buckets the worker has not taken, oldest first (capacity reserved at
+  // Create; under mu).
+  std::vector<size_t> waiting;
+  std::vector<size_t> candidates;  // the worker's copy of `waiting`, also reserved
+  // Pacing: the bucket the worker takes next, already out of `waiting`, whose first pieces it
+  // copies down while it finishes the current one (worker thread only; kNoBucket: none).
+  size_t next = kNoBucket;
+  double choose_wait_seconds = 0.0;  // worker only: Choose blocked, charged to the next bucket
+  int64_t held_bytes = 0;            // pacing: submitted gradients not yet enqueued (under mu)
+  std::thread worker;
+
+  // Create's steps.
+  Status AddTensor(size_t i, const HostTierTensor& t, TensorSummary* summary);
+  Status AddTensors(const HostTierTensor* tensors, size_t count, TensorSummary* summary);
+  Status MakeDeltaStaging();
+  Status InitBucket(TierBucket& b);
+
+  // The caller's side.
+  Status CheckSubmit(size_t bucket, const void* const* grads, size_t count, bool* after_upload);
+  bool HoldForPacing(TierBucket& b);
+  Status CopyAtSubmit(size_t index, const void* const* grads, bool after_upload);
+  // Under mu: bucket `index` is submitted in this step and joins the worker's queue.
+  void JoinQueue(size_t index);
+  // Under mu: blocks until the worker has no bucket left, or failed.
+  void Drain(std::unique_lock<std::mutex>& lock) {
+    shared.cv.wait(lock, [&] { return shared.pending == 0 || !shared.error.ok(); });
+  }
+
+  // The worker's side.
+  void Run();
+  Result<size_t> Choose(std::unique_lock<std::mutex>& lock);
+  Result<size_t> TakeReady(size_t* oldest);
+  cudaEvent_t Gate(const TierBucket& b) const;
+  Status Process(size_t index, int64_t s);
+  Status UpdateAsLanded(TierBucket& b, bool landed, int64_t s, double* cpu_seconds,
+                        double* wait_seconds);
+  Status Feed(TierBucket& b, size_t consumed, int64_t s);
+  Status EnqueuePiece(TierBucket& b, int64_t s);
+  Status TimeUpload(TierBucket& b);
+};
+
+}  // namespace emsa
+
+#endif  // EMSA_HAVE_CUDA
