@@ -15,8 +15,8 @@
 //
 // Tiers: L1 (device arena) and L2 (pinned host arena; an L2 parameter is updated by the CPU or,
 // see PlanOptions::device_update_share, by the GPU with its moments streamed through). L0 (a
-// persisting-L2 window, which DeviceUpdateTable::SetAccessWindow can apply) is not assigned:
-// measured on the H200 it saved 0.1 us of a 33.6 us update (bench/README.md), so it stays off.
+// persisting-L2 window, which DeviceUpdateTable::SetAccessWindow can apply) is not assigned: it
+// gave an update no measurable gain (docs/decisions.md).
 // Frozen parameters get no state (tier L1, no views, bucket -1). State leaves the device coldest
 // first, where "coldest" is the least hotness per byte of device state freed (a cost that scales
 // with bytes makes this the longest window first: the output head, then the late layers; never the
