@@ -82,9 +82,7 @@ struct DecoderConfig {
   int64_t seq_len = 2048;
   bool activation_checkpointing = false;
   // Eager attention saves its b*a*s*s scores for backward; fused attention (PyTorch's SDPA,
-  // Hugging Face's default, and FlashAttention) does not. Measured on the H200: a 6.74 B
-  // Llama at 1 x 1024 with checkpointing peaked at 13.26 GiB; with the scores counted the
-  // prediction was 0.16 GiB (their size) higher.
+  // Hugging Face's default, and FlashAttention) does not, so the default counts none.
   bool attention_scores_saved = false;
   double matmul_flops = 400e12;  // FLOP/s the forward/backward reaches (assumed, not peak)
 };

@@ -152,6 +152,16 @@ EMSA_API void emsa_model_options_init(emsa_model_options* options);
  * unsupported model_type is EMSA_INVALID_ARGUMENT naming the field. */
 EMSA_API emsa_status emsa_model_probe(const char* model, const emsa_model_options* options,
                                       char** probe_json_out, char** summary_out);
+/* Why a budget cannot be met, for a person, as the `emsa` command prints it after "emsa: ":
+ * plans as emsa_plan_create does, and where that is EMSA_INFEASIBLE, returns EMSA_OK with
+ * *message_out naming the smallest budget that works (for a model, also what it needs with the
+ * host tier switched and what would shrink the need); "" where the budget can be met. model: the
+ * options emsa_model_probe made probe_json with, or NULL for a probe record from a training run.
+ * Other failures are emsa_plan_create's. */
+EMSA_API emsa_status emsa_plan_infeasible_message(const char* probe_json, const char* profile_json,
+                                                  const emsa_plan_options* options,
+                                                  const emsa_model_options* model,
+                                                  char** message_out);
 /* A built-in device profile ("h200", "a100-40gb", "rtx-4090") as JSON: a DeviceProfile
  * (emsa_plan_create's profile_json) with a "note" on where its numbers come from and the
  * "matmul_flops" to put in emsa_model_options. Unknown names: EMSA_NOT_FOUND listing them. */

@@ -15,8 +15,8 @@
 //
 // Tiers: L1 (device arena) and L2 (pinned host arena; an L2 parameter is updated by the CPU or,
 // see PlanOptions::device_update_share, by the GPU with its moments streamed through). L0 (a
-// persisting-L2 window, which DeviceUpdateTable::SetAccessWindow can apply) is not assigned:
-// measured on the H200 it saved 0.1 us of a 33.6 us update (bench/README.md), so it stays off.
+// persisting-L2 window, which DeviceUpdateTable::SetAccessWindow can apply) is not assigned: it
+// gave an update no measurable gain (docs/decisions.md).
 // Frozen parameters get no state (tier L1, no views, bucket -1). State leaves the device coldest
 // first, where "coldest" is the least hotness per byte of device state freed (a cost that scales
 // with bytes makes this the longest window first: the output head, then the late layers; never the
@@ -163,6 +163,25 @@ struct Plan {
 // nothing is written.
 Result<Plan> MakePlan(const ProbeRecord& record, const DeviceProfile& profile,
                       const PlanOptions& options, uint64_t* min_budget_out = nullptr);
+
+// What the advice for a budget that cannot be met may suggest changing about a model known by its
+// config (ModelProbeOptions), whose shape the user chooses.
+struct ModelChoices {
+  bool activation_checkpointing = false;
+  DType param_dtype = DType::kBFloat16;
+};
+
+// The message for a person when MakePlan(record, profile, options) failed with `infeasible`
+// (kInfeasible) and the smallest budget that works, `min_budget`, as the emsa command prints it
+// after "emsa: " (both CLIs and the C ABI's emsa_plan_infeasible_message use this one text):
+// lines joined by '\n', no newline at the end. For a record from a training run (`model` null):
+// MakePlan's message, then "smallest feasible budget: SIZE (--budget BYTES)". For a model known
+// by its config: what it needs with the options given and with the host tier switched, against
+// the budget applied; what would shrink the need, in the command's flags; MakePlan's message;
+// then "smallest feasible budget: SIZE (--gpu-mem BYTES)".
+std::string InfeasibleBudgetMessage(const ProbeRecord& record, const DeviceProfile& profile,
+                                    const PlanOptions& options, const Status& infeasible,
+                                    uint64_t min_budget, const ModelChoices* model = nullptr);
 
 std::string PlanToJson(const Plan& plan);
 // A table a person can read: one row per parameter (tier, state bytes, slack, hotness, bucket),

@@ -13,15 +13,15 @@ from pathlib import Path
 import torch
 
 from ._capi import EmsaError, EmsaLibraryError
-from ._model import device_preset, format_bytes, matmul_flops_of, model_probe, plan_summary
-from .plan import InfeasibleBudgetError, make_plan, measure_profile, parse_bytes
+from ._model import (device_preset, format_bytes, matmul_flops_of, model_options, model_probe,
+                     plan_summary)
+from .plan import InfeasibleBudgetError, infeasible_message, make_plan, measure_profile
 from .probe_record import ProbeRecord
 
 STATE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
                 "bfloat16": torch.bfloat16}
 PARAM_DTYPES = ["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"]
 DEFAULT_DEVICE = "h200"
-SAFETY_MARGIN = 1 << 30  # PlanOptions' default, for wording the budget that was applied
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -126,71 +126,34 @@ def _optimizer_line(args, release_grads: bool) -> str:
     return f"optimizer  {args.optimizer}, {state} state, {how}\n"
 
 
-def _infeasible(args, name, plan_kwargs, probe, profile_text, profile, error) -> str:
-    """The message for a budget that cannot be met, worded as the C++ CLI's."""
-    other = dict(plan_kwargs, allow_host_tier=not plan_kwargs["allow_host_tier"],
-                 force_all_host=False)
-    try:
-        other_min = make_plan(probe, profile_text, **other).json["min_budget_bytes"]
-    except InfeasibleBudgetError as e:
-        other_min = e.min_budget_bytes
-    budget = plan_kwargs["budget"]
-    if budget is None:
-        gpu = profile.get("gpu", {})
-        memory = gpu.get("free_memory") or gpu.get("total_memory") or 0
-        budget = max(memory - SAFETY_MARGIN, 0)
-    need = format_bytes(error.min_budget_bytes)
-    message = f"{name} needs at least {need} of device memory "
-    if plan_kwargs["allow_host_tier"]:
-        message += ("with the host tier (optimizer state and fp32 master weights on the host); "
-                    f"{format_bytes(other_min)} with everything on the device")
-    else:
-        message += ("with everything on the device (--no-host-tier); with the host tier, "
-                    f"{format_bytes(other_min)}")
-    message += f"; the budget is {format_bytes(parse_bytes(budget))}."
-    shrink = []
-    if not plan_kwargs["allow_host_tier"]:
-        shrink.append("allow the host tier")
-    if not plan_kwargs["release_grads"]:
-        shrink.append("--step-in-backward")
-    if not args.checkpointing:
-        shrink.append("--checkpointing")
-    if (args.param_dtype or "bf16") in ("fp32", "float32"):
-        shrink.append("--param-dtype bf16")
-    if not plan_kwargs["allow_host_tier"] and args.state_dtype in ("fp32", "float32"):
-        shrink.append("--state-dtype bf16")
-    shrink.append("a smaller --batch or --seq")
-    hint = shrink[0] if len(shrink) == 1 else ", ".join(shrink[:-1]) + " or " + shrink[-1]
-    detail = str(error).rsplit(" [", 1)[0]
-    return (f"{message}\n  to need less: {hint}\n  {detail}\nsmallest feasible budget: {need} "
-            f"(--gpu-mem {error.min_budget_bytes})")
-
-
-class _ModelInfeasible(Exception):
+class _Infeasible(Exception):
     """The budget cannot be met; str() is the whole message, as the C++ CLI prints it."""
 
 
-def _plan_model(args) -> tuple[object, str]:
-    """(plan, text before its table); raises _ModelInfeasible."""
-    profile_text, label = _choose_device(args)
-    probe, summary = model_probe(
-        args.model, batch=args.batch or 1, seq_len=args.seq or 0,
-        checkpointing=args.checkpointing, eager_attention=args.eager_attention,
-        param_dtype=args.param_dtype or "bf16",
-        matmul_flops=matmul_flops_of(profile_text))
-    release_grads = not args.keep_grads
-    plan_kwargs = dict(optimizer=args.optimizer, state_dtype=STATE_DTYPES[args.state_dtype],
-                       budget=args.gpu_mem if args.gpu_mem is not None else args.budget,
-                       allow_host_tier=not args.no_host_tier, force_all_host=args.all_host,
-                       release_grads=release_grads)
-    profile = json.loads(profile_text)
+def _plan(record, profile, model=None, **plan_kwargs):
+    """make_plan; where the budget cannot be met, _Infeasible with libemsa's message for it."""
     try:
-        plan = make_plan(probe, profile_text, **plan_kwargs)
-    except InfeasibleBudgetError as e:
-        name = json.loads(probe)["model"]
-        raise _ModelInfeasible(
-            _infeasible(args, name, plan_kwargs, probe, profile_text, profile, e)) from None
-    preamble = summary + _device_line(profile, label) + _optimizer_line(args, release_grads)
+        return make_plan(record, profile, **plan_kwargs)
+    except InfeasibleBudgetError:
+        raise _Infeasible(infeasible_message(record, profile, model=model,
+                                             **plan_kwargs)) from None
+
+
+def _plan_model(args) -> tuple[object, str]:
+    """(plan, text before its table); raises _Infeasible."""
+    profile_text, label = _choose_device(args)
+    shape = dict(batch=args.batch or 1, seq_len=args.seq or 0, checkpointing=args.checkpointing,
+                 eager_attention=args.eager_attention, param_dtype=args.param_dtype or "bf16",
+                 matmul_flops=matmul_flops_of(profile_text))
+    probe, summary = model_probe(args.model, **shape)
+    release_grads = not args.keep_grads
+    plan = _plan(probe, profile_text, model_options(**shape), optimizer=args.optimizer,
+                 state_dtype=STATE_DTYPES[args.state_dtype],
+                 budget=args.gpu_mem if args.gpu_mem is not None else args.budget,
+                 allow_host_tier=not args.no_host_tier, force_all_host=args.all_host,
+                 release_grads=release_grads)
+    preamble = (summary + _device_line(json.loads(profile_text), label)
+                + _optimizer_line(args, release_grads))
     return plan, preamble + "\n"
 
 
@@ -216,11 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.model is not None:
             plan, preamble = _plan_model(args)
         else:
-            plan = make_plan(ProbeRecord.load(args.probe), args.profile,
-                             optimizer=args.optimizer, state_dtype=STATE_DTYPES[args.state_dtype],
-                             budget=args.budget, allow_host_tier=not args.no_host_tier,
-                             force_all_host=args.all_host, release_grads=args.step_in_backward)
-    except (InfeasibleBudgetError, _ModelInfeasible) as e:
+            plan = _plan(ProbeRecord.load(args.probe), args.profile, optimizer=args.optimizer,
+                         state_dtype=STATE_DTYPES[args.state_dtype], budget=args.budget,
+                         allow_host_tier=not args.no_host_tier, force_all_host=args.all_host,
+                         release_grads=args.step_in_backward)
+    except _Infeasible as e:
         print(f"emsa: {e}", file=sys.stderr)
         return 3
     except (EmsaError, ValueError, OSError) as e:

@@ -57,6 +57,24 @@ class Backend:
                 f"{self.counts}: parameters added or removed after planning are not "
                 "optimized; build a new optimizer over the new parameter set")
 
+    # Also held by both: names, ptrs, shapes (each slot's parameter as planned).
+    def _planned_params(self, param_groups: list[dict], moved):
+        """Each parameter of param_groups with its slot, in slot order, as (i, p), checked
+        first: another tensor than the planned one raises; one whose storage or shape changed
+        since planning goes to moved(i, p), which raises or takes the new storage."""
+        expected, ptrs, shapes, names = self.params, self.ptrs, self.shapes, self.names
+        i = 0
+        for group in param_groups:
+            for p in group["params"]:
+                if p is not expected[i]:
+                    raise ValueError(
+                        f"{names[i]} was replaced by another tensor after emsa planned it; "
+                        "build a new optimizer over the new parameter set")
+                if p.data_ptr() != ptrs[i] or p.shape != shapes[i]:
+                    moved(i, p)
+                yield i, p
+                i += 1
+
     def refresh_master(self, i: int) -> None:
         """Someone else wrote the parameter (emsa's raw writes leave _version alone): the
         master follows the parameter, rather than overwriting that write at the next update."""

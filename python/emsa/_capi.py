@@ -261,6 +261,9 @@ _TABLE = {
     "emsa_model_probe": (
         _S, [ctypes.c_char_p, ctypes.POINTER(ModelOptions), ctypes.POINTER(_P),
              ctypes.POINTER(_P)]),
+    "emsa_plan_infeasible_message": (
+        _S, [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(PlanOptions),
+             ctypes.POINTER(ModelOptions), ctypes.POINTER(_P)]),
     "emsa_device_preset": (_S, [ctypes.c_char_p, ctypes.POINTER(_P)]),
     "emsa_host_arena_create": (_S, [ctypes.c_uint64, ctypes.c_int32, ctypes.POINTER(_P)]),
     "emsa_host_arena_destroy": (None, [_P]),

@@ -161,43 +161,35 @@ class CpuBackend(Backend):
         self._load_hyper(param_groups)
         mv, has, expected, committed = self.mv, self._has, self.params, self.committed
         keep = []  # gradients copied to the parameter's layout, alive until the call returns
-        i = 0
-        for group in param_groups:
-            for p in group["params"]:
-                if p is not expected[i]:
-                    raise ValueError(
-                        f"{self.names[i]} was replaced by another tensor after emsa planned "
-                        "it; build a new optimizer over the new parameter set")
-                if p.data_ptr() != self.ptrs[i] or p.shape != self.shapes[i]:
-                    self._param_changed(i, p)
-                g = p.grad
-                base = i * _W
-                if g is None:
-                    mv[base + _NUMEL] = 0
-                    has[i] = 0.0
-                else:
-                    g = kernel_grad(self.names[i], g, p, self.strides[i])
-                    if g is not p.grad:
-                        keep.append(g)
-                    mv[base + _GRAD] = g.data_ptr()
-                    mv[base + _NUMEL] = self.numels[i]
-                    mv[base + _STEP] = committed[i] + 1
-                    has[i] = 1.0
-                i += 1
+        for i, p in self._planned_params(param_groups, self._param_changed):
+            g = p.grad
+            base = i * _W
+            if g is None:
+                mv[base + _NUMEL] = 0
+                has[i] = 0.0
+            else:
+                g = kernel_grad(self.names[i], g, p, self.strides[i])
+                if g is not p.grad:
+                    keep.append(g)
+                mv[base + _GRAD] = g.data_ptr()
+                mv[base + _NUMEL] = self.numels[i]
+                mv[base + _STEP] = committed[i] + 1
+                has[i] = 1.0
+        n = len(expected)
         self.options.check_finite = int(self.check_finite)
         for j in self.masters:
             if self.params[j]._version != self.versions[j]:
                 self.refresh_master(j)
         report = self.report
         lib.emsa_step_report_init(ctypes.byref(report))
-        check(lib.emsa_cpu_step(self.updater, self.table, i, ctypes.byref(self.options),
+        check(lib.emsa_cpu_step(self.updater, self.table, n, ctypes.byref(self.options),
                                 ctypes.byref(report)))
         del keep
         if report.skipped:
             first = report.first_nonfinite_tensor
             return StepResult(True, report.nonfinite_count,
                               self.names[first] if 0 <= first < len(self.names) else "")
-        for j in range(i):
+        for j in range(n):
             if has[j]:
                 committed[j] += 1
         self.steps.add_(self.has_grad)

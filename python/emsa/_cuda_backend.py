@@ -374,24 +374,15 @@ class CudaBackend(Backend):
     def _gradients(self, param_groups: list[dict]):
         """Each slot's gradient (as the kernels read it), or None when no parameter has a
         gradient; raises before anything is enqueued."""
-        expected, ptrs, shapes = self.params, self.ptrs, self.shapes
+        expected = self.params
         grads, missing = [], []
-        i = 0
-        for group in param_groups:
-            for p in group["params"]:
-                if p is not expected[i]:
-                    raise ValueError(
-                        f"{self.names[i]} was replaced by another tensor after emsa planned "
-                        "it; build a new optimizer over the new parameter set")
-                if p.data_ptr() != ptrs[i] or p.shape != shapes[i]:
-                    self._moved(i, p)
-                g = p.grad
-                if g is None:
-                    missing.append(i)
-                else:
-                    g = kernel_grad(self.names[i], g, p, self.strides[i])
-                grads.append(g)
-                i += 1
+        for i, p in self._planned_params(param_groups, self._moved):
+            g = p.grad
+            if g is None:
+                missing.append(i)
+            else:
+                g = kernel_grad(self.names[i], g, p, self.strides[i])
+            grads.append(g)
         if missing:
             if len(missing) == len(expected):
                 return None

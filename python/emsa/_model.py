@@ -11,17 +11,16 @@ from typing import Any
 from . import _capi
 from ._capi import ModelOptions, check, lib, take_string
 
-__all__ = ["model_probe", "device_preset", "plan_summary", "format_bytes", "matmul_flops_of"]
+__all__ = ["model_probe", "model_options", "device_preset", "plan_summary", "format_bytes", "matmul_flops_of"]
 
 PARAM_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16",
                 "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
 
 
-def model_probe(model: str, *, batch: int = 1, seq_len: int = 0, checkpointing: bool = False,
-                param_dtype: str = "bf16", matmul_flops: float = 0.0,
-                eager_attention: bool = False) -> tuple[str, str]:
-    """(probe record JSON, summary text) for a preset name, config.json text or path.
-    seq_len 0: the model's context, at most 2048; matmul_flops 0: libemsa's default."""
+def model_options(*, batch: int = 1, seq_len: int = 0, checkpointing: bool = False,
+                  param_dtype: str = "bf16", matmul_flops: float = 0.0,
+                  eager_attention: bool = False) -> ModelOptions:
+    """emsa_model_options from model_probe's keywords."""
     if param_dtype not in PARAM_DTYPES:
         raise ValueError(f"param_dtype={param_dtype!r}; use one of fp32, bf16, fp16")
     options = ModelOptions()
@@ -32,9 +31,16 @@ def model_probe(model: str, *, batch: int = 1, seq_len: int = 0, checkpointing: 
     options.eager_attention = int(bool(eager_attention))
     options.param_dtype = _capi.DTYPE[PARAM_DTYPES[param_dtype]]
     options.matmul_flops = float(matmul_flops)
+    return options
+
+
+def model_probe(model: str, **options) -> tuple[str, str]:
+    """(probe record JSON, summary text) for a preset name, config.json text or path; options:
+    model_options' keywords (seq_len 0: the model's context, at most 2048; matmul_flops 0:
+    libemsa's default)."""
     probe, summary = ctypes.c_void_p(), ctypes.c_void_p()
-    check(lib.emsa_model_probe(model.encode(), ctypes.byref(options), ctypes.byref(probe),
-                               ctypes.byref(summary)))
+    check(lib.emsa_model_probe(model.encode(), ctypes.byref(model_options(**options)),
+                               ctypes.byref(probe), ctypes.byref(summary)))
     probe_text = take_string(probe)
     return probe_text, take_string(summary)
 

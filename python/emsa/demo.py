@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from . import _corpus, report
+from . import _corpus, _tuning, report
 from ._capi import EmsaError, EmsaLibraryError
 from ._demo_model import GPT, GPTConfig
 from ._progress import Progress
@@ -343,8 +343,9 @@ def _table(summary: dict, verdict: dict) -> str:
 
 def _commit() -> str:
     """EMSA_COMMIT when set (a copied tree's .git may not be the code that runs), else git's."""
-    if os.environ.get("EMSA_COMMIT"):
-        return os.environ["EMSA_COMMIT"]
+    named = _tuning.commit()
+    if named:
+        return named
     try:
         r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
                            capture_output=True, text=True, timeout=5)

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from . import _capi
-from ._capi import EmsaError, PlanOptions, check, lib, take_string
+from ._capi import EmsaError, ModelOptions, PlanOptions, check, lib, take_string
 
-__all__ = ["Plan", "make_plan", "measure_profile", "parse_bytes", "InfeasibleBudgetError"]
+__all__ = ["Plan", "make_plan", "infeasible_message", "measure_profile", "parse_bytes",
+           "InfeasibleBudgetError"]
 
 EMSA_INFEASIBLE = 4
 
@@ -140,6 +141,36 @@ def make_plan(record, profile: Any = None, *, optimizer: str = "adamw",
     device_update_share: of the host tier's fp32 parameters, the share the GPU updates with
     their moments streamed through it (-1: chosen by the planner, the shortest predicted step
     that does not stall; 0: the CPU updates all)."""
+    options = _plan_options(optimizer, state_dtype, budget, allow_host_tier, force_all_host,
+                            release_grads, device_update_share)
+    return _create(_record_text(record), profile_json(profile), options)
+
+
+def infeasible_message(record, profile: Any = None, *, model: ModelOptions | None = None,
+                       **plan_options) -> str:
+    """Why make_plan(record, profile, **plan_options) cannot meet its budget, as the emsa
+    command words it (C++ InfeasibleBudgetMessage): the smallest budget that works and, for a
+    model known by its config (`model`: the ModelOptions its record was made with), what it
+    needs with the host tier switched and what would shrink the need. "" when the budget can be
+    met."""
+    options = _plan_options(**plan_options)
+    profile_text = profile_json(profile)
+    out = ctypes.c_void_p()
+    check(lib.emsa_plan_infeasible_message(
+        _record_text(record).encode(), profile_text.encode() if profile_text is not None else None,
+        ctypes.byref(options), ctypes.byref(model) if model is not None else None,
+        ctypes.byref(out)))
+    return take_string(out)
+
+
+def _record_text(record) -> str:
+    return record if isinstance(record, str) else record.to_json()
+
+
+def _plan_options(optimizer: str = "adamw", state_dtype: torch.dtype = torch.float32,
+                  budget: int | str | None = None, allow_host_tier: bool = True,
+                  force_all_host: bool = False, release_grads: bool = False,
+                  device_update_share: float = -1.0) -> PlanOptions:
     if optimizer not in _capi.OPTIMIZER:
         raise ValueError(f"optimizer={optimizer!r}; use one of {sorted(_capi.OPTIMIZER)}")
     if state_dtype not in STATE_DTYPES:
@@ -155,8 +186,7 @@ def make_plan(record, profile: Any = None, *, optimizer: str = "adamw",
     options.device_update_share = float(device_update_share)
     if budget is not None:
         options.budget_bytes = parse_bytes(budget)
-    text = record if isinstance(record, str) else record.to_json()
-    return _create(text, profile_json(profile), options)
+    return options
 
 
 def check_probe_record(probe_text: str) -> None:

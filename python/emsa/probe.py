@@ -220,13 +220,11 @@ def _timed_pass(model, loss_fn, args, kwargs, targets, device) -> tuple[float, f
     return forward, end - forward
 
 
-# Passes timed: alone, and under the host tier's load. On the H200's host one pass of a 0.95 B
-# Llama (4 x 512 tokens) under load took 66-209 ms, one process, one minute, and alone 43-73 ms
-# pass to pass; the median of five read 124 / 199 / 124 ms in three probes back to back. The
-# training step is a median over steps, so the probe's figures are medians over enough passes
-# that one slow pass does not make them (a pass under load is ~0.15 s). The medians of nine still
-# read 100 / 116 / 151 ms in three probes: what is left is the host's own drift over seconds
-# (bench/probe_passes.py).
+# Passes timed: alone, and under the host tier's load. One pass under load varies by a factor of
+# two or more pass to pass, while the training step is a median over steps; so the probe's
+# figures are medians over enough passes that one slow pass does not make them (a pass under
+# load costs a fraction of a second). What is left after that is the host's own drift over
+# seconds, which more passes would not remove.
 ALONE_PASSES = 3
 LOADED_PASSES = 9
 

@@ -351,6 +351,71 @@ void emsa_plan_options_init(emsa_plan_options* o) {
   o->device_update_share = d.device_update_share;
 }
 
+namespace {
+
+// The planner's inputs from emsa_plan_create's arguments.
+struct PlanInputs {
+  emsa::PlanOptions options;
+  emsa::ProbeRecord record;
+  emsa::DeviceProfile profile;
+};
+
+emsa_status ReadPlanInputs(const char* probe_json, const char* profile_json,
+                           const emsa_plan_options* options, PlanInputs* in) {
+  emsa::PlanOptions& po = in->options;
+  if (options != nullptr) {
+    if (emsa_status s = CheckSize(options, "emsa_plan_options", "emsa_plan_options_init")) {
+      return s;
+    }
+    auto opt = ToOptimizer(options->optimizer);
+    if (!opt.ok()) return Report(opt.status());
+    auto sd = ToDType(options->state_dtype, "state_dtype");
+    if (!sd.ok()) return Report(sd.status());
+    po.optimizer = *opt;
+    po.state_dtype = *sd;
+    po.allow_host_tier = options->allow_host_tier != 0;
+    po.force_all_host = options->force_all_host != 0;
+    po.budget_bytes = options->budget_bytes;
+    po.safety_margin_bytes = options->safety_margin_bytes;
+    po.bucket_bytes = options->bucket_bytes;
+    po.release_grads = options->release_grads != 0;
+    po.device_update_share = options->device_update_share;
+  }
+  auto record = emsa::ProbeRecordFromJson(probe_json);
+  if (!record.ok()) return Report(record.status().Annotate("probe record"));
+  in->record = std::move(record).value();
+  if (profile_json != nullptr) {
+    auto p = emsa::DeviceProfileFromJson(profile_json);
+    if (!p.ok()) return Report(p.status().Annotate("device profile"));
+    in->profile = std::move(p).value();
+  } else if (in->record.has_profile) {
+    in->profile = in->record.profile;
+  } else {
+    auto p = emsa::MeasureDeviceProfile();
+    if (!p.ok()) return Report(p.status());
+    in->profile = std::move(p).value();
+  }
+  return EMSA_OK;
+}
+
+emsa_status ReadModelOptions(const emsa_model_options* options, emsa::ModelProbeOptions* mo) {
+  if (options == nullptr) return EMSA_OK;
+  if (emsa_status s = CheckSize(options, "emsa_model_options", "emsa_model_options_init")) {
+    return s;
+  }
+  auto dtype = ToDType(options->param_dtype, "param_dtype");
+  if (!dtype.ok()) return Report(dtype.status());
+  mo->activation_checkpointing = options->activation_checkpointing != 0;
+  mo->batch = options->batch;
+  mo->seq_len = options->seq_len;
+  mo->param_dtype = *dtype;
+  mo->matmul_flops = options->matmul_flops;
+  mo->eager_attention = options->eager_attention != 0;
+  return EMSA_OK;
+}
+
+}  // namespace
+
 emsa_status emsa_plan_create(const char* probe_json, const char* profile_json,
                              const emsa_plan_options* options, emsa_plan** plan_out,
                              uint64_t* min_budget_out) {
@@ -358,41 +423,10 @@ emsa_status emsa_plan_create(const char* probe_json, const char* profile_json,
     if (probe_json == nullptr || plan_out == nullptr) {
       return Fail(EMSA_INVALID_ARGUMENT, "probe_json and plan_out must not be NULL");
     }
-    emsa::PlanOptions po;
-    if (options != nullptr) {
-      if (emsa_status s = CheckSize(options, "emsa_plan_options", "emsa_plan_options_init")) {
-        return s;
-      }
-      auto opt = ToOptimizer(options->optimizer);
-      if (!opt.ok()) return Report(opt.status());
-      auto sd = ToDType(options->state_dtype, "state_dtype");
-      if (!sd.ok()) return Report(sd.status());
-      po.optimizer = *opt;
-      po.state_dtype = *sd;
-      po.allow_host_tier = options->allow_host_tier != 0;
-      po.force_all_host = options->force_all_host != 0;
-      po.budget_bytes = options->budget_bytes;
-      po.safety_margin_bytes = options->safety_margin_bytes;
-      po.bucket_bytes = options->bucket_bytes;
-      po.release_grads = options->release_grads != 0;
-      po.device_update_share = options->device_update_share;
-    }
-    auto record = emsa::ProbeRecordFromJson(probe_json);
-    if (!record.ok()) return Report(record.status().Annotate("probe record"));
-    emsa::DeviceProfile profile;
-    if (profile_json != nullptr) {
-      auto p = emsa::DeviceProfileFromJson(profile_json);
-      if (!p.ok()) return Report(p.status().Annotate("device profile"));
-      profile = std::move(p).value();
-    } else if (record->has_profile) {
-      profile = record->profile;
-    } else {
-      auto p = emsa::MeasureDeviceProfile();
-      if (!p.ok()) return Report(p.status());
-      profile = std::move(p).value();
-    }
+    PlanInputs in;
+    if (emsa_status s = ReadPlanInputs(probe_json, profile_json, options, &in)) return s;
     uint64_t min_budget = 0;
-    auto plan = emsa::MakePlan(*record, profile, po, &min_budget);
+    auto plan = emsa::MakePlan(in.record, in.profile, in.options, &min_budget);
     if (!plan.ok()) {
       if (min_budget_out != nullptr) *min_budget_out = min_budget;
       return Report(plan.status());
@@ -400,6 +434,29 @@ emsa_status emsa_plan_create(const char* probe_json, const char* profile_json,
     if (min_budget_out != nullptr) *min_budget_out = plan->min_budget_bytes;
     *plan_out = new emsa_plan{std::move(plan).value()};
     return Report(emsa::Status::Ok());
+  });
+}
+
+emsa_status emsa_plan_infeasible_message(const char* probe_json, const char* profile_json,
+                                         const emsa_plan_options* options,
+                                         const emsa_model_options* model, char** message_out) {
+  return Guard([&] {
+    if (probe_json == nullptr || message_out == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "probe_json and message_out must not be NULL");
+    }
+    PlanInputs in;
+    if (emsa_status s = ReadPlanInputs(probe_json, profile_json, options, &in)) return s;
+    emsa::ModelProbeOptions mo;
+    if (emsa_status s = ReadModelOptions(model, &mo)) return s;
+    uint64_t min_budget = 0;
+    auto plan = emsa::MakePlan(in.record, in.profile, in.options, &min_budget);
+    if (plan.ok()) return ReturnString("", message_out);
+    if (plan.status().code() != emsa::StatusCode::kInfeasible) return Report(plan.status());
+    const emsa::ModelChoices choices{mo.activation_checkpointing, mo.param_dtype};
+    return ReturnString(
+        emsa::InfeasibleBudgetMessage(in.record, in.profile, in.options, plan.status(), min_budget,
+                                      model != nullptr ? &choices : nullptr),
+        message_out);
   });
 }
 
@@ -457,19 +514,7 @@ emsa_status emsa_model_probe(const char* model, const emsa_model_options* option
       return Fail(EMSA_INVALID_ARGUMENT, "model and probe_json_out must not be NULL");
     }
     emsa::ModelProbeOptions mo;
-    if (options != nullptr) {
-      if (emsa_status s = CheckSize(options, "emsa_model_options", "emsa_model_options_init")) {
-        return s;
-      }
-      auto dtype = ToDType(options->param_dtype, "param_dtype");
-      if (!dtype.ok()) return Report(dtype.status());
-      mo.activation_checkpointing = options->activation_checkpointing != 0;
-      mo.batch = options->batch;
-      mo.seq_len = options->seq_len;
-      mo.param_dtype = *dtype;
-      mo.matmul_flops = options->matmul_flops;
-      mo.eager_attention = options->eager_attention != 0;
-    }
+    if (emsa_status s = ReadModelOptions(options, &mo)) return s;
     emsa::DecoderConfig config;
     auto record = emsa::ModelProbe(model, mo, &config);
     if (!record.ok()) return Report(record.status());

@@ -60,11 +60,8 @@ uint64_t HostUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions& 
 // What one host-tier update costs the host's memory, at the profile's host_update_bandwidth:
 // the CPU's own traffic (HostUpdateTraffic) plus the DMA's, which crosses the same DRAM: the
 // gradient written in and the parameter (or its delta) read out: fp32 AdamW 24 + 8 B per
-// parameter. On the H200 host (953 M fp32 params, 2026-11-30), once the pool no longer waited on
-// a straggling thread (guided scheduling), the steps with all state on the host took 241-247 ms,
-// where 28 B/param at the host update bandwidth came to ~190 ms and 28 + 8 to ~243 ms; with the
-// delta applied on the device, 213 ms against 24 + 8 B's 214 (bench/README.md). (Before, with
-// equal shares, the pool's stragglers hid the DRAM limit, and 28 B/param predicted better.)
+// parameter. The DMA's bytes count because a host tier that updates all its state is bound by
+// the host's DRAM, which the copies share with the CPU.
 uint64_t HostMemoryTraffic(int64_t numel, DType param_dtype, const PlanOptions& options);
 
 // Whether the GPU can update a host-tier parameter instead of the CPU (HostTierTensor::

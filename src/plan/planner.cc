@@ -136,13 +136,8 @@ void MarkHost(const std::vector<int64_t>& order, size_t k, std::vector<char>* on
   for (size_t j = 0; j < k; ++j) (*on_host)[static_cast<size_t>(order[j])] = 1;
 }
 
-}  // namespace
-
-Result<Plan> MakePlan(const ProbeRecord& record, const DeviceProfile& profile,
-                      const PlanOptions& options, uint64_t* min_budget_out) {
-  EMSA_RETURN_IF_ERROR(ValidateOptions(options));
-  if (Status s = ValidateProbeRecord(record); !s.ok()) return s.Annotate("probe record");
-
+// One entry per parameter of the record, not yet ranked or placed.
+Plan StartPlan(const ProbeRecord& record, const PlanOptions& options) {
   Plan plan;
   plan.options = options;
   plan.params.resize(record.params.size());
@@ -157,28 +152,82 @@ Result<Plan> MakePlan(const ProbeRecord& record, const DeviceProfile& profile,
     p.trainable = rec.trainable;
     p.state_dtype = options.state_dtype;
   }
-  const plan_internal::Bandwidths bw = plan_internal::ResolveBandwidths(profile);
-  plan_internal::ComputeHeat(record, bw, options, &plan.params);
-  const std::vector<int64_t> offload = plan_internal::OffloadOrder(options, bw, &plan.params);
+  return plan;
+}
 
-  // Moving one more param to the host never grows the device arena (sizes only shrink, and a
-  // module that drops under the module alignment only loosens its start), so the arena size is
-  // non-increasing in k and the smallest k that fits can be found by bisection.
-  const LayoutOrder order = plan_internal::MakeLayoutOrder(record);
-  const DeviceSizer sizer(order, plan.params, options);
-  std::vector<char> on_host(record.params.size(), 0);
-  // With any state on the host, room for the staging of GPU-updated parameters unless none may
-  // be (a little more than needed when the planner then chooses none).
+// With any state on the host, room for the staging of GPU-updated parameters unless none may be
+// (a little more than needed when the planner then chooses none).
+uint64_t HostStagingBytes(const Plan& plan, bool gpu_present) {
   int64_t largest = 0;  // the largest parameter the GPU could update
   for (const ParamPlan& p : plan.params) {
     if (p.trainable && plan_internal::DeviceUpdatable(p.param_dtype)) {
       largest = std::max(largest, p.numel);
     }
   }
-  const uint64_t staging =
-      plan_internal::DeviceUpdatesAllowed(options, profile.gpu.present) && largest > 0
-          ? plan_internal::StreamStagingBytes(options, largest)
-          : 0;
+  return plan_internal::DeviceUpdatesAllowed(plan.options, gpu_present) && largest > 0
+             ? plan_internal::StreamStagingBytes(plan.options, largest)
+             : 0;
+}
+
+Status BudgetTooSmall(const PlanOptions& options, uint64_t budget, uint64_t base,
+                      uint64_t min_budget) {
+  const std::string advice = options.allow_host_tier
+                                 ? "or shrink the activations (smaller batch or sequence, "
+                                   "activation checkpointing)"
+                                 : "allow the host tier, or use bfloat16 state";
+  return Status::Infeasible("the device budget " + Bytes(budget) +
+                            " is too small: weights, gradients and activations take " +
+                            Bytes(base) + " and the smallest optimizer state arena " +
+                            Bytes(min_budget - base) + "; the smallest budget that works is " +
+                            Bytes(min_budget) + ": raise the budget to at least that, " + advice);
+}
+
+// How many params of the offload order go to the host: all when forced, none when everything
+// fits, else the fewest whose device need fits the budget. Moving one more param to the host
+// never grows the device arena (sizes only shrink, and a module that drops under the module
+// alignment only loosens its start), so past k = 0 (where the staging joins) the need is
+// non-increasing in k, and bisection finds the smallest k that fits; device_need(k_max) fits.
+template <typename Need>
+size_t HostCount(const PlanOptions& options, uint64_t budget, uint64_t base, size_t n, size_t k_max,
+                 const Need& device_need) {
+  if (options.force_all_host) return n;
+  if (budget == 0 || base + device_need(0) <= budget) return 0;
+  size_t lo = 1, hi = k_max;
+  while (lo < hi) {
+    const size_t mid = lo + (hi - lo) / 2;
+    if (base + device_need(mid) <= budget) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return lo;
+}
+
+void AssignTiers(const std::vector<char>& on_host, Plan* plan) {
+  for (ParamPlan& p : plan->params) {
+    if (!p.trainable) continue;
+    p.tier = on_host[static_cast<size_t>(p.index)] ? Tier::kL2 : Tier::kL1;
+    p.master_weights = p.tier == Tier::kL2 || p.param_dtype != DType::kFloat32;
+  }
+}
+
+}  // namespace
+
+Result<Plan> MakePlan(const ProbeRecord& record, const DeviceProfile& profile,
+                      const PlanOptions& options, uint64_t* min_budget_out) {
+  EMSA_RETURN_IF_ERROR(ValidateOptions(options));
+  if (Status s = ValidateProbeRecord(record); !s.ok()) return s.Annotate("probe record");
+
+  Plan plan = StartPlan(record, options);
+  const plan_internal::Bandwidths bw = plan_internal::ResolveBandwidths(profile);
+  plan_internal::ComputeHeat(record, bw, options, &plan.params);
+  const std::vector<int64_t> offload = plan_internal::OffloadOrder(options, bw, &plan.params);
+
+  const LayoutOrder order = plan_internal::MakeLayoutOrder(record);
+  const DeviceSizer sizer(order, plan.params, options);
+  std::vector<char> on_host(record.params.size(), 0);
+  const uint64_t staging = HostStagingBytes(plan, profile.gpu.present);
   auto device_need = [&](size_t k) {
     MarkHost(offload, k, &on_host);
     return sizer.ArenaBytes(on_host) + (k > 0 ? staging : 0);
@@ -191,42 +240,12 @@ Result<Plan> MakePlan(const ProbeRecord& record, const DeviceProfile& profile,
   plan.min_budget_bytes = min_budget;
 
   EMSA_ASSIGN_OR_RETURN(plan.budget_bytes, ResolveBudget(options, profile, min_budget));
-  const bool limited = plan.budget_bytes != 0;
-  if (limited && min_budget > plan.budget_bytes) {
-    const std::string advice = options.allow_host_tier
-                                   ? "or shrink the activations (smaller batch or sequence, "
-                                     "activation checkpointing)"
-                                   : "allow the host tier, or use bfloat16 state";
-    return Status::Infeasible("the device budget " + Bytes(plan.budget_bytes) +
-                              " is too small: weights, gradients and activations take " +
-                              Bytes(base) + " and the smallest optimizer state arena " +
-                              Bytes(min_budget - base) + "; the smallest budget that works is " +
-                              Bytes(min_budget) + ": raise the budget to at least that, " + advice);
+  if (plan.budget_bytes != 0 && min_budget > plan.budget_bytes) {
+    return BudgetTooSmall(options, plan.budget_bytes, base, min_budget);
   }
-
-  size_t k = 0;
-  if (options.force_all_host) {
-    k = n;
-  } else if (limited && base + device_need(0) > plan.budget_bytes) {
-    // device_need(hi) fits; find the smallest such k (past k = 0, where the staging joins,
-    // the need only shrinks).
-    size_t lo = 1, hi = k_max;
-    while (lo < hi) {
-      const size_t mid = lo + (hi - lo) / 2;
-      if (base + device_need(mid) <= plan.budget_bytes) {
-        hi = mid;
-      } else {
-        lo = mid + 1;
-      }
-    }
-    k = lo;
-  }
+  const size_t k = HostCount(options, plan.budget_bytes, base, n, k_max, device_need);
   MarkHost(offload, k, &on_host);
-  for (ParamPlan& p : plan.params) {
-    if (!p.trainable) continue;
-    p.tier = on_host[static_cast<size_t>(p.index)] ? Tier::kL2 : Tier::kL1;
-    p.master_weights = p.tier == Tier::kL2 || p.param_dtype != DType::kFloat32;
-  }
+  AssignTiers(on_host, &plan);
 
   plan_internal::LayoutArenas(order, &plan);
   if (plan.prediction.device_state_bytes != sizer.ArenaBytes(on_host)) {

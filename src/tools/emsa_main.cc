@@ -308,14 +308,9 @@ int RunProbePlan(const PlanArgs& plan_args) {
   uint64_t min_budget = 0;
   auto plan = emsa::MakePlan(*record, *profile, plan_args.options, &min_budget);
   if (!plan.ok()) {
-    const emsa::Status& s = plan.status();
-    if (s.code() == emsa::StatusCode::kInfeasible) {
-      std::fprintf(stderr, "emsa: %s\nsmallest feasible budget: %s (--budget %llu)\n",
-                   s.message().c_str(), emsa::FormatBytes(min_budget).c_str(),
-                   static_cast<unsigned long long>(min_budget));
-      return kExitInfeasible;
-    }
-    return PlanFailure(s);
+    if (plan.status().code() != emsa::StatusCode::kInfeasible) return PlanFailure(plan.status());
+    return Fail(kExitInfeasible, emsa::InfeasibleBudgetMessage(*record, *profile, plan_args.options,
+                                                               plan.status(), min_budget));
   }
   return EmitPlan(*plan, plan_args, "");
 }
@@ -368,46 +363,6 @@ std::string OptimizerLine(const emsa::PlanOptions& o) {
          "\n";
 }
 
-// The budget cannot be met: say the smallest one that works, with and without the host tier,
-// and what would shrink the need.
-int ModelInfeasible(const PlanArgs& args, const emsa::DecoderConfig& config,
-                    const emsa::ProbeRecord& record, const emsa::DeviceProfile& profile,
-                    uint64_t budget, uint64_t min_budget, const std::string& detail) {
-  emsa::PlanOptions other = args.options;
-  other.allow_host_tier = !args.options.allow_host_tier;
-  other.force_all_host = false;
-  uint64_t other_min = 0;
-  (void)emsa::MakePlan(record, profile, other, &other_min);
-  const std::string need = emsa::FormatBytes(min_budget);
-  std::string message = config.name + " needs at least " + need + " of device memory ";
-  if (args.options.allow_host_tier) {
-    message += "with the host tier (optimizer state and fp32 master weights on the host); " +
-               emsa::FormatBytes(other_min) + " with everything on the device";
-  } else {
-    message += "with everything on the device (--no-host-tier); with the host tier, " +
-               emsa::FormatBytes(other_min);
-  }
-  message += "; the budget is " + emsa::FormatBytes(budget) + ".";
-  std::vector<std::string> shrink;
-  if (!args.options.allow_host_tier) shrink.push_back("allow the host tier");
-  if (!args.options.release_grads) shrink.push_back("--step-in-backward");
-  if (!config.activation_checkpointing) shrink.push_back("--checkpointing");
-  if (config.dtype == emsa::DType::kFloat32) shrink.push_back("--param-dtype bf16");
-  if (!args.options.allow_host_tier && args.options.state_dtype == emsa::DType::kFloat32) {
-    shrink.push_back("--state-dtype bf16");
-  }
-  shrink.push_back("a smaller --batch or --seq");
-  std::string hint;
-  for (size_t i = 0; i < shrink.size(); ++i) {
-    hint += (i == 0 ? "" : i + 1 == shrink.size() ? " or " : ", ") + shrink[i];
-  }
-  std::fprintf(
-      stderr, "emsa: %s\n  to need less: %s\n  %s\nsmallest feasible budget: %s (--gpu-mem %llu)\n",
-      message.c_str(), hint.c_str(), detail.c_str(), need.c_str(),
-      static_cast<unsigned long long>(min_budget));
-  return kExitInfeasible;
-}
-
 int RunModelPlan(PlanArgs plan_args) {
   auto device = ChooseDevice(plan_args);
   if (!device.ok()) {
@@ -423,16 +378,10 @@ int RunModelPlan(PlanArgs plan_args) {
   auto plan = emsa::MakePlan(*record, profile, plan_args.options, &min_budget);
   if (!plan.ok()) {
     if (plan.status().code() != emsa::StatusCode::kInfeasible) return PlanFailure(plan.status());
-    uint64_t budget = plan_args.options.budget_bytes;
-    if (budget == 0) {
-      const uint64_t memory =
-          profile.gpu.free_memory != 0 ? profile.gpu.free_memory : profile.gpu.total_memory;
-      budget = memory > plan_args.options.safety_margin_bytes
-                   ? memory - plan_args.options.safety_margin_bytes
-                   : 0;
-    }
-    return ModelInfeasible(plan_args, config, *record, profile, budget, min_budget,
-                           plan.status().message());
+    const emsa::ModelChoices choices{config.activation_checkpointing, config.dtype};
+    return Fail(kExitInfeasible,
+                emsa::InfeasibleBudgetMessage(*record, profile, plan_args.options, plan.status(),
+                                              min_budget, &choices));
   }
   const std::string preamble = emsa::ModelSummary(config, *record) + DeviceLine(*device) +
                                OptimizerLine(plan_args.options) + "\n";

@@ -226,7 +226,20 @@ static void test_plan_and_arena(void) {
   CHECK(plan == NULL);
   CHECK(reported == min_budget);
   CHECK(strlen(emsa_last_error()) > 0);
+  /* The message for a person names that minimum; where the budget fits there is none. */
+  char* message = NULL;
+  CHECK(emsa_plan_infeasible_message(probe, profile, &o, NULL, &message) == EMSA_OK);
+  char want[64];
+  snprintf(want, sizeof want, "(--budget %llu)", (unsigned long long)min_budget);
+  CHECK(message != NULL && strstr(message, want) != NULL);
+  CHECK(message != NULL && strstr(message, "smallest budget that works") != NULL);
+  emsa_free(message);
   o.budget_bytes = min_budget;
+  message = NULL;
+  CHECK(emsa_plan_infeasible_message(probe, profile, &o, NULL, &message) == EMSA_OK);
+  CHECK(message != NULL && message[0] == '\0');
+  emsa_free(message);
+  CHECK(emsa_plan_infeasible_message(NULL, profile, &o, NULL, &message) == EMSA_INVALID_ARGUMENT);
   CHECK(emsa_plan_create(probe, profile, &o, &plan, NULL) == EMSA_OK);
   CHECK(emsa_plan_arena_bytes(plan, &dev, &host) == EMSA_OK);
   CHECK(host > 0);
@@ -378,6 +391,17 @@ static void test_model_probe(void) {
   CHECK(table != NULL && strstr(table, "model.layers.0.mlp.up_proj.weight") == NULL);
   emsa_free(table);
   emsa_plan_destroy(plan);
+  /* Too small a budget for the model: the advice says what it needs and what would shrink it
+   * (checkpointing and bf16 are in use, so the step in backward and the shape are left). */
+  o.budget_bytes = 4ull << 30;
+  char* message = NULL;
+  CHECK(emsa_plan_infeasible_message(probe, profile, &o, &mo, &message) == EMSA_OK);
+  CHECK(message != NULL && strstr(message, "llama-2-7b needs at least") != NULL);
+  CHECK(message != NULL && strstr(message, "the budget is 4.00 GiB") != NULL);
+  CHECK(message != NULL &&
+        strstr(message, "to need less: --step-in-backward or a smaller --batch or --seq") != NULL);
+  CHECK(message != NULL && strstr(message, "(--gpu-mem ") != NULL);
+  emsa_free(message);
   emsa_free(probe);
   emsa_free(summary);
   emsa_free(profile);

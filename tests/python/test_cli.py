@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -29,6 +30,8 @@ def test_plan_infeasible_budget_exits_3_naming_the_minimum():
     r = emsa_cli("plan", PROBE, "--profile", CPU_PROFILE, "--budget", "1KiB")
     assert r.returncode == 3
     assert "smallest budget that works" in r.stderr
+    smallest = int(re.search(r"smallest feasible budget: .* \(--budget (\d+)\)", r.stderr).group(1))
+    assert emsa_cli("plan", PROBE, "--profile", CPU_PROFILE, "--budget", smallest).returncode == 0
 
 
 def test_plan_bad_input_exits_2():

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import ROOT
 
-from emsa._model import device_preset, model_probe
+from emsa._model import device_preset, model_options, model_probe
+from emsa.plan import infeasible_message
 
 SEVEN_B_ON_24 = ["--model", "llama-2-7b", "--gpu-mem", "24GiB", "--batch", "1", "--seq", "2048",
                  "--checkpointing", "--param-dtype", "bf16"]
@@ -91,6 +92,21 @@ def test_infeasible_exits_3_naming_the_smallest_budget():
     assert smallest > 4 << 30
     assert emsa_cli(*model, "--gpu-mem", smallest).returncode == 0
     assert emsa_cli(*model, "--gpu-mem", smallest - 1).returncode == 3
+
+
+def test_infeasible_message_comes_from_libemsa():
+    shape = dict(seq_len=2048, checkpointing=True, param_dtype="bf16")
+    probe = model_probe("llama-2-7b", **shape)[0]
+    h200 = device_preset("h200")
+    message = infeasible_message(probe, h200, model=model_options(**shape), budget="4GiB",
+                                 release_grads=True)
+    assert "llama-2-7b needs at least" in message and "the budget is 4.00 GiB" in message
+    assert "to need less: a smaller --batch or --seq" in message
+    smallest = int(re.search(r"--gpu-mem (\d+)\)", message).group(1))
+    assert infeasible_message(probe, h200, budget=smallest, release_grads=True) == ""
+    # A probe record from a training run: the planner's own message and the smallest budget.
+    message = infeasible_message(probe, h200, budget=smallest - 1, release_grads=True)
+    assert message.endswith(f"(--budget {smallest})") and "needs at least" not in message
 
 
 @pytest.mark.parametrize("args,says", [
