@@ -21,17 +21,50 @@ emsa_apt_install() {
 }
 
 emsa_build_deps() {
-  emsa_apt_install build-essential cmake libgtest-dev libgmock-dev python3 python3-venv
+  emsa_apt_install build-essential cmake ccache libgtest-dev libgmock-dev python3 python3-venv
 }
 
-# emsa_build DIR [cmake args...]: configure once, then build everything.
+# ccache, when installed, in front of every compiler (nvcc included); paths are made relative
+# to the repo, so clones elsewhere share the cache.
+emsa_launchers=()
+if command -v ccache >/dev/null 2>&1; then
+  export CCACHE_BASEDIR="$EMSA_ROOT"
+  emsa_launchers=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache
+                  -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+fi
+
+# emsa_build DIR [cmake args...]: configure (again: cheap, and the arguments always apply), then
+# build everything.
 emsa_build() {
   local dir="$1"; shift
   local jobs; jobs=$(nproc)
-  if [ ! -f "$EMSA_ROOT/$dir/CMakeCache.txt" ]; then
-    cmake -S "$EMSA_ROOT" -B "$EMSA_ROOT/$dir" -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
-  fi
+  cmake -S "$EMSA_ROOT" -B "$EMSA_ROOT/$dir" -DCMAKE_BUILD_TYPE=Release "${emsa_launchers[@]}" \
+    "$@" >/dev/null
   cmake --build "$EMSA_ROOT/$dir" -j"$jobs"
+}
+
+# emsa_build_libcxx DIR: the C++ tree built by clang against libc++ (-stdlib=libc++), warnings
+# as errors, so missing includes and non-portable code fail. CUDA is off: nvcc's host compiler
+# is GCC, and libc++ objects do not mix with libstdc++ ones. GoogleTest is built from Debian's
+# source (/usr/src/googletest) with the same compiler and library into DIR/googletest, since
+# libgtest-dev's libraries are built against libstdc++.
+emsa_build_libcxx() {
+  local dir="$EMSA_ROOT/$1"
+  local jobs; jobs=$(nproc)
+  emsa_apt_install clang libc++-dev libc++abi-dev googletest
+  local libcxx=(-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++
+                -DCMAKE_CXX_FLAGS=-stdlib=libc++ -DCMAKE_EXE_LINKER_FLAGS=-stdlib=libc++
+                -DCMAKE_SHARED_LINKER_FLAGS=-stdlib=libc++ -DCMAKE_BUILD_TYPE=Release
+                "${emsa_launchers[@]}")
+  if [ ! -f "$dir/googletest/lib/cmake/GTest/GTestConfig.cmake" ]; then
+    cmake -S /usr/src/googletest -B "$dir/googletest-build" "${libcxx[@]}" \
+      -DCMAKE_INSTALL_PREFIX="$dir/googletest" >/dev/null
+    cmake --build "$dir/googletest-build" -j"$jobs" >/dev/null
+    cmake --install "$dir/googletest-build" >/dev/null
+  fi
+  cmake -S "$EMSA_ROOT" -B "$dir" "${libcxx[@]}" -DEMSA_WITH_CUDA=OFF -DEMSA_WERROR=ON \
+    -DEMSA_BUILD_BENCH=ON -DGTest_DIR="$dir/googletest/lib/cmake/GTest" >/dev/null
+  cmake --build "$dir" -j"$jobs"
 }
 
 # The Python environment for the front end's tests, the demo and the benchmarks: one venv outside
