@@ -52,11 +52,6 @@ struct CpuUpdaterOptions {
   int threads = 0;  // 0 = every core this process may run on; at most 4096
   // Highest ISA to use; the detected level is used if lower. Tests force each level.
   SimdLevel max_simd = SimdLevel::kAvx512;
-  // AVX-512 only: write fp32 moments with non-temporal stores (same bits). They are not read
-  // again in the step, so they need not evict what the host tier wants kept in the last-level
-  // cache: gradients its DMA has just written and deltas it is about to read. The environment
-  // variable EMSA_CPU_STREAM_STATES=0/1, when set, overrides this (for A/B runs).
-  bool stream_states = false;
 };
 
 class CpuUpdater {
@@ -67,9 +62,6 @@ class CpuUpdater {
   CpuUpdater& operator=(const CpuUpdater&) = delete;
 
   SimdLevel simd() const { return simd_; }
-  // Whether fp32 moments are written with non-temporal stores (CpuUpdaterOptions::stream_states
-  // on an AVX-512 CPU, or EMSA_CPU_STREAM_STATES).
-  bool stream_states() const { return stream_states_; }
   int threads() const;
 
   // How Step and StepRange deal a batch to the pool. N >= 64 (default kGuidedMinElements):
@@ -85,14 +77,6 @@ class CpuUpdater {
   // step runs. kInvalidArgument for 1..63 or negative values.
   static constexpr int64_t kGuidedMinElements = 16384;
   Status SetGuidedScheduling(int64_t min_elements);
-
-  // Linux: the pool's worker threads (all but the calling thread, worker 0) run at this nice
-  // value, 0..19, so that when cores are short the scheduler runs the process's other threads
-  // first. The host tier's pool shares the machine with the threads that launch the GPU's
-  // forward and backward; starved, they stretch the step (bench/README.md). Not to be changed
-  // while a step runs. kInvalidArgument outside 0..19; kUnsupported where the OS refuses
-  // (lowering a nice value already raised needs CAP_SYS_NICE) or off Linux.
-  Status SetWorkerNice(int nice);
 
   // Validates every tensor first (non-null pointers, numel >= 0, supported dtypes, step >= 1,
   // finite hyperparameters, lr >= 0, weight_decay >= 0, 0 <= betas < 1, eps > 0 for Adam); an
@@ -141,7 +125,6 @@ class CpuUpdater {
   std::unique_ptr<Partial[]> partials_;  // pool size entries, sized at Create
   const cpu::KernelTable* kernels_ = nullptr;
   SimdLevel simd_ = SimdLevel::kScalar;
-  bool stream_states_ = false;
   int64_t guided_min_ = kGuidedMinElements;
 };
 

@@ -4,13 +4,12 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <exception>
 #include <limits>
 #include <string>
 
 #include "emsa/cpu_update.h"
-#include "engine/thread_pool.h"
+#include "common/thread_pool.h"
 #include "kernels/cpu/kernels.h"
 
 namespace emsa {
@@ -240,13 +239,7 @@ Result<std::unique_ptr<CpuUpdater>> CpuUpdater::Create(const CpuUpdaterOptions& 
   }
   std::unique_ptr<CpuUpdater> updater(new CpuUpdater());
   updater->simd_ = std::min(DetectSimdLevel(), options.max_simd);
-  bool stream = options.stream_states;
-  if (const char* env = std::getenv("EMSA_CPU_STREAM_STATES"); env != nullptr && *env != '\0') {
-    stream = std::string(env) != "0";
-  }
-  updater->stream_states_ = stream && updater->simd_ == SimdLevel::kAvx512;
-  updater->kernels_ =
-      updater->stream_states_ ? &cpu::Avx512StreamKernels() : &cpu::KernelsFor(updater->simd_);
+  updater->kernels_ = &cpu::KernelsFor(updater->simd_);
   try {
     updater->pool_ = std::make_unique<ThreadPool>(options.threads);
     updater->partials_ = std::make_unique<Partial[]>(static_cast<size_t>(updater->pool_->size()));
@@ -362,22 +355,6 @@ Status CpuUpdater::SetGuidedScheduling(int64_t min_elements) {
         "; use 0 (equal shares) or at least " + std::to_string(kSplitAlign));
   }
   guided_min_ = min_elements;
-  return Status::Ok();
-}
-
-Status CpuUpdater::SetWorkerNice(int nice) {
-  if (nice < 0 || nice > 19) {
-    return Status::InvalidArgument("worker nice value is " + std::to_string(nice) +
-                                   "; use 0 (normal priority) .. 19 (lowest)");
-  }
-  const int refused = pool_->SetWorkerNice(nice);
-  if (refused > 0) {
-    return Status::Unsupported(std::to_string(refused) + " of " +
-                               std::to_string(pool_->size() - 1) +
-                               " pool threads could not be set to nice " + std::to_string(nice) +
-                               " (raising priority needs CAP_SYS_NICE; not supported off "
-                               "Linux); leave the nice value as it is");
-  }
   return Status::Ok();
 }
 

@@ -19,7 +19,7 @@
 
 #include "emsa/cpu_update.h"
 #include "emsa/host_tier.h"
-#include "engine/thread_pool.h"
+#include "common/thread_pool.h"
 #include "profile/update_probe.h"
 
 namespace emsa {

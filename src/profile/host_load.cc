@@ -13,7 +13,7 @@
 #include "emsa/cpu_update.h"
 #include "emsa/host_tier.h"
 #include "emsa/profile.h"
-#include "engine/thread_pool.h"
+#include "common/thread_pool.h"
 #include "profile/update_probe.h"
 
 namespace emsa {

@@ -11,7 +11,7 @@
 #include <memory>
 
 #include "emsa/update.h"
-#include "engine/thread_pool.h"
+#include "common/thread_pool.h"
 
 namespace emsa::profile_internal {
 

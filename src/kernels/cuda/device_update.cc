@@ -546,8 +546,7 @@ Result<std::unique_ptr<DeviceUpdateTable>> DeviceUpdateTable::Create(
     EMSA_ASSIGN_OR_RETURN(int per_sm,
                           cuda::UpdateBlocksPerSm(options.optimizer, launch.variant, launch.bulk));
     const int64_t resident = static_cast<int64_t>(per_sm) * sms;
-    launch.grid = static_cast<int>(
-        std::min<int64_t>(launch.chunk_count, options.persistent_grid ? resident : INT32_MAX));
+    launch.grid = static_cast<int>(std::min<int64_t>(launch.chunk_count, resident));
   }
   EMSA_ASSIGN_OR_RETURN(int stats_per_sm, cuda::GradStatsBlocksPerSm());
   impl.stats_grid = static_cast<int>(std::max<int64_t>(
