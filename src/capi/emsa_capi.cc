@@ -139,11 +139,9 @@ emsa::Result<emsa::DType> ToDType(int32_t v, const char* field) {
 }
 
 emsa::Result<emsa::OptimizerKind> ToOptimizer(int32_t v) {
-  if (v < EMSA_OPTIMIZER_ADAMW || v > EMSA_OPTIMIZER_LION) {
-    return emsa::Status::InvalidArgument("optimizer = " + std::to_string(v) +
-                                         " is not an EMSA_OPTIMIZER_* value");
-  }
-  return static_cast<emsa::OptimizerKind>(v);
+  const auto kind = static_cast<emsa::OptimizerKind>(v);  // any int32: the enum's type
+  EMSA_RETURN_IF_ERROR(emsa::ValidateOptimizer(kind, "optimizer (EMSA_OPTIMIZER_*)"));
+  return kind;
 }
 
 emsa::Status ToHyper(const emsa_hyperparams* h, const std::string& where, emsa::HyperParams* out) {

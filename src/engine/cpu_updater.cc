@@ -38,12 +38,7 @@ Status Invalid(size_t index, const std::string& what) {
 }
 
 Status ValidateOptions(const StepOptions& o) {
-  if (o.optimizer != OptimizerKind::kAdamW && o.optimizer != OptimizerKind::kAdam &&
-      o.optimizer != OptimizerKind::kLion) {
-    return Status::InvalidArgument("options.optimizer is " +
-                                   std::to_string(static_cast<int>(o.optimizer)) +
-                                   "; use OptimizerKind::kAdamW, kAdam or kLion");
-  }
+  EMSA_RETURN_IF_ERROR(ValidateOptimizer(o.optimizer, "options.optimizer"));
   if (o.rounding != Rounding::kNearest && o.rounding != Rounding::kStochastic) {
     return Status::InvalidArgument("options.rounding is " +
                                    std::to_string(static_cast<int>(o.rounding)) +
@@ -52,26 +47,6 @@ Status ValidateOptions(const StepOptions& o) {
   if (!std::isfinite(o.grad_multiplier)) {
     return Status::InvalidArgument("options.grad_multiplier is " + Num(o.grad_multiplier) +
                                    "; it must be finite (clip_coef / loss_scale)");
-  }
-  return Status::Ok();
-}
-
-Status ValidateHyper(size_t i, const HyperParams& h, OptimizerKind opt) {
-  if (!(std::isfinite(h.lr) && h.lr >= 0.0f)) {
-    return Invalid(i, "hyper->lr is " + Num(h.lr) + "; it must be finite and >= 0");
-  }
-  if (!(h.beta1 >= 0.0f && h.beta1 < 1.0f)) {
-    return Invalid(i, "hyper->beta1 is " + Num(h.beta1) + "; it must be in [0, 1)");
-  }
-  if (!(h.beta2 >= 0.0f && h.beta2 < 1.0f)) {
-    return Invalid(i, "hyper->beta2 is " + Num(h.beta2) + "; it must be in [0, 1)");
-  }
-  if (!(std::isfinite(h.weight_decay) && h.weight_decay >= 0.0f)) {
-    return Invalid(
-        i, "hyper->weight_decay is " + Num(h.weight_decay) + "; it must be finite and >= 0");
-  }
-  if (opt != OptimizerKind::kLion && !(std::isfinite(h.eps) && h.eps > 0.0f)) {
-    return Invalid(i, "hyper->eps is " + Num(h.eps) + "; it must be finite and > 0");
   }
   return Status::Ok();
 }
@@ -90,7 +65,7 @@ Status ValidateTensor(size_t i, const TensorUpdate& t, const StepOptions& o) {
     return Status::Unsupported(Name(i) +
                                ".state_dtype float16 is not supported; use float32 or bfloat16");
   }
-  EMSA_RETURN_IF_ERROR(ValidateHyper(i, *t.hyper, o.optimizer));
+  EMSA_RETURN_IF_ERROR(ValidateHyperParams(*t.hyper, o.optimizer, Name(i) + ".hyper->"));
   const bool low_param = t.param_dtype != DType::kFloat32;
   if (!low_param && t.master != nullptr) {
     return Invalid(i, "master is set but param is float32, which is its own master; pass null");

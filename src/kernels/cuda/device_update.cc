@@ -34,28 +34,9 @@ bool IsDType(DType d) {
   return d == DType::kFloat32 || d == DType::kBFloat16 || d == DType::kFloat16;
 }
 
-// The CPU updater's rules, so a group valid on one tier is valid on the other. Lion ignores eps,
-// but a group does not know its optimizer: the default (1e-8) passes.
-Status ValidateHyper(const std::string& where, const HyperParams& h) {
-  if (!(std::isfinite(h.lr) && h.lr >= 0.0f)) {
-    return Status::InvalidArgument(where + ".lr is " + Num(h.lr) + "; it must be finite and >= 0");
-  }
-  if (!(h.beta1 >= 0.0f && h.beta1 < 1.0f)) {
-    return Status::InvalidArgument(where + ".beta1 is " + Num(h.beta1) + "; it must be in [0, 1)");
-  }
-  if (!(h.beta2 >= 0.0f && h.beta2 < 1.0f)) {
-    return Status::InvalidArgument(where + ".beta2 is " + Num(h.beta2) + "; it must be in [0, 1)");
-  }
-  if (!(std::isfinite(h.weight_decay) && h.weight_decay >= 0.0f)) {
-    return Status::InvalidArgument(where + ".weight_decay is " + Num(h.weight_decay) +
-                                   "; it must be finite and >= 0");
-  }
-  if (!(std::isfinite(h.eps) && h.eps > 0.0f)) {
-    return Status::InvalidArgument(where + ".eps is " + Num(h.eps) +
-                                   "; it must be finite and > 0 (Lion ignores it: keep the "
-                                   "default)");
-  }
-  return Status::Ok();
+// A group does not know which optimizer's table will read it: the strictest rule (Adam's).
+Status ValidateGroupHyper(const HyperParams& h, const std::string& where) {
+  return ValidateHyperParams(h, OptimizerKind::kAdamW, where);
 }
 
 Status ValidateGroups(const HyperParams* hypers, size_t group_count) {
@@ -68,7 +49,7 @@ Status ValidateGroups(const HyperParams* hypers, size_t group_count) {
                                    " exceeds 2^31 - 1 groups");
   }
   for (size_t i = 0; i < group_count; ++i) {
-    EMSA_RETURN_IF_ERROR(ValidateHyper("hypers[" + std::to_string(i) + "]", hypers[i]));
+    EMSA_RETURN_IF_ERROR(ValidateGroupHyper(hypers[i], "hypers[" + std::to_string(i) + "]."));
   }
   return Status::Ok();
 }
@@ -128,12 +109,7 @@ struct TableShape {
 
 Status ValidateTable(const TensorUpdate* tensors, const int32_t* groups, size_t count,
                      const DeviceTableOptions& options, TableShape* shape) {
-  if (options.optimizer != OptimizerKind::kAdamW && options.optimizer != OptimizerKind::kAdam &&
-      options.optimizer != OptimizerKind::kLion) {
-    return Status::InvalidArgument("options.optimizer is " +
-                                   std::to_string(static_cast<int>(options.optimizer)) +
-                                   "; use OptimizerKind::kAdamW, kAdam or kLion");
-  }
+  EMSA_RETURN_IF_ERROR(ValidateOptimizer(options.optimizer, "options.optimizer"));
   if (options.rounding != Rounding::kNearest && options.rounding != Rounding::kStochastic) {
     return Status::InvalidArgument("options.rounding is " +
                                    std::to_string(static_cast<int>(options.rounding)) +
@@ -347,7 +323,7 @@ DeviceScalars::~DeviceScalars() {
 Status DeviceScalars::SetGroup(size_t group, const HyperParams& hyper, int64_t step,
                                cudaStream_t stream) {
   EMSA_RETURN_IF_ERROR(CheckGroupIndex(group, group_count_));
-  EMSA_RETURN_IF_ERROR(ValidateHyper("hyper", hyper));
+  EMSA_RETURN_IF_ERROR(ValidateGroupHyper(hyper, "hyper."));
   if (step < 0) {
     return Status::InvalidArgument("step is " + std::to_string(step) +
                                    "; it must be >= 0 (AdvanceSteps adds 1 before each update)");
@@ -359,7 +335,7 @@ Status DeviceScalars::SetGroup(size_t group, const HyperParams& hyper, int64_t s
 
 Status DeviceScalars::SetGroupHyper(size_t group, const HyperParams& hyper, cudaStream_t stream) {
   EMSA_RETURN_IF_ERROR(CheckGroupIndex(group, group_count_));
-  EMSA_RETURN_IF_ERROR(ValidateHyper("hyper", hyper));
+  EMSA_RETURN_IF_ERROR(ValidateGroupHyper(hyper, "hyper."));
   EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::SetGroupHyper"));
   return cuda::LaunchSetGroupHyper(groups_, static_cast<int64_t>(group), ToDeviceScalars(hyper, 0),
                                    stream);
