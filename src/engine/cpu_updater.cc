@@ -65,7 +65,10 @@ Status ValidateTensor(size_t i, const TensorUpdate& t, const StepOptions& o) {
     return Status::Unsupported(Name(i) +
                                ".state_dtype float16 is not supported; use float32 or bfloat16");
   }
-  EMSA_RETURN_IF_ERROR(ValidateHyperParams(*t.hyper, o.optimizer, Name(i) + ".hyper->"));
+  // The tensor's name is added only on error: validation runs every step and allocates nothing.
+  if (Status st = ValidateHyperParams(*t.hyper, o.optimizer, "hyper->"); !st.ok()) {
+    return Invalid(i, st.message());
+  }
   const bool low_param = t.param_dtype != DType::kFloat32;
   if (!low_param && t.master != nullptr) {
     return Invalid(i, "master is set but param is float32, which is its own master; pass null");

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/cuda_util.h"
@@ -35,7 +36,7 @@ bool IsDType(DType d) {
 }
 
 // A group does not know which optimizer's table will read it: the strictest rule (Adam's).
-Status ValidateGroupHyper(const HyperParams& h, const std::string& where) {
+Status ValidateGroupHyper(const HyperParams& h, std::string_view where) {
   return ValidateHyperParams(h, OptimizerKind::kAdamW, where);
 }
 
