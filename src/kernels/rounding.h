@@ -29,10 +29,17 @@ namespace emsa {
 namespace rounding {
 namespace {
 
+// Float operations that round on their own: on the device explicit round-to-nearest
+// intrinsics, which the compiler never contracts into an FMA (the CPU kernels build without
+// contraction).
 #if defined(__CUDA_ARCH__)
 EMSA_HD uint32_t FloatBits(float f) { return __float_as_uint(f); }
 EMSA_HD float BitsFloat(uint32_t u) { return __uint_as_float(u); }
+EMSA_HD float SubRn(float a, float b) { return __fsub_rn(a, b); }
+EMSA_HD float MulRn(float a, float b) { return __fmul_rn(a, b); }
 #else
+EMSA_HD float SubRn(float a, float b) { return a - b; }
+EMSA_HD float MulRn(float a, float b) { return a * b; }
 EMSA_HD uint32_t FloatBits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
@@ -48,22 +55,23 @@ EMSA_HD float BitsFloat(uint32_t u) {
 EMSA_HD bool IsNanBits(uint32_t u) { return (u & 0x7FFFFFFFu) > 0x7F800000u; }
 
 // ---- bf16: the top half of a float -------------------------------------------------------------
+// 16-bit values travel in the low half of a uint32_t: the device kernels pack two per word.
 
 // Reads the low 16 bits of `h`.
 EMSA_HD float Bf16ToFloat(uint32_t h) { return BitsFloat(h << 16); }
 
-EMSA_HD uint16_t Bf16Nearest(float f) {
+EMSA_HD uint32_t Bf16Nearest(float f) {
   const uint32_t u = FloatBits(f);
-  if (IsNanBits(u)) return static_cast<uint16_t>((u >> 16) | 0x40u);  // stay NaN, quiet
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  if (IsNanBits(u)) return (u >> 16) | 0x40u;  // stay NaN, quiet
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
 }
 
 // Adds 16 random bits below the kept ones and truncates: rounds up with probability equal to the
 // dropped fraction, so the expected result is f. Uses the low 16 bits of `random`.
-EMSA_HD uint16_t Bf16Stochastic(float f, uint32_t random) {
+EMSA_HD uint32_t Bf16Stochastic(float f, uint32_t random) {
   const uint32_t u = FloatBits(f);
-  if (IsNanBits(u)) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  return static_cast<uint16_t>((u + (random & 0xFFFFu)) >> 16);
+  if (IsNanBits(u)) return (u >> 16) | 0x40u;
+  return (u + (random & 0xFFFFu)) >> 16;
 }
 
 // ---- fp16: IEEE binary16, converted as F16C's vcvtph2ps / vcvtps2ph do --------------------------
@@ -105,28 +113,28 @@ EMSA_HD uint16_t FloatToHalf(float f, HalfRounding mode) {
   return static_cast<uint16_t>(sign | (base + q));
 }
 
-// Stochastic rounding to fp16, given the truncation toward zero `t` of f and
-// magnitude = HalfToFloat(t & 0x7FFF) (each path converts with its own IEEE-exact means): steps
-// one fp16 ulp away from zero with probability (|f| - |t|) / ulp, drawn from the top 24 bits of
-// `random`. Every quantity is exact in float (the difference is within one ulp of a value it
-// shares a binade with; ulp and the random fraction are powers of two times small integers), so
-// no operation here rounds and every path gets the same bits. Past 65504 the next step is
-// infinity, as round-to-nearest would give beyond 65520.
-EMSA_HD uint16_t HalfStochasticFrom(float f, uint16_t t, float magnitude, uint32_t random) {
-  if ((t & 0x7FFFu) >= 0x7C00u) return t;  // inf or NaN
-  const float diff = BitsFloat(FloatBits(f) & 0x7FFFFFFFu) - magnitude;
+// Stochastic rounding to fp16, given the truncation toward zero `t` of f (finite: not inf or
+// NaN) and magnitude = HalfToFloat(t & 0x7FFF), each path converting by its own IEEE-exact
+// means: steps one fp16 ulp away from zero with probability (|f| - |t|) / ulp, drawn from the
+// top 24 bits of `random`. Every quantity is exact in float (the difference is within one ulp of
+// a value it shares a binade with; ulp and the random fraction are powers of two times small
+// integers), so every path gets the same bits. Past 65504 the next step is infinity, as
+// round-to-nearest would give beyond 65520.
+EMSA_HD uint32_t HalfStochasticFrom(float f, uint32_t t, float magnitude, uint32_t random) {
+  const float diff = SubRn(BitsFloat(FloatBits(f) & 0x7FFFFFFFu), magnitude);
   uint32_t exp = (t >> 10) & 0x1Fu;
   if (exp == 0) exp = 1;
-  const float ulp = BitsFloat((exp + 102u) << 23);                                  // 2^(exp - 25)
-  const float fraction = static_cast<float>(random >> 8) * BitsFloat(0x33800000u);  // [0, 1)
-  return fraction * ulp < diff ? static_cast<uint16_t>(t + 1u) : t;
+  const float ulp = BitsFloat((exp + 102u) << 23);                                 // 2^(exp - 25)
+  const float fraction = MulRn(static_cast<float>(random >> 8), BitsFloat(0x33800000u));  // [0, 1)
+  return MulRn(fraction, ulp) < diff ? t + 1u : t;
 }
 
 // The reference: truncation and magnitude by the functions above.
 EMSA_HD uint16_t HalfStochastic(float f, uint32_t random) {
   const uint16_t t = FloatToHalf(f, HalfRounding::kTowardZero);
-  if ((t & 0x7FFFu) >= 0x7C00u) return t;  // inf or NaN: no magnitude needed
-  return HalfStochasticFrom(f, t, HalfToFloat(static_cast<uint16_t>(t & 0x7FFFu)), random);
+  if ((t & 0x7FFFu) >= 0x7C00u) return t;  // inf or NaN
+  return static_cast<uint16_t>(
+      HalfStochasticFrom(f, t, HalfToFloat(static_cast<uint16_t>(t & 0x7FFFu)), random));
 }
 
 // ---- the stochastic-rounding stream -------------------------------------------------------------

@@ -80,7 +80,7 @@ EMSA_HD uint32_t HalfNearest(float f) { return __half_as_ushort(__float2half_rn(
 
 // rounding.h's stochastic step over the CUDA truncation toward zero.
 EMSA_HD uint32_t HalfStochastic(float f, uint32_t random) {
-  const uint16_t t = __half_as_ushort(__float2half_rz(f));
+  const uint32_t t = __half_as_ushort(__float2half_rz(f));
   if ((t & 0x7FFFu) >= 0x7C00u) return t;  // inf or NaN
   return rounding::HalfStochasticFrom(f, t, HalfToFloat(t & 0x7FFFu), random);
 }
