@@ -113,28 +113,33 @@ EMSA_HD uint16_t FloatToHalf(float f, HalfRounding mode) {
   return static_cast<uint16_t>(sign | (base + q));
 }
 
-// Stochastic rounding to fp16, given the truncation toward zero `t` of f (finite: not inf or
-// NaN) and magnitude = HalfToFloat(t & 0x7FFF), each path converting by its own IEEE-exact
-// means: steps one fp16 ulp away from zero with probability (|f| - |t|) / ulp, drawn from the
-// top 24 bits of `random`. Every quantity is exact in float (the difference is within one ulp of
-// a value it shares a binade with; ulp and the random fraction are powers of two times small
-// integers), so every path gets the same bits. Past 65504 the next step is infinity, as
-// round-to-nearest would give beyond 65520.
-EMSA_HD uint32_t HalfStochasticFrom(float f, uint32_t t, float magnitude, uint32_t random) {
-  const float diff = SubRn(BitsFloat(FloatBits(f) & 0x7FFFFFFFu), magnitude);
+// Stochastic rounding to fp16, given the truncation toward zero `t` of f and the conversion
+// half_to_float(bits) -> float (each path converts by its own IEEE-exact means): steps one fp16
+// ulp away from zero with probability (|f| - |t|) / ulp, drawn from the top 24 bits of
+// `random`. Every quantity is exact in float (the difference is within one ulp of a value it
+// shares a binade with; ulp and the random fraction are powers of two times small integers), so
+// every path gets the same bits. Past 65504 the next step is infinity, as round-to-nearest
+// would give beyond 65520.
+template <class HalfToFloatFn>
+EMSA_HD uint32_t HalfStochasticFrom(float f, uint32_t t, uint32_t random,
+                                    HalfToFloatFn half_to_float) {
+  if ((t & 0x7FFFu) >= 0x7C00u) return t;  // inf or NaN
+  const float diff = SubRn(BitsFloat(FloatBits(f) & 0x7FFFFFFFu), half_to_float(t & 0x7FFFu));
   uint32_t exp = (t >> 10) & 0x1Fu;
   if (exp == 0) exp = 1;
-  const float ulp = BitsFloat((exp + 102u) << 23);                                 // 2^(exp - 25)
+  const float ulp = BitsFloat((exp + 102u) << 23);  // 2^(exp - 25)
   const float fraction = MulRn(static_cast<float>(random >> 8), BitsFloat(0x33800000u));  // [0, 1)
   return MulRn(fraction, ulp) < diff ? t + 1u : t;
 }
 
-// The reference: truncation and magnitude by the functions above.
+struct ReferenceHalfToFloat {
+  EMSA_HD float operator()(uint32_t h) const { return HalfToFloat(static_cast<uint16_t>(h)); }
+};
+
+// The reference: truncation and conversion by the functions above.
 EMSA_HD uint16_t HalfStochastic(float f, uint32_t random) {
-  const uint16_t t = FloatToHalf(f, HalfRounding::kTowardZero);
-  if ((t & 0x7FFFu) >= 0x7C00u) return t;  // inf or NaN
-  return static_cast<uint16_t>(
-      HalfStochasticFrom(f, t, HalfToFloat(static_cast<uint16_t>(t & 0x7FFFu)), random));
+  return static_cast<uint16_t>(HalfStochasticFrom(f, FloatToHalf(f, HalfRounding::kTowardZero),
+                                                  random, ReferenceHalfToFloat{}));
 }
 
 // ---- the stochastic-rounding stream -------------------------------------------------------------

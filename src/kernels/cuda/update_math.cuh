@@ -78,11 +78,14 @@ EMSA_HD float HalfToFloat(uint32_t h) {
 }
 EMSA_HD uint32_t HalfNearest(float f) { return __half_as_ushort(__float2half_rn(f)); }
 
+struct HardwareHalfToFloat {
+  EMSA_HD float operator()(uint32_t h) const { return HalfToFloat(h); }
+};
+
 // rounding.h's stochastic step over the CUDA truncation toward zero.
 EMSA_HD uint32_t HalfStochastic(float f, uint32_t random) {
-  const uint32_t t = __half_as_ushort(__float2half_rz(f));
-  if ((t & 0x7FFFu) >= 0x7C00u) return t;  // inf or NaN
-  return rounding::HalfStochasticFrom(f, t, HalfToFloat(t & 0x7FFFu), random);
+  return rounding::HalfStochasticFrom(f, __half_as_ushort(__float2half_rz(f)), random,
+                                      HardwareHalfToFloat{});
 }
 
 // The rounding keys of the elements whose index within the tensor has high 32 bits `high`.
