@@ -68,13 +68,12 @@ class CpuUpdater {
   // guided self-scheduling; threads claim contiguous runs of the remaining elements, each
   // remaining/(2 x threads) long but at least N, until none are left, so a thread the OS or
   // another process slows down holds up the others by at most a short run. 0: each thread takes
-  // one contiguous, equal share. On the H200 host (15 threads, 268 M fp32 params, shared
-  // machine) equal shares ran at 108-121 GB/s, guided at 141-145 (bench/README.md). The last
-  // runs of a call set its tail, paid once per call, so per gradient bucket in the host tier:
-  // in calls of 4 Mi elements, runs of at least 64 Ki ran 5-22% slower than one call over
-  // everything, 16 Ki 0-5%, and a single call was no slower (bench/README.md). The results are the
-  // same bits either way (each element depends only on its own index). Not to be changed while a
-  // step runs. kInvalidArgument for 1..63 or negative values.
+  // one contiguous, equal share. Guided is the default because on a shared machine equal shares
+  // wait for the slowest thread. The last runs of a call set its tail, paid once per call (per
+  // gradient bucket in the host tier), so the minimum run stays short enough that a bucket's
+  // tail is small. The results are the same bits either way (each element depends only on its
+  // own index). Not to be changed while a step runs. kInvalidArgument for 1..63 or negative
+  // values.
   static constexpr int64_t kGuidedMinElements = 16384;
   Status SetGuidedScheduling(int64_t min_elements);
 

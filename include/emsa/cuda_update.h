@@ -171,7 +171,7 @@ struct DeviceTableOptions {
   Rounding rounding = Rounding::kStochastic;
   // fp32 params, grads and states on sm_90 and later: tiles moved by Hopper bulk copies
   // (cp.async.bulk through shared memory) instead of per-thread 16-byte loads and stores. Same
-  // bits; faster on the H200 (bench/README.md). Elsewhere, and for other dtypes, the per-thread
+  // bits, and faster where available. Elsewhere, and for other dtypes, the per-thread
   // kernel runs whatever this says (bulk_copy_launches() tells which).
   bool bulk_copy = true;
 };

@@ -131,8 +131,8 @@ Result<UpdateAndCopies> UpdateWhileCopying(int threads, cudaStream_t stream, dou
   Event start, done;
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start.event));
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&done.event));
-  constexpr int kPairs = 24;      // 256 MiB each way per pair: ~0.1 s of copies at 50 GB/s
-  constexpr int kMaxPasses = 64;  // ~20 ms each at the H200 host's rate
+  constexpr int kPairs = 24;      // 256 MiB each way per pair: a tenth of a second or more
+  constexpr int kMaxPasses = 64;  // tens of milliseconds each
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.event, stream));
   for (int i = 0; i < kPairs; ++i) {
     EMSA_RETURN_IF_ERROR(CudaStatus(enqueue_pair(), "GPU profile: copies both ways"));
