@@ -24,10 +24,10 @@
 #include <string>
 #include <vector>
 
+#include "common/thread_pool.h"
 #include "emsa/cpu_update.h"
 #include "emsa/host_arena.h"
 #include "emsa/profile.h"
-#include "common/thread_pool.h"
 
 namespace {
 

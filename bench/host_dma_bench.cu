@@ -29,9 +29,9 @@
 #include <vector>
 
 #include "bench_util.h"
+#include "common/thread_pool.h"
 #include "emsa/cpu_update.h"
 #include "emsa/host_arena.h"
-#include "common/thread_pool.h"
 
 namespace {
 

@@ -696,9 +696,9 @@ emsa_status emsa_cpu_step(emsa_cpu_updater* updater, const emsa_tensor_update* t
 void emsa_device_table_options_init(emsa_device_table_options* o) {
   if (o == nullptr) return;
   emsa::DeviceTableOptions d;
-  *o = emsa_device_table_options{
-      sizeof(emsa_device_table_options), static_cast<int32_t>(d.optimizer),
-      static_cast<int32_t>(d.rounding), d.bulk_copy ? 1 : 0};
+  *o = emsa_device_table_options{sizeof(emsa_device_table_options),
+                                 static_cast<int32_t>(d.optimizer),
+                                 static_cast<int32_t>(d.rounding), d.bulk_copy ? 1 : 0};
 }
 
 void emsa_device_step_report_init(emsa_device_step_report* r) {

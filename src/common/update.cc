@@ -1,9 +1,9 @@
 // update.cc — the validation rules of emsa/update.h, shared by every path that updates.
+#include "emsa/update.h"
+
 #include <cmath>
 #include <cstdio>
 #include <string>
-
-#include "emsa/update.h"
 
 namespace emsa {
 namespace {

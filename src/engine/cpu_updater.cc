@@ -8,8 +8,8 @@
 #include <limits>
 #include <string>
 
-#include "emsa/cpu_update.h"
 #include "common/thread_pool.h"
+#include "emsa/cpu_update.h"
 #include "kernels/cpu/kernels.h"
 
 namespace emsa {

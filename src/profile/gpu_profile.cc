@@ -17,9 +17,9 @@
 #include <memory>
 #include <vector>
 
+#include "common/thread_pool.h"
 #include "emsa/cpu_update.h"
 #include "emsa/host_tier.h"
-#include "common/thread_pool.h"
 #include "profile/update_probe.h"
 
 namespace emsa {
@@ -184,9 +184,9 @@ Status MeasureHbm(GpuProfile* gpu, cudaStream_t stream, const DeviceBuffer& src,
   auto d2d = [&] {
     return cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, stream);
   };
-  EMSA_ASSIGN_OR_RETURN(gpu->hbm_bandwidth,
-                        MedianBandwidth(stream, 2.0 * bytes,
-                                        "GPU profile: device-to-device cudaMemcpyAsync", d2d));
+  EMSA_ASSIGN_OR_RETURN(
+      gpu->hbm_bandwidth,
+      MedianBandwidth(stream, 2.0 * bytes, "GPU profile: device-to-device cudaMemcpyAsync", d2d));
   return Status::Ok();
 }
 
@@ -199,12 +199,12 @@ Status MeasureOneWay(GpuProfile* gpu, cudaStream_t stream, const DeviceBuffer& s
   auto d2h = [&] {
     return cudaMemcpyAsync(host.ptr, src.ptr, bytes, cudaMemcpyDeviceToHost, stream);
   };
-  EMSA_ASSIGN_OR_RETURN(gpu->h2d_bandwidth,
-                        MedianBandwidth(stream, 1.0 * bytes,
-                                        "GPU profile: host-to-device cudaMemcpyAsync", h2d));
-  EMSA_ASSIGN_OR_RETURN(gpu->d2h_bandwidth,
-                        MedianBandwidth(stream, 1.0 * bytes,
-                                        "GPU profile: device-to-host cudaMemcpyAsync", d2h));
+  EMSA_ASSIGN_OR_RETURN(
+      gpu->h2d_bandwidth,
+      MedianBandwidth(stream, 1.0 * bytes, "GPU profile: host-to-device cudaMemcpyAsync", h2d));
+  EMSA_ASSIGN_OR_RETURN(
+      gpu->d2h_bandwidth,
+      MedianBandwidth(stream, 1.0 * bytes, "GPU profile: device-to-host cudaMemcpyAsync", d2h));
   return Status::Ok();
 }
 
@@ -233,9 +233,9 @@ Status MeasureDuplex(GpuProfile* gpu, int threads, cudaStream_t stream, const De
     if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, join.event, 0);
     return e;
   };
-  EMSA_ASSIGN_OR_RETURN(gpu->duplex_bandwidth,
-                        MedianBandwidth(stream, 1.0 * bytes,
-                                        "GPU profile: copies both ways at once", both));
+  EMSA_ASSIGN_OR_RETURN(
+      gpu->duplex_bandwidth,
+      MedianBandwidth(stream, 1.0 * bytes, "GPU profile: copies both ways at once", both));
   EMSA_ASSIGN_OR_RETURN(const UpdateAndCopies together,
                         UpdateWhileCopying(threads, stream, 1.0 * bytes, both));
   gpu->host_update_duplex_bandwidth = together.update;

@@ -10,8 +10,8 @@
 #include <cstdlib>
 #include <memory>
 
-#include "emsa/update.h"
 #include "common/thread_pool.h"
+#include "emsa/update.h"
 
 namespace emsa::profile_internal {
 

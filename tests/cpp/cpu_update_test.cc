@@ -771,7 +771,6 @@ TEST(CpuUpdate, GuidedSchedulingWritesTheSameBits) {
   ExpectError(updater->SetGuidedScheduling(-1), StatusCode::kInvalidArgument, "at least 64");
 }
 
-
 // TensorUpdate::delta: the update's change to an fp32 parameter is written out instead of the
 // parameter, which is not read. p * (1 - lr*wd) + delta, each operation rounded, must be the
 // parameter the ordinary update stores, and the moments the same bits; on every ISA, for AdamW

@@ -15,10 +15,10 @@ namespace emsa {
 namespace cpu {
 namespace {
 
-using rounding::BitsFloat;
 using rounding::Bf16Nearest;
 using rounding::Bf16Stochastic;
 using rounding::Bf16ToFloat;
+using rounding::BitsFloat;
 using rounding::FloatBits;
 using rounding::FloatToHalf;
 using rounding::HalfRounding;

@@ -167,7 +167,6 @@ uint64_t BytesPerElement(const TensorUpdate& t, OptimizerKind optimizer) {
 
 size_t RoundUp(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
-
 constexpr int kGradSlots = DeviceUpdateTable::kGradStagingSlots;
 
 }  // namespace

@@ -92,8 +92,6 @@ Status ValidateGroups(const HyperParams* hypers, size_t group_count) {
   return Status::Ok();
 }
 
-
-
 Status ValidateTable(const TensorUpdate* tensors, const int32_t* groups, size_t count,
                      const DeviceTableOptions& options, TableShape* shape) {
   EMSA_RETURN_IF_ERROR(ValidateOptimizer(options.optimizer, "options.optimizer"));
@@ -122,7 +120,6 @@ Status ValidateTable(const TensorUpdate* tensors, const int32_t* groups, size_t 
   }
   return Status::Ok();
 }
-
 
 Status CheckGroupIndex(size_t group, size_t group_count) {
   if (group >= group_count) {

@@ -14,8 +14,8 @@
 namespace emsa {
 namespace device_checks {
 
-std::string Num(double v);           // "%g"
-std::string Name(size_t i);          // "tensors[i]"
+std::string Num(double v);   // "%g"
+std::string Name(size_t i);  // "tensors[i]"
 
 // A group does not know which optimizer's table will read it: the strictest rule (Adam's).
 Status ValidateGroupHyper(const HyperParams& h, std::string_view where);

@@ -346,14 +346,15 @@ __global__ void EMSA_UPDATE_LAUNCH_BOUNDS FusedUpdateKernel(const UpdateLaunch a
 //
 // Loads and stores by Hopper bulk copies instead of per-thread 16-byte accesses: with many
 // streams at once, bulk copies of 1024-element tiles in a 2-stage ring come closer to a device
-// copy's bandwidth than per-thread accesses do. Per block (persistent grid, the chunks round-robin as above): thread 0 fills stage
-// k % 2 with tile k of every input stream (one mbarrier per stage, its phase completing when
-// the bytes have landed) two tiles ahead; all threads wait for the stage, compute from shared
-// memory into one of two output tiles, and thread 0 bulk-stores those after a barrier (the
-// output tile is rewritten only once its store has read it: wait_group.read). Tiles cover each
-// vector-path chunk's whole 4-element vectors (a tensor's last chunk may end in a shorter tile);
-// the rest (tensors off 16-byte alignment, the last n % 4 elements) takes the scalar path after
-// the pipeline. The arithmetic is StepElement's, so results are the bits of the other path.
+// copy's bandwidth than per-thread accesses do. Per block (persistent grid, the chunks round-robin
+// as above): thread 0 fills stage k % 2 with tile k of every input stream (one mbarrier per stage,
+// its phase completing when the bytes have landed) two tiles ahead; all threads wait for the stage,
+// compute from shared memory into one of two output tiles, and thread 0 bulk-stores those after a
+// barrier (the output tile is rewritten only once its store has read it: wait_group.read). Tiles
+// cover each vector-path chunk's whole 4-element vectors (a tensor's last chunk may end in a
+// shorter tile); the rest (tensors off 16-byte alignment, the last n % 4 elements) takes the scalar
+// path after the pipeline. The arithmetic is StepElement's, so results are the bits of the other
+// path.
 
 constexpr int kBulkTile = 1024;  // elements per tile per stream: 4 KiB of fp32
 constexpr int kBulkStages = 2;
@@ -417,8 +418,8 @@ __device__ __forceinline__ bool NextTile(const UpdateLaunch& a, TileCursor& c) {
 // The update of one tile in shared memory: `vecs` float4 of each input stream (param, grad,
 // exp_avg, exp_avg_sq) from `in`, the results (param, exp_avg, exp_avg_sq) to `out`.
 template <OptimizerKind kOpt>
-__device__ __forceinline__ void UpdateSharedTile(const StepConsts& c, const float4* in,
-                                                 float4* out, int vecs, int tid) {
+__device__ __forceinline__ void UpdateSharedTile(const StepConsts& c, const float4* in, float4* out,
+                                                 int vecs, int tid) {
   using S = BulkShape<kOpt>;
   constexpr bool kLion = kOpt == OptimizerKind::kLion;
   const Keys keys{0u, 0u};  // fp32 stores do not round
@@ -430,8 +431,8 @@ __device__ __forceinline__ void UpdateSharedTile(const StepConsts& c, const floa
     float po[4], mo[4], vo[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const Stored o = StepElement<kOpt, ParamKind::kF32, false>(c, keys, false, 0u, ps[e], gs[e],
-                                                                 ms[e], vs[e]);
+      const Stored o =
+          StepElement<kOpt, ParamKind::kF32, false>(c, keys, false, 0u, ps[e], gs[e], ms[e], vs[e]);
       po[e] = o.master;
       mo[e] = BitsFloat(o.exp_avg);
       vo[e] = BitsFloat(o.exp_avg_sq);

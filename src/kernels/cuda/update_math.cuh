@@ -2,10 +2,11 @@
 //
 // The bf16 conversions, the stochastic-rounding hash and its keys are the CPU kernels' own
 // (kernels/rounding.h, included by both). The rest transcribes the CPU kernels' per-element
-// arithmetic (update_args.cc, update_math.h), which is host-only code (GCC vector types). On the device every float operation is an explicit
-// round-to-nearest intrinsic (__fmul_rn, __fadd_rn, ...): nvcc would otherwise contract a*b+c
-// into one FMA, and the CPU kernels round each operation on its own. The per-step constants
-// follow MakeUpdateArgs: double arithmetic (again without contraction), one rounding to float.
+// arithmetic (update_args.cc, update_math.h), which is host-only code (GCC vector types). On the
+// device every float operation is an explicit round-to-nearest intrinsic (__fmul_rn, __fadd_rn,
+// ...): nvcc would otherwise contract a*b+c into one FMA, and the CPU kernels round each operation
+// on its own. The per-step constants follow MakeUpdateArgs: double arithmetic (again without
+// contraction), one rounding to float.
 //
 // Everything here is also host code (plain IEEE operations; the emsa build targets baseline
 // x86-64, which has no FMA to contract into), so the unit test runs this very transcription on
@@ -59,10 +60,10 @@ EMSA_HD float Abs(float a) { return std::fabs(a); }
 
 // ---- bf16, fp16 and the stochastic-rounding stream (kernels/rounding.h) ------------------------
 
-using rounding::BitsFloat;
 using rounding::Bf16Nearest;
 using rounding::Bf16Stochastic;
 using rounding::Bf16ToFloat;
+using rounding::BitsFloat;
 using rounding::FloatBits;
 using rounding::HashIndex;
 using rounding::IsNanBits;
