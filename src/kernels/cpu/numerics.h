@@ -15,21 +15,7 @@ namespace emsa {
 namespace cpu {
 namespace {
 
-using rounding::Bf16Nearest;
-using rounding::Bf16Stochastic;
-using rounding::Bf16ToFloat;
-using rounding::BitsFloat;
-using rounding::FloatBits;
-using rounding::FloatToHalf;
-using rounding::HalfRounding;
-using rounding::HalfStochastic;
-using rounding::HalfToFloat;
-using rounding::HashIndex;
-using rounding::IsNanBits;
-using rounding::kParamStream;
-using rounding::kStateStream;
-using rounding::Mix64;
-using rounding::StreamKey;
+using namespace rounding;  // one definition for the CPU and CUDA paths
 
 }  // namespace
 }  // namespace cpu

@@ -60,17 +60,7 @@ EMSA_HD float Abs(float a) { return std::fabs(a); }
 
 // ---- bf16, fp16 and the stochastic-rounding stream (kernels/rounding.h) ------------------------
 
-using rounding::Bf16Nearest;
-using rounding::Bf16Stochastic;
-using rounding::Bf16ToFloat;
-using rounding::BitsFloat;
-using rounding::FloatBits;
-using rounding::HashIndex;
-using rounding::IsNanBits;
-using rounding::kParamStream;
-using rounding::kStateStream;
-using rounding::Mix64;
-using rounding::StreamKey;
+using namespace rounding;  // one definition for the CPU and CUDA paths
 
 // fp16 by the CUDA conversions, which are IEEE: exact from half, round-to-nearest-even and
 // toward-zero to half, as rounding.h's reference functions (they differ only in NaN payloads).
