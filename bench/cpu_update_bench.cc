@@ -6,12 +6,12 @@
 //   cmake -S . -B build -DEMSA_BUILD_BENCH=ON && cmake --build build --target cpu_update_bench
 //   (or: g++ -O3 -std=c++17 -Iinclude -Isrc bench/cpu_update_bench.cc build/libemsa_core.a
 //   -lpthread) cpu_update_bench [--params N] [--tensors T] [--threads K] [--simd
-//   scalar|avx2|avx512] [--iters I] [--memory plain|hostalloc|registered]
+//   scalar|avx2|avx512] [--iters I] [--memory plain|hostalloc]
 //   [--guided MIN_ELEMENTS] [--range ELEMENTS] [--states all|fp32]
 //
-// --memory: where the arrays live, each a HostArena: plain huge-page memory (default),
-// cudaHostAlloc's pinned memory (4 KiB pages, as the host tier's arena), or huge pages
-// registered with CUDA (the arena's A/B). The last two need a CUDA build and device.
+// --memory: where the arrays live, each a HostArena: plain huge-page memory (default), or
+// cudaHostAlloc's pinned memory (4 KiB pages, as the host tier's arena; needs a CUDA build and
+// device).
 // --range: the step as consecutive CpuUpdater::StepRange calls of about ELEMENTS each (cut where
 // StepRange accepts a cut), as the host tier updates one gradient bucket at a time; 0 (default):
 // one Step over everything. Shows what the per-call fork, join and tail cost.
@@ -24,10 +24,10 @@
 #include <string>
 #include <vector>
 
+#include "common/thread_pool.h"
 #include "emsa/cpu_update.h"
 #include "emsa/host_arena.h"
 #include "emsa/profile.h"
-#include "engine/thread_pool.h"
 
 namespace {
 
@@ -64,8 +64,7 @@ Args Parse(int argc, char** argv) {
       a.range = std::atoll(v);
     else if (k == "--states" && (std::string(v) == "all" || std::string(v) == "fp32"))
       a.bf16_states = std::string(v) == "all";
-    else if (k == "--memory" && (std::string(v) == "plain" || std::string(v) == "registered" ||
-                                 std::string(v) == "hostalloc"))
+    else if (k == "--memory" && (std::string(v) == "plain" || std::string(v) == "hostalloc"))
       a.memory = v;
     else
       std::fprintf(stderr, "unknown flag %s\n", k.c_str()), std::exit(2);
@@ -77,10 +76,7 @@ Args Parse(int argc, char** argv) {
 void* Alloc(size_t bytes, emsa::ThreadPool& pool, const std::string& memory,
             std::vector<std::unique_ptr<emsa::HostArena>>& keep) {
   const bool pinned = memory != "plain";
-  auto arena = emsa::HostArena::Create(bytes, pinned, &pool,
-                                       memory == "hostalloc"
-                                           ? emsa::HostArena::Pinning::kHostAlloc
-                                           : emsa::HostArena::Pinning::kRegisteredHugePages);
+  auto arena = emsa::HostArena::Create(bytes, pinned, &pool);
   if (!arena.ok()) std::fprintf(stderr, "%s\n", arena.status().ToString().c_str()), std::exit(1);
   if (pinned && (*arena)->kind() != emsa::HostArena::Kind::kPinned) {
     std::fprintf(stderr, "--memory %s: no usable CUDA device to pin with\n", memory.c_str());

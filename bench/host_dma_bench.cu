@@ -29,9 +29,9 @@
 #include <vector>
 
 #include "bench_util.h"
+#include "common/thread_pool.h"
 #include "emsa/cpu_update.h"
 #include "emsa/host_arena.h"
-#include "engine/thread_pool.h"
 
 namespace {
 
@@ -134,7 +134,7 @@ int main(int argc, char** argv) {
   emsa::ThreadPool& pool = (*updater)->pool();
   std::vector<std::unique_ptr<emsa::HostArena>> arenas;
   auto pinned = [&](size_t bytes) {
-    auto a = emsa::HostArena::Create(bytes, true, &pool, emsa::HostArena::Pinning::kHostAlloc);
+    auto a = emsa::HostArena::Create(bytes, true, &pool);
     if (!a.ok() || (*a)->kind() != emsa::HostArena::Kind::kPinned) {
       std::fprintf(stderr, "cannot pin %zu bytes\n", bytes);
       std::exit(1);

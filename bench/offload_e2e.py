@@ -18,11 +18,8 @@ events (host work such as a CPU optimizer step is inside: the end event is enque
   (f), (g) (e) and (d) with the host tier's tuning knobs set from --ab-knobs (environment
       variables, e.g. EMSA_HOST_THREADS=16 or EMSA_HOST_PACE=0): A/B runs, only
       when asked for in --configs
-  (h), (i), (j) (c) with step_in_backward=True: each bucket's update on the device engine's
-      side stream as its gradients become final, overlapped with the rest of backward, one block
-      per chunk (h: EMSA_DEVICE_SIDE_STREAM=1, EMSA_DEVICE_BUCKET_GRID=chunks) or on a
-      persistent grid (j: EMSA_DEVICE_SIDE_STREAM=1), or on the current stream between
-      backward's kernels (i: the default); only when asked for in --configs
+  (i) (c) with step_in_backward=True: each bucket's update on the current stream between
+      backward's kernels as its gradients become final; only when asked for in --configs
   (d) and (e) update in backward (step_in_backward=True, as emsa advises for the host tier: the
   copies hide under backward, each gradient is freed once copied); --no-step-in-backward: step().
 
@@ -416,8 +413,7 @@ def _run_emsa(args, shape, batches, device, profile, mode: str) -> dict:
         record = emsa.probe(model, input_ids=ids, labels=ids, profile=profile, trace=False)
     # The host-tier configurations update in backward, as emsa advises for them: the copies
     # hide under backward and each gradient is freed once copied.
-    # (h)/(i): all state on the device, updated in backward (the device engine's side stream,
-    # or with EMSA_DEVICE_SIDE_STREAM=0 the current stream).
+    # (i): all state on the device, updated in backward on the current stream.
     in_backward = mode == "device-in-backward" or (args.step_in_backward and mode != "device")
     out: dict = dict(params=numel(model), step_in_backward=in_backward)
     tier, budget = {"device": (None, None), "host": ("host", None)}.get(mode, (None, None))
@@ -601,8 +597,7 @@ def numerics_check(args, device) -> dict:
 CONFIGS = [("a", "torch AdamW fused"), ("b", "FSDP2 CPUOffloadPolicy"), ("c", "emsa no budget"),
            ("d", "emsa half budget"), ("e", "emsa tier=host"),
            ("f", "(e) with --ab-knobs"), ("g", "(d) with --ab-knobs"),
-           ("h", "(c) in bwd, side stream"), ("i", "(c) in bwd, current stream"),
-           ("j", "(h), persistent grid")]
+           ("i", "(c) in bwd, current stream")]
 
 
 def run_shape(args, shape, batch, seq, device, profile) -> dict:
@@ -615,14 +610,7 @@ def run_shape(args, shape, batch, seq, device, profile) -> dict:
         "e": lambda: run_emsa(args, shape, batches, device, profile, "host"),
         "f": lambda: run_emsa(args, shape, batches, device, profile, "host", args.ab_knobs),
         "g": lambda: run_emsa(args, shape, batches, device, profile, "half", args.ab_knobs),
-        "h": lambda: run_emsa(args, shape, batches, device, profile, "device-in-backward",
-                              {"EMSA_DEVICE_SIDE_STREAM": "1",
-                               "EMSA_DEVICE_BUCKET_GRID": "chunks"}),
-        "i": lambda: run_emsa(args, shape, batches, device, profile, "device-in-backward",
-                              {"EMSA_DEVICE_SIDE_STREAM": "0"}),
-        "j": lambda: run_emsa(args, shape, batches, device, profile, "device-in-backward",
-                              {"EMSA_DEVICE_SIDE_STREAM": "1",
-                               "EMSA_DEVICE_BUCKET_GRID": "persistent"}),
+        "i": lambda: run_emsa(args, shape, batches, device, profile, "device-in-backward"),
     }
     results = {}
     for key, label in CONFIGS:
@@ -751,12 +739,9 @@ def ratios(results: dict, profile: dict) -> dict:
         if pred.get("peak_device_bytes") and r["peak_device_bytes"]:
             predicted[f"{k}_predicted_over_measured_peak"] = (pred["peak_device_bytes"]
                                                               / r["peak_device_bytes"])
-    for k in ("c", "h", "i", "j"):
+    for k in ("c", "i"):
         if k in ok:
             main[f"{k}_over_a"] = ok[k]["step_s"] / ok["a"]["step_s"]
-    for k in ("h", "j"):
-        if k in ok and "i" in ok:
-            main[f"{k}_over_i"] = ok[k]["step_s"] / ok["i"]["step_s"]
     for k in ("d", "e", "f", "g"):
         if k in bounds:
             main[f"{k}_over_bound"] = ok[k]["step_s"] / bounds[k]["bound_s"]
@@ -882,7 +867,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--check-steps", type=int, default=20, help="numerics check (0: skip)")
-    ap.add_argument("--configs", default="abcde", help="which of (a)..(j) to run")
+    ap.add_argument("--configs", default="abcde", help="which of (a)..(i) to run")
     ap.add_argument("--ab-knobs", type=parse_knobs, default={},
                     help="(f), (g): NAME=VALUE,... environment for the host tier")
     ap.add_argument("--no-autocast", dest="autocast", action="store_false")

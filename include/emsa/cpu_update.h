@@ -42,11 +42,6 @@ struct CpuUpdaterOptions {
   int threads = 0;  // 0 = every core this process may run on; at most 4096
   // Highest ISA to use; the detected level is used if lower. Tests force each level.
   SimdLevel max_simd = SimdLevel::kAvx512;
-  // AVX-512 only: write fp32 moments with non-temporal stores (same bits). They are not read
-  // again in the step, so they need not evict what the host tier wants kept in the last-level
-  // cache: gradients its DMA has just written and deltas it is about to read. The environment
-  // variable EMSA_CPU_STREAM_STATES=0/1, when set, overrides this (for A/B runs).
-  bool stream_states = false;
 };
 
 class CpuUpdater {
@@ -57,32 +52,20 @@ class CpuUpdater {
   CpuUpdater& operator=(const CpuUpdater&) = delete;
 
   SimdLevel simd() const { return simd_; }
-  // Whether fp32 moments are written with non-temporal stores (CpuUpdaterOptions::stream_states
-  // on an AVX-512 CPU, or EMSA_CPU_STREAM_STATES).
-  bool stream_states() const { return stream_states_; }
   int threads() const;
 
   // How Step and StepRange deal a batch to the pool. N >= 64 (default kGuidedMinElements):
   // guided self-scheduling; threads claim contiguous runs of the remaining elements, each
   // remaining/(2 x threads) long but at least N, until none are left, so a thread the OS or
   // another process slows down holds up the others by at most a short run. 0: each thread takes
-  // one contiguous, equal share. On the H200 host (15 threads, 268 M fp32 params, shared
-  // machine) equal shares ran at 108-121 GB/s, guided at 141-145 (bench/README.md). The last
-  // runs of a call set its tail, paid once per call, so per gradient bucket in the host tier:
-  // in calls of 4 Mi elements, runs of at least 64 Ki ran 5-22% slower than one call over
-  // everything, 16 Ki 0-5%, and a single call was no slower (bench/README.md). The results are the
-  // same bits either way (each element depends only on its own index). Not to be changed while a
-  // step runs. kInvalidArgument for 1..63 or negative values.
+  // one contiguous, equal share. Guided is the default because on a shared machine equal shares
+  // wait for the slowest thread. The last runs of a call set its tail, paid once per call (per
+  // gradient bucket in the host tier), so the minimum run stays short enough that a bucket's
+  // tail is small. The results are the same bits either way (each element depends only on its
+  // own index). Not to be changed while a step runs. kInvalidArgument for 1..63 or negative
+  // values.
   static constexpr int64_t kGuidedMinElements = 16384;
   Status SetGuidedScheduling(int64_t min_elements);
-
-  // Linux: the pool's worker threads (all but the calling thread, worker 0) run at this nice
-  // value, 0..19, so that when cores are short the scheduler runs the process's other threads
-  // first. The host tier's pool shares the machine with the threads that launch the GPU's
-  // forward and backward; starved, they stretch the step (bench/README.md). Not to be changed
-  // while a step runs. kInvalidArgument outside 0..19; kUnsupported where the OS refuses
-  // (lowering a nice value already raised needs CAP_SYS_NICE) or off Linux.
-  Status SetWorkerNice(int nice);
 
   // Validates every tensor first (non-null pointers, numel >= 0, supported dtypes, step >= 1,
   // finite hyperparameters, lr >= 0, weight_decay >= 0, 0 <= betas < 1, eps > 0 for Adam); an
@@ -130,7 +113,6 @@ class CpuUpdater {
   std::unique_ptr<Partial[]> partials_;  // pool size entries, sized at Create
   const cpu::KernelTable* kernels_ = nullptr;
   SimdLevel simd_ = SimdLevel::kScalar;
-  bool stream_states_ = false;
   int64_t guided_min_ = kGuidedMinElements;
 };
 

@@ -171,14 +171,9 @@ struct DeviceTableOptions {
   Rounding rounding = Rounding::kStochastic;
   // fp32 params, grads and states on sm_90 and later: tiles moved by Hopper bulk copies
   // (cp.async.bulk through shared memory) instead of per-thread 16-byte loads and stores. Same
-  // bits; faster on the H200 (bench/README.md). Elsewhere, and for other dtypes, the per-thread
+  // bits, and faster where available. Elsewhere, and for other dtypes, the per-thread
   // kernel runs whatever this says (bulk_copy_launches() tells which).
   bool bulk_copy = true;
-  // true: a persistent grid (as many blocks as fit on the device at once, each walking many
-  // chunks): the fastest when the update runs alone. false: one block per chunk, so that the
-  // block scheduler can interleave the update with kernels running on other streams at the
-  // same time (the device engine's side stream beside backward).
-  bool persistent_grid = true;
 };
 
 // Tier L0: an L2 access-policy window for a table's update launches (the cudaLaunchKernelEx

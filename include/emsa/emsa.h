@@ -170,10 +170,9 @@ EMSA_API emsa_status emsa_device_preset(const char* name, char** json_out);
 /* ---- pinned host arena --------------------------------------------------------------------- */
 typedef struct emsa_host_arena emsa_host_arena;
 
-/* One zero-filled allocation; pinned when want_pinned and a device is usable: 1 through
- * cudaHostAlloc, 2 as 2 MiB-aligned memory on transparent huge pages registered with
- * cudaHostRegister (an A/B; no gain measured). Otherwise plain memory aligned to 2 MiB. 0 never
- * touches CUDA. *pinned_out tells whether it is pinned. */
+/* One zero-filled allocation; pinned (cudaHostAlloc) when want_pinned is 1 and a device is
+ * usable, otherwise plain memory aligned to 2 MiB. 0 never touches CUDA. emsa_host_arena_info's
+ * pinned_out tells whether it is pinned. */
 EMSA_API emsa_status emsa_host_arena_create(uint64_t bytes, int32_t want_pinned,
                                             emsa_host_arena** arena_out);
 EMSA_API void emsa_host_arena_destroy(emsa_host_arena* arena);
@@ -233,11 +232,6 @@ EMSA_API void emsa_step_report_init(emsa_step_report* report);
 EMSA_API emsa_status emsa_cpu_updater_create(int32_t threads, int32_t max_simd,
                                              emsa_cpu_updater** updater_out);
 EMSA_API void emsa_cpu_updater_destroy(emsa_cpu_updater* updater);
-/* Linux: the pool's worker threads (all but the thread that calls emsa_cpu_step) run at nice
- * value `nice` (0..19), so that the process's other threads, such as the framework's that launch
- * GPU work, go first when cores are short (CpuUpdater::SetWorkerNice). EMSA_UNSUPPORTED where
- * the OS refuses (lowering a raised nice value needs CAP_SYS_NICE) or off Linux. */
-EMSA_API emsa_status emsa_cpu_updater_set_worker_nice(emsa_cpu_updater* updater, int32_t nice);
 EMSA_API emsa_status emsa_cpu_updater_info(const emsa_cpu_updater* updater, int32_t* threads_out,
                                            int32_t* simd_out);
 /* One optimizer step over `count` tensors on the updater's worker pool; returns when done.
@@ -265,8 +259,6 @@ typedef struct emsa_device_table_options {
   int32_t optimizer;    /* EMSA_OPTIMIZER_*; default ADAMW */
   int32_t rounding;     /* EMSA_ROUNDING_*; default STOCHASTIC */
   int32_t bulk_copy;    /* 1 (default): fp32 tables on sm_90+ move tiles by bulk copies; 0: not */
-  int32_t persistent_grid; /* 1 (default): a persistent grid; 0: one block per chunk, which
-                              interleaves with kernels on other streams */
 } emsa_device_table_options;
 
 /* What the last step saw; read back for reports and tests (synchronizes the stream). */
@@ -354,28 +346,6 @@ EMSA_API emsa_status emsa_device_scalars_copy_header(const emsa_device_scalars* 
  * checked to be device memory: pass what emsa_device_table_create would accept. */
 EMSA_API emsa_status emsa_device_table_set_grads(emsa_device_table* table, const void* const* grads,
                                                  size_t count, void* stream);
-
-/* ---- device engine: step in backward on a side stream (emsa/device_engine.h) -------------- *
- * tables[b] is bucket b. emsa_device_engine_submit: bucket b's gradients (and its table's
- * gradient pointers) are final on `stream`; the side stream waits for that point, runs b's
- * update and records its end, while `stream` goes on. emsa_device_engine_wait / _wait_all:
- * `stream` waits for bucket b's update / for every submitted one (before the next forward
- * reads the parameters or anything writes the gradients). The caller keeps each gradient alive
- * until the side stream has passed its update. The tables, scalars and side stream (not the
- * default stream) must outlive the engine; destroying it waits for the side stream. */
-typedef struct emsa_device_engine emsa_device_engine;
-
-EMSA_API emsa_status emsa_device_engine_create(emsa_device_table* const* tables, size_t count,
-                                               const emsa_device_scalars* scalars, void* side,
-                                               emsa_device_engine** engine_out);
-EMSA_API void emsa_device_engine_destroy(emsa_device_engine* engine);
-EMSA_API emsa_status emsa_device_engine_submit(emsa_device_engine* engine, size_t bucket,
-                                               void* stream);
-EMSA_API emsa_status emsa_device_engine_wait(emsa_device_engine* engine, size_t bucket,
-                                             void* stream);
-EMSA_API emsa_status emsa_device_engine_wait_all(emsa_device_engine* engine, void* stream);
-/* The host waits until every submitted update has finished. */
-EMSA_API emsa_status emsa_device_engine_synchronize(emsa_device_engine* engine);
 
 /* ---- device arena and DLPack views ---------------------------------------------------------- */
 /* One zero-filled device allocation on CUDA device `device`, aligned to 2 MiB (emsa/

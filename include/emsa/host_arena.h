@@ -1,13 +1,10 @@
 // emsa/host_arena.h — the pinned host arena: one allocation per plan, state tensors are views.
 //
-// When a CUDA device is usable the memory is page-locked: by default allocated by cudaHostAlloc
-// (portable, never write-combined: the CPU reads state back every step, and write-combined
-// memory is slow to read), which hands out 4 KiB pages; or, as an A/B, plain 2 MiB-aligned
-// memory advised to transparent huge pages, zero-filled, then registered with cudaHostRegister.
-// Huge pages were meant to spare the CPU update, which streams seven arrays at once, a TLB miss
-// every 4 KiB of each; on the H200 host they measured no gain (bench/README.md), hence not the
-// default. Without a device it is the plain huge-page memory, unregistered. Either way it is
-// zero-filled once, in parallel when given a pool, and freed exactly once by the destructor.
+// When pinned memory is asked for and a CUDA device is usable, the memory is page-locked by
+// cudaHostAlloc (portable, never write-combined: the CPU reads state back every step, and
+// write-combined memory is slow to read). Otherwise it is plain 2 MiB-aligned memory advised to
+// transparent huge pages (fewer TLB misses while the CPU streams through state). Either way it
+// is zero-filled once, in parallel when given a pool, and freed exactly once by the destructor.
 // Nothing grows later.
 #pragma once
 
@@ -24,14 +21,11 @@ class ThreadPool;
 class HostArena {
  public:
   enum class Kind { kPinned, kPageable };
-  // How pinned memory is obtained (see above).
-  enum class Pinning { kRegisteredHugePages, kHostAlloc };
   // bytes must be in [1, 1 PiB] (else kInvalidArgument); a failed allocation is kOutOfMemory.
   // want_pinned=false never touches CUDA; want_pinned=true without a usable device (or in a
   // build without CUDA) falls back to pageable memory: kind() says which one was obtained.
   static Result<std::unique_ptr<HostArena>> Create(uint64_t bytes, bool want_pinned = true,
-                                                   ThreadPool* zero_fill_pool = nullptr,
-                                                   Pinning pinning = Pinning::kHostAlloc);
+                                                   ThreadPool* zero_fill_pool = nullptr);
   ~HostArena();
   HostArena(const HostArena&) = delete;
   HostArena& operator=(const HostArena&) = delete;
@@ -39,8 +33,6 @@ class HostArena {
   void* data() const { return data_; }
   uint64_t size() const { return size_; }
   Kind kind() const { return kind_; }
-  // Meaningful when kind() is kPinned.
-  Pinning pinning() const { return pinning_; }
   // A typed view at a byte offset; null (never out of range) when the view does not fit or is
   // misaligned for T.
   template <typename T>
@@ -56,7 +48,6 @@ class HostArena {
   void* data_ = nullptr;
   uint64_t size_ = 0;
   Kind kind_ = Kind::kPageable;
-  Pinning pinning_ = Pinning::kHostAlloc;
 };
 
 }  // namespace emsa

@@ -10,7 +10,9 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 
+#include "emsa/status.h"
 #include "emsa/types.h"
 
 namespace emsa {
@@ -62,6 +64,22 @@ struct StepOptions {
   Rounding rounding = Rounding::kStochastic;
   uint64_t seed = 0;  // stochastic rounding stream
 };
+
+// The rules every path (CPU, CUDA, planner, C ABI) applies, defined once (src/common/update.cc)
+// so that input valid on one tier is valid on every other.
+//
+// `optimizer` is one of the OptimizerKind values; else kInvalidArgument naming `where` (the
+// field, e.g. "options.optimizer") and the values to use.
+Status ValidateOptimizer(OptimizerKind optimizer, std::string_view where);
+// Every value finite; lr >= 0; weight_decay >= 0; 0 <= beta1, beta2 < 1; eps > 0 where the
+// optimizer reads it (Adam and AdamW; Lion has no eps). torch.optim accepts eps == 0, emsa does
+// not: eps == 0 divides by zero wherever a moment is zero. kInvalidArgument otherwise, the
+// message naming the field as `where` followed by its name (where = "hypers[1]." gives
+// "hypers[1].eps is 0; ..."). A caller that does not know the optimizer (DeviceScalars, whose
+// groups any table may use) passes kAdamW, the strictest rule; a Lion group keeps the default
+// eps there.
+Status ValidateHyperParams(const HyperParams& hyper, OptimizerKind optimizer,
+                           std::string_view where);
 
 struct StepReport {
   bool skipped = false;         // true: a non-finite gradient was found, nothing was written

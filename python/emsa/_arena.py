@@ -27,12 +27,11 @@ class _Owner:
 
 
 class HostArena:
-    def __init__(self, nbytes: int, pinned: bool, huge_pages: bool = False):
-        """pinned: page-locked (cudaHostAlloc; with huge_pages, transparent huge pages registered
-        with CUDA instead, an A/B) when a CUDA device is usable; `self.pinned` says."""
+    def __init__(self, nbytes: int, pinned: bool):
+        """pinned: page-locked (cudaHostAlloc) when a CUDA device is usable; `self.pinned`
+        says."""
         handle = ctypes.c_void_p()
-        mode = (2 if huge_pages else 1) if pinned else 0
-        check(lib.emsa_host_arena_create(nbytes, mode, ctypes.byref(handle)))
+        check(lib.emsa_host_arena_create(nbytes, int(pinned), ctypes.byref(handle)))
         owner = _Owner(handle)
         data, size, got_pinned = ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_int32()
         check(lib.emsa_host_arena_info(handle, ctypes.byref(data), ctypes.byref(size),

@@ -120,7 +120,6 @@ class DeviceTableOptions(ctypes.Structure):
         ("optimizer", ctypes.c_int32),
         ("rounding", ctypes.c_int32),
         ("bulk_copy", ctypes.c_int32),
-        ("persistent_grid", ctypes.c_int32),
     ]
 
 
@@ -320,13 +319,6 @@ _TABLE = {
         _S, [_P, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int64), ctypes.c_int32, ctypes.c_int32,
              ctypes.POINTER(_P)]),
     "emsa_dlpack_delete": (None, [_P]),
-    "emsa_device_engine_create": (_S, [ctypes.POINTER(_P), ctypes.c_size_t, _P, _P,
-                                       ctypes.POINTER(_P)]),
-    "emsa_device_engine_destroy": (None, [_P]),
-    "emsa_device_engine_submit": (_S, [_P, ctypes.c_size_t, _P]),
-    "emsa_device_engine_wait": (_S, [_P, ctypes.c_size_t, _P]),
-    "emsa_device_engine_wait_all": (_S, [_P, _P]),
-    "emsa_device_engine_synchronize": (_S, [_P]),
     "emsa_host_tier_threads": (ctypes.c_int32, [ctypes.c_int32]),
     "emsa_host_tier_tensor_init": (None, [ctypes.POINTER(HostTierTensor)]),
     "emsa_host_tier_options_init": (None, [ctypes.POINTER(HostTierOptions)]),

@@ -6,13 +6,9 @@ Bound once, before the first step, all synchronously:
     parameters, initialised from the parameter) are CUDA tensors aliasing it through DLPack, at
     the plan's offsets;
   - one DeviceScalars: every param group's hyperparameters and step count, in device memory;
-  - one DeviceUpdateTable per plan bucket (step_in_backward updates bucket by bucket), and one
-    over every device-tier bucket, recording each parameter's address;
-  - with step_in_backward and EMSA_DEVICE_SIDE_STREAM=1, a DeviceEngine over the per-bucket
-    tables and a side stream: each bucket's update runs there as soon as its gradients are
-    final, overlapped with the rest of backward; the current stream waits for all of them once
-    the pass's last bucket is in. Off by default (no reliable gain measured): the updates then
-    run on the current stream as each bucket completes.
+  - one DeviceUpdateTable per plan bucket (step_in_backward updates bucket by bucket, on the
+    current stream as each bucket's gradients become final), and one over every device-tier
+    bucket, recording each parameter's address.
 
 A step enqueues on torch.cuda.current_stream() and never waits for the GPU: the hyperparameters
 of groups whose values changed (a scheduler's lr), the gradient addresses if any changed (torch
@@ -64,12 +60,11 @@ import collections
 import contextlib
 import ctypes
 import json
-import os
 import warnings
 
 import torch
 
-from . import _capi
+from . import _capi, _tuning
 from ._backend import DTYPE_NAMES, Backend, StepResult, kernel_grad
 from ._binding import Slot
 from ._capi import (DeviceStepHeader, DeviceTableOptions, EmsaError, HostTierTensor, Hyperparams,
@@ -83,15 +78,6 @@ _RING = 8  # checked steps whose headers may be in flight before step() waits fo
 _HEADER = ctypes.sizeof(DeviceStepHeader)
 _FOUND_INF = DeviceStepHeader.found_inf.offset // 4  # as an int32 index
 _NONFINITE = DeviceStepHeader.nonfinite_count.offset // 8  # as an int64 index
-
-
-def _env_choice(name: str, default: str, allowed: tuple, meaning: str) -> str:
-    """A tuning knob from the environment, checked: one of `allowed`."""
-    value = os.environ.get(name, default)
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r}: use one of {', '.join(allowed)} ({meaning}; "
-                         f"default {default})")
-    return value
 
 
 def _index(device: torch.device) -> int:
@@ -146,8 +132,6 @@ class CudaBackend(Backend):
         self.arena: DeviceArena | None = None
         self.host_arena: HostArena | None = None
         self.host: HostTier | None = None
-        self.engine = ctypes.c_void_p()  # step_in_backward's side-stream engine (bucket_slots)
-        self.side: torch.cuda.Stream | None = None
         self.step_times = _StepClock()
         self.warned_unwaited = False
         try:
@@ -155,11 +139,7 @@ class CudaBackend(Backend):
                 if plan.device_arena_bytes:
                     self.arena = DeviceArena(plan.device_arena_bytes, self.index)
                 if plan.host_arena_bytes:
-                    pinning = _env_choice("EMSA_HOST_ARENA_PINNING", "hostalloc",
-                                          ("hostalloc", "register"),
-                                          "cudaHostAlloc, or huge pages registered with CUDA")
-                    self.host_arena = HostArena(plan.host_arena_bytes, pinned=True,
-                                                huge_pages=pinning == "register")
+                    self.host_arena = HostArena(plan.host_arena_bytes, pinned=True)
                     if not self.host_arena.pinned:
                         raise RuntimeError(
                             "emsa could not pin the host arena, and "
@@ -247,9 +227,7 @@ class CudaBackend(Backend):
         options = DeviceTableOptions()
         lib.emsa_device_table_options_init(ctypes.byref(options))
         options.optimizer = _capi.OPTIMIZER[self.kind]
-        options.bulk_copy = int(_env_choice(
-            "EMSA_CUDA_BULK_COPY", "1", ("0", "1"),
-            "1: fp32 updates move tiles by bulk copies on sm_90+; 0: per-thread loads") == "1")
+        options.bulk_copy = int(_tuning.cuda_bulk_copy())
         self.table_slots: list[list[int]] = []  # device-tier buckets
         self.host_slots: list[list[int]] = []  # host-tier buckets
         self.host_on_gpu: list[bool] = []  # per host-tier bucket: the GPU updates it
@@ -273,25 +251,12 @@ class CudaBackend(Backend):
             names = [self.names[i] for i in missing]
             raise RuntimeError("emsa internal error: the plan's buckets do not hold every "
                                f"parameter exactly once (missing: {names}); please report it")
-        # The per-bucket tables serve step_in_backward, by default on the current stream between
-        # backward's kernels. EMSA_DEVICE_SIDE_STREAM=1 runs them on the device engine's side
-        # stream instead, overlapped with backward; measured on the H200 (bench/README.md) it
-        # showed no reliable gain (0.91x to 1.26x the current stream's step at 4x512 across
-        # runs, 1.00x at 16x1024), hence off. EMSA_DEVICE_BUCKET_GRID=chunks launches them one
-        # block per chunk, which interleaves with other streams' kernels (slower: 1.25x).
-        self.side_stream = _env_choice("EMSA_DEVICE_SIDE_STREAM", "0", ("0", "1"),
-                                       "1: updates in backward on a side stream; 0: on the "
-                                       "current stream") == "1"
-        grid = _env_choice("EMSA_DEVICE_BUCKET_GRID", "persistent", ("chunks", "persistent"),
-                           "the per-bucket tables' launch grid")
-        options.persistent_grid = int(grid == "persistent")
+        # The per-bucket tables serve step_in_backward, on the current stream between
+        # backward's kernels.
         for members in self.table_slots:
             self.tables.append(self._make_table(members, options, state_code))
-        options.persistent_grid = 1
         # step() updates every device-tier bucket at once: one table over all of them, one
-        # launch (and one gradient-pointer update) instead of one per bucket; the per-bucket
-        # tables serve step_in_backward. Measured on the H200 (1.1 B params, 113 buckets):
-        # 8.0 ms in one launch against 9.6 ms bucketed.
+        # launch (and one gradient-pointer update) instead of one per bucket, which is faster.
         self.step_members = [i for m in self.table_slots for i in m]
         members_of = list(self.table_slots)  # each table's slots
         if len(self.table_slots) > 1:
@@ -469,13 +434,10 @@ class CudaBackend(Backend):
                 self._record(stream)
         return StepResult()
 
-    def _follow(self, stream: torch.cuda.Stream, join: bool = True) -> None:
-        """Orders `stream` after the last step's stream, and (join) after every update the
-        side-stream engine was given: all of them write the same state."""
+    def _follow(self, stream: torch.cuda.Stream) -> None:
+        """Orders `stream` after the last step's stream: both write the same state."""
         if stream.cuda_stream != self.last_stream.cuda_stream:
             stream.wait_stream(self.last_stream)
-        if join and self.engine:
-            check(lib.emsa_device_engine_wait_all(self.engine, stream.cuda_stream))
 
     # ---- skipped steps, learned late ------------------------------------------------------
     def _record(self, stream: torch.cuda.Stream) -> None:
@@ -579,8 +541,6 @@ class CudaBackend(Backend):
         try:  # nothing enqueued may still use the tables when they are freed
             if self.host is not None:
                 self.host.synchronize()
-            if self.engine:
-                check(lib.emsa_device_engine_synchronize(self.engine))
             self.last_stream.synchronize()
         except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already
             pass
@@ -592,8 +552,6 @@ class CudaBackend(Backend):
         with _on(self.index):
             if self.host is not None:
                 self.host.synchronize()
-            if self.engine:
-                self._follow(torch.cuda.current_stream(self.device))
 
     def step_stats(self) -> list[dict]:
         """Per step since the last call, measured: time_s (from this step's start to the
@@ -619,9 +577,6 @@ class CudaBackend(Backend):
         if self.host is not None:
             self.host.close()
             self.host = None
-        engine, self.engine = self.engine, ctypes.c_void_p()
-        if engine:
-            lib.emsa_device_engine_destroy(engine)  # waits for its stream; before the tables
         for table in self.tables:
             lib.emsa_device_table_destroy(table)
         self.tables = []
@@ -648,22 +603,7 @@ class CudaBackend(Backend):
                 f"{frozen[0]} does not require a gradient; emsa's CUDA tables update every "
                 "parameter they hold, so with step_in_backward=True give the optimizer only "
                 "trainable parameters ([p for p in model.parameters() if p.requires_grad])")
-        self._make_engine()
         return [(self.host_slots if host else self.table_slots)[k] for host, k in self.order]
-
-    def _make_engine(self) -> None:
-        """The side stream and its engine over the per-bucket device tables, made once (at
-        hook installation: bind time)."""
-        if self.engine or not self.table_slots or not self.side_stream:
-            return
-        with _on(self.index):
-            self.side = torch.cuda.Stream(self.device)
-            n = len(self.table_slots)
-            tables = (ctypes.c_void_p * n)(*[t.value for t in self.tables[:n]])
-            engine = ctypes.c_void_p()
-            check(lib.emsa_device_engine_create(tables, n, self.scalars, self.side.cuda_stream,
-                                                ctypes.byref(engine)))
-            self.engine = engine
 
     def begin_pass(self, param_groups: list[dict]) -> None:
         self._check_groups(param_groups)
@@ -692,25 +632,13 @@ class CudaBackend(Backend):
         grads = self._bucket_grads(members)
         with _on(self.index):
             stream = torch.cuda.current_stream(self.device)
-            self._follow(stream, join=False)  # the pass's earlier buckets may still run
+            self._follow(stream)
             handle = stream.cuda_stream
             self._point_table(t, [g.data_ptr() for g in grads], handle)
             self._refresh_stale_masters(members)
-            if self.engine:
-                for g in grads:  # read on the side stream: not reused before it is done
-                    g.record_stream(self.side)
-                check(lib.emsa_device_engine_submit(self.engine, t, handle))
-            else:
-                check(lib.emsa_device_table_update(self.tables[t], self.scalars, handle))
+            check(lib.emsa_device_table_update(self.tables[t], self.scalars, handle))
             self.last_stream = stream
         del grads  # copies made for the kernels are freed in stream order, after the update
-
-    def end_pass(self) -> None:
-        if self.engine:
-            with _on(self.index):
-                stream = torch.cuda.current_stream(self.device)
-                self._follow(stream)  # joins the side stream's updates
-                self.last_stream = stream
 
     def _bucket_grads(self, members: list[int]) -> list[torch.Tensor]:
         """Step in backward: the bucket's gradients as the kernels read them (all final: the
@@ -760,7 +688,7 @@ class CudaBackend(Backend):
         self._refresh_stale_masters(members)  # the tier is idle: begin_step waited for it
         with _on(self.index):
             stream = torch.cuda.current_stream(self.device)
-            self._follow(stream, join=False)
+            self._follow(stream)
             self.host.submit(t, grads, stream)
             self.last_stream = stream
 

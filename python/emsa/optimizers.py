@@ -31,10 +31,9 @@ options of emsa's own:
                    nothing (it only calls the closure, if given, and returns its loss) and
                    zero_grad() is harmless. The unit of update is a bucket: one parameter on
                    the CPU; on CUDA one of the plan's buckets (one fused launch on the current
-                   stream once all its gradients are final, or with EMSA_DEVICE_SIDE_STREAM=1
-                   on a side stream overlapped with the rest of backward; the step counts
-                   advance once per pass, at its first gradient, which is also when lr and the
-                   other hyperparameters are read). Without probe= the optimizer plans at
+                   stream once all its gradients are final; the step counts advance once per
+                   pass, at its first gradient, which is also when lr and the other
+                   hyperparameters are read). Without probe= the optimizer plans at
                    construction, from the parameters' shapes. What it rules out, because
                    updates happen before all gradients exist:
                    - gradient accumulation over micro-batches, unless accumulate=N is given:
@@ -83,7 +82,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from . import _binding
+from . import _binding, _tuning
 from ._backend import Backend, check_param, select
 from .plan import STATE_DTYPES, Plan, make_plan, parse_bytes, profile_json, require_library
 from .probe_record import ProbeRecord
@@ -236,7 +235,7 @@ class _EmsaOptimizer(Optimizer):
                          budget=self._budget,
                          allow_host_tier=backend_cls.host_tier and self._tier != "device",
                          force_all_host=self._tier == "host", release_grads=self._in_backward,
-                         device_update_share=_device_update_share())
+                         device_update_share=_tuning.host_device_share())
         if backend_cls.name == "cuda" and any(pp["tier"] == "L2" for pp in plan.json["params"]):
             if self._skip_explicit:
                 raise ValueError(
@@ -612,19 +611,3 @@ class Lion(_EmsaOptimizer):
         super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
                          skip_nonfinite=skip_nonfinite, profile=profile,
                          step_in_backward=step_in_backward, accumulate=accumulate, tier=tier)
-
-
-def _device_update_share() -> float:
-    """EMSA_HOST_DEVICE_SHARE: of the host tier's fp32 parameters, the share the GPU updates with
-    their moments streamed through it (PlanOptions.device_update_share); unset or -1: the
-    planner chooses (the shortest predicted step that does not stall); 0: the CPU updates them
-    all."""
-    text = os.environ.get("EMSA_HOST_DEVICE_SHARE", "-1")
-    try:
-        share = float(text)
-    except ValueError:
-        share = float("nan")
-    if not (share == -1.0 or 0.0 <= share <= 1.0):
-        raise ValueError(f"EMSA_HOST_DEVICE_SHARE={text!r}: use -1 (the planner balances), or a "
-                         "share from 0 (the CPU updates every host-tier parameter) to 1")
-    return share

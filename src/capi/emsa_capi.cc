@@ -13,7 +13,6 @@
 #include "emsa/cpu_update.h"
 #include "emsa/cuda_update.h"
 #include "emsa/device_arena.h"
-#include "emsa/device_engine.h"
 #include "emsa/emsa.h"
 #include "emsa/host_arena.h"
 #include "emsa/host_tier.h"
@@ -44,9 +43,6 @@ struct emsa_device_scalars {
 };
 struct emsa_device_table {
   std::unique_ptr<emsa::DeviceUpdateTable> table;
-};
-struct emsa_device_engine {
-  std::unique_ptr<emsa::DeviceEngine> engine;
 };
 struct emsa_host_tier {
   std::unique_ptr<emsa::HostTier> tier;
@@ -143,11 +139,9 @@ emsa::Result<emsa::DType> ToDType(int32_t v, const char* field) {
 }
 
 emsa::Result<emsa::OptimizerKind> ToOptimizer(int32_t v) {
-  if (v < EMSA_OPTIMIZER_ADAMW || v > EMSA_OPTIMIZER_LION) {
-    return emsa::Status::InvalidArgument("optimizer = " + std::to_string(v) +
-                                         " is not an EMSA_OPTIMIZER_* value");
-  }
-  return static_cast<emsa::OptimizerKind>(v);
+  const auto kind = static_cast<emsa::OptimizerKind>(v);  // any int32: the enum's type
+  EMSA_RETURN_IF_ERROR(emsa::ValidateOptimizer(kind, "optimizer (EMSA_OPTIMIZER_*)"));
+  return kind;
 }
 
 emsa::Status ToHyper(const emsa_hyperparams* h, const std::string& where, emsa::HyperParams* out) {
@@ -550,15 +544,11 @@ emsa_status emsa_host_arena_create(uint64_t bytes, int32_t want_pinned,
   return Guard([&] {
     if (arena_out == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "arena_out is NULL");
     *arena_out = nullptr;
-    if (want_pinned < 0 || want_pinned > 2) {
+    if (want_pinned != 0 && want_pinned != 1) {
       return Fail(EMSA_INVALID_ARGUMENT, "want_pinned is " + std::to_string(want_pinned) +
-                                             "; use 0 (plain), 1 (pinned) or 2 (pinned huge "
-                                             "pages, registered)");
+                                             "; use 0 (plain) or 1 (pinned)");
     }
-    auto arena =
-        emsa::HostArena::Create(bytes, want_pinned != 0, nullptr,
-                                want_pinned == 2 ? emsa::HostArena::Pinning::kRegisteredHugePages
-                                                 : emsa::HostArena::Pinning::kHostAlloc);
+    auto arena = emsa::HostArena::Create(bytes, want_pinned != 0);
     if (!arena.ok()) return Report(arena.status());
     *arena_out = new emsa_host_arena{std::move(arena).value()};
     return Report(emsa::Status::Ok());
@@ -627,10 +617,6 @@ emsa_status emsa_cpu_updater_create(int32_t threads, int32_t max_simd,
     *updater_out = new emsa_cpu_updater{std::move(updater).value()};
     return Report(emsa::Status::Ok());
   });
-}
-
-emsa_status emsa_cpu_updater_set_worker_nice(emsa_cpu_updater* updater, int32_t nice) {
-  return OnHandle(updater, "updater", [&](auto& h) { return h.updater->SetWorkerNice(nice); });
 }
 
 void emsa_cpu_updater_destroy(emsa_cpu_updater* updater) { delete updater; }
@@ -750,9 +736,9 @@ emsa_status emsa_cpu_step(emsa_cpu_updater* updater, const emsa_tensor_update* t
 void emsa_device_table_options_init(emsa_device_table_options* o) {
   if (o == nullptr) return;
   emsa::DeviceTableOptions d;
-  *o = emsa_device_table_options{
-      sizeof(emsa_device_table_options), static_cast<int32_t>(d.optimizer),
-      static_cast<int32_t>(d.rounding), d.bulk_copy ? 1 : 0, d.persistent_grid ? 1 : 0};
+  *o = emsa_device_table_options{sizeof(emsa_device_table_options),
+                                 static_cast<int32_t>(d.optimizer),
+                                 static_cast<int32_t>(d.rounding), d.bulk_copy ? 1 : 0};
 }
 
 void emsa_device_step_report_init(emsa_device_step_report* r) {
@@ -882,10 +868,6 @@ emsa_status emsa_device_table_create(const emsa_tensor_update* tensors, const in
         return Fail(EMSA_INVALID_ARGUMENT, "bulk_copy must be 0 or 1");
       }
       o.bulk_copy = options->bulk_copy != 0;
-      if (options->persistent_grid != 0 && options->persistent_grid != 1) {
-        return Fail(EMSA_INVALID_ARGUMENT, "persistent_grid must be 0 or 1");
-      }
-      o.persistent_grid = options->persistent_grid != 0;
     }
     std::vector<emsa::TensorUpdate> updates(count);  // bind time: allocation is fine here
     for (size_t i = 0; i < count; ++i) {
@@ -1046,52 +1028,6 @@ void emsa_host_tier_step_stats_init(emsa_host_tier_step_stats* stats) {
   if (stats == nullptr) return;
   std::memset(stats, 0, sizeof(*stats));
   stats->struct_size = sizeof(emsa_host_tier_step_stats);
-}
-
-emsa_status emsa_device_engine_create(emsa_device_table* const* tables, size_t count,
-                                      const emsa_device_scalars* scalars, void* side,
-                                      emsa_device_engine** engine_out) {
-  return Guard([&] {
-    if (scalars == nullptr || engine_out == nullptr) {
-      return Fail(EMSA_INVALID_ARGUMENT, "scalars and engine_out must not be NULL");
-    }
-    if (tables == nullptr && count > 0) return Fail(EMSA_INVALID_ARGUMENT, "tables is NULL");
-    std::vector<emsa::DeviceUpdateTable*> converted(count);
-    for (size_t b = 0; b < count; ++b) {
-      if (tables[b] == nullptr) {
-        return Fail(EMSA_INVALID_ARGUMENT, "tables[" + std::to_string(b) + "] is NULL");
-      }
-      converted[b] = tables[b]->table.get();
-    }
-    auto engine = emsa::DeviceEngine::Create(converted.data(), count, scalars->scalars.get(),
-                                             static_cast<cudaStream_t>(side));
-    if (!engine.ok()) return Report(engine.status());
-    *engine_out = new emsa_device_engine{std::move(*engine)};
-    return EMSA_OK;
-  });
-}
-
-void emsa_device_engine_destroy(emsa_device_engine* engine) { delete engine; }
-
-emsa_status emsa_device_engine_submit(emsa_device_engine* engine, size_t bucket, void* stream) {
-  return OnHandle(engine, "engine", [&](auto& h) {
-    return h.engine->Submit(bucket, static_cast<cudaStream_t>(stream));
-  });
-}
-
-emsa_status emsa_device_engine_wait(emsa_device_engine* engine, size_t bucket, void* stream) {
-  return OnHandle(engine, "engine", [&](auto& h) {
-    return h.engine->Wait(bucket, static_cast<cudaStream_t>(stream));
-  });
-}
-
-emsa_status emsa_device_engine_wait_all(emsa_device_engine* engine, void* stream) {
-  return OnHandle(engine, "engine",
-                  [&](auto& h) { return h.engine->WaitAll(static_cast<cudaStream_t>(stream)); });
-}
-
-emsa_status emsa_device_engine_synchronize(emsa_device_engine* engine) {
-  return OnHandle(engine, "engine", [&](auto& h) { return h.engine->Synchronize(); });
 }
 
 int32_t emsa_host_tier_threads(int32_t cores) { return emsa::HostTierThreads(cores); }

@@ -4,13 +4,12 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <exception>
 #include <limits>
 #include <string>
 
+#include "common/thread_pool.h"
 #include "emsa/cpu_update.h"
-#include "engine/thread_pool.h"
 #include "kernels/cpu/kernels.h"
 
 namespace emsa {
@@ -39,12 +38,7 @@ Status Invalid(size_t index, const std::string& what) {
 }
 
 Status ValidateOptions(const StepOptions& o) {
-  if (o.optimizer != OptimizerKind::kAdamW && o.optimizer != OptimizerKind::kAdam &&
-      o.optimizer != OptimizerKind::kLion) {
-    return Status::InvalidArgument("options.optimizer is " +
-                                   std::to_string(static_cast<int>(o.optimizer)) +
-                                   "; use OptimizerKind::kAdamW, kAdam or kLion");
-  }
+  EMSA_RETURN_IF_ERROR(ValidateOptimizer(o.optimizer, "options.optimizer"));
   if (o.rounding != Rounding::kNearest && o.rounding != Rounding::kStochastic) {
     return Status::InvalidArgument("options.rounding is " +
                                    std::to_string(static_cast<int>(o.rounding)) +
@@ -53,26 +47,6 @@ Status ValidateOptions(const StepOptions& o) {
   if (!std::isfinite(o.grad_multiplier)) {
     return Status::InvalidArgument("options.grad_multiplier is " + Num(o.grad_multiplier) +
                                    "; it must be finite (clip_coef / loss_scale)");
-  }
-  return Status::Ok();
-}
-
-Status ValidateHyper(size_t i, const HyperParams& h, OptimizerKind opt) {
-  if (!(std::isfinite(h.lr) && h.lr >= 0.0f)) {
-    return Invalid(i, "hyper->lr is " + Num(h.lr) + "; it must be finite and >= 0");
-  }
-  if (!(h.beta1 >= 0.0f && h.beta1 < 1.0f)) {
-    return Invalid(i, "hyper->beta1 is " + Num(h.beta1) + "; it must be in [0, 1)");
-  }
-  if (!(h.beta2 >= 0.0f && h.beta2 < 1.0f)) {
-    return Invalid(i, "hyper->beta2 is " + Num(h.beta2) + "; it must be in [0, 1)");
-  }
-  if (!(std::isfinite(h.weight_decay) && h.weight_decay >= 0.0f)) {
-    return Invalid(
-        i, "hyper->weight_decay is " + Num(h.weight_decay) + "; it must be finite and >= 0");
-  }
-  if (opt != OptimizerKind::kLion && !(std::isfinite(h.eps) && h.eps > 0.0f)) {
-    return Invalid(i, "hyper->eps is " + Num(h.eps) + "; it must be finite and > 0");
   }
   return Status::Ok();
 }
@@ -91,7 +65,10 @@ Status ValidateTensor(size_t i, const TensorUpdate& t, const StepOptions& o) {
     return Status::Unsupported(Name(i) +
                                ".state_dtype float16 is not supported; use float32 or bfloat16");
   }
-  EMSA_RETURN_IF_ERROR(ValidateHyper(i, *t.hyper, o.optimizer));
+  // The tensor's name is added only on error: validation runs every step and allocates nothing.
+  if (Status st = ValidateHyperParams(*t.hyper, o.optimizer, "hyper->"); !st.ok()) {
+    return Invalid(i, st.message());
+  }
   const bool low_param = t.param_dtype != DType::kFloat32;
   if (!low_param && t.master != nullptr) {
     return Invalid(i, "master is set but param is float32, which is its own master; pass null");
@@ -240,13 +217,7 @@ Result<std::unique_ptr<CpuUpdater>> CpuUpdater::Create(const CpuUpdaterOptions& 
   }
   std::unique_ptr<CpuUpdater> updater(new CpuUpdater());
   updater->simd_ = std::min(DetectSimdLevel(), options.max_simd);
-  bool stream = options.stream_states;
-  if (const char* env = std::getenv("EMSA_CPU_STREAM_STATES"); env != nullptr && *env != '\0') {
-    stream = std::string(env) != "0";
-  }
-  updater->stream_states_ = stream && updater->simd_ == SimdLevel::kAvx512;
-  updater->kernels_ =
-      updater->stream_states_ ? &cpu::Avx512StreamKernels() : &cpu::KernelsFor(updater->simd_);
+  updater->kernels_ = &cpu::KernelsFor(updater->simd_);
   try {
     updater->pool_ = std::make_unique<ThreadPool>(options.threads);
     updater->partials_ = std::make_unique<Partial[]>(static_cast<size_t>(updater->pool_->size()));
@@ -357,22 +328,6 @@ Status CpuUpdater::SetGuidedScheduling(int64_t min_elements) {
         "; use 0 (equal shares) or at least " + std::to_string(kSplitAlign));
   }
   guided_min_ = min_elements;
-  return Status::Ok();
-}
-
-Status CpuUpdater::SetWorkerNice(int nice) {
-  if (nice < 0 || nice > 19) {
-    return Status::InvalidArgument("worker nice value is " + std::to_string(nice) +
-                                   "; use 0 (normal priority) .. 19 (lowest)");
-  }
-  const int refused = pool_->SetWorkerNice(nice);
-  if (refused > 0) {
-    return Status::Unsupported(std::to_string(refused) + " of " +
-                               std::to_string(pool_->size() - 1) +
-                               " pool threads could not be set to nice " + std::to_string(nice) +
-                               " (raising priority needs CAP_SYS_NICE; not supported off "
-                               "Linux); leave the nice value as it is");
-  }
   return Status::Ok();
 }
 

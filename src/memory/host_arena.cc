@@ -1,6 +1,6 @@
-// host_arena.cc — one host allocation per plan: cudaHostAlloc'd (pinned) when a CUDA device can
-// use it, or 2 MiB-aligned memory on transparent huge pages, registered with CUDA as an A/B and
-// plain without a device; zero-filled once and freed once with the matching call.
+// host_arena.cc — one host allocation per plan: cudaHostAlloc'd (pinned) when asked and a CUDA
+// device can use it, else 2 MiB-aligned memory on transparent huge pages; zero-filled once and
+// freed once with the matching call.
 #include "emsa/host_arena.h"
 
 #include <sys/mman.h>
@@ -11,7 +11,7 @@
 #include <string>
 
 #include "common/cuda_util.h"
-#include "engine/thread_pool.h"
+#include "common/thread_pool.h"
 
 namespace emsa {
 namespace {
@@ -42,7 +42,7 @@ uint64_t PhysicalMemoryBytes() {
 }  // namespace
 
 Result<std::unique_ptr<HostArena>> HostArena::Create(uint64_t bytes, bool want_pinned,
-                                                     ThreadPool* zero_fill_pool, Pinning pinning) {
+                                                     ThreadPool* zero_fill_pool) {
   if (bytes == 0 || bytes > kMaxBytes) {
     return Status::InvalidArgument("host arena size must be between 1 byte and 1 PiB, got " +
                                    std::to_string(bytes) + " bytes");
@@ -59,7 +59,7 @@ Result<std::unique_ptr<HostArena>> HostArena::Create(uint64_t bytes, bool want_p
   arena->size_ = bytes;
 
 #if EMSA_HAVE_CUDA
-  if (want_pinned && pinning == Pinning::kHostAlloc && CudaDeviceUsable()) {
+  if (want_pinned && CudaDeviceUsable()) {
     // Portable: any context may copy from it. Not write-combined: the CPU reads state back
     // every step, and reads from write-combined memory are uncached.
     cudaError_t err = cudaHostAlloc(&arena->data_, bytes, cudaHostAllocPortable);
@@ -74,7 +74,6 @@ Result<std::unique_ptr<HostArena>> HostArena::Create(uint64_t bytes, bool want_p
       return CudaStatus(err, "cudaHostAlloc for the host arena");
     }
     arena->kind_ = Kind::kPinned;
-    arena->pinning_ = Pinning::kHostAlloc;
     ZeroFill(arena->data_, bytes, zero_fill_pool);
     return arena;
   }
@@ -88,41 +87,19 @@ Result<std::unique_ptr<HostArena>> HostArena::Create(uint64_t bytes, bool want_p
                                " bytes; lower the host budget or free host memory");
   }
   arena->kind_ = Kind::kPageable;
-  // Huge pages: fewer TLB misses while the CPU streams through state. Advice only. The zero
-  // fill faults every page in, so the pages exist before they are registered.
+  // Huge pages: fewer TLB misses while the CPU streams through state. Advice only.
   (void)madvise(arena->data_, rounded, MADV_HUGEPAGE);
   ZeroFill(arena->data_, bytes, zero_fill_pool);
-
-#if EMSA_HAVE_CUDA
-  if (want_pinned && CudaDeviceUsable()) {
-    const cudaError_t err = cudaHostRegister(arena->data_, rounded, cudaHostRegisterPortable);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      std::free(arena->data_);
-      arena->data_ = nullptr;
-      if (err == cudaErrorMemoryAllocation) {
-        return Status::OutOfMemory(
-            "cannot pin a host arena of " + std::to_string(bytes) +
-            " bytes (cudaHostRegister failed); lower the host budget or raise the locked-memory "
-            "limit (ulimit -l)");
-      }
-      return CudaStatus(err, "cudaHostRegister for the host arena");
-    }
-    arena->kind_ = Kind::kPinned;
-    arena->pinning_ = Pinning::kRegisteredHugePages;
-  }
-#endif
   return arena;
 }
 
 HostArena::~HostArena() {
   if (data_ == nullptr) return;
 #if EMSA_HAVE_CUDA
-  if (kind_ == Kind::kPinned && pinning_ == Pinning::kHostAlloc) {
+  if (kind_ == Kind::kPinned) {
     (void)cudaFreeHost(data_);
     return;
   }
-  if (kind_ == Kind::kPinned) (void)cudaHostUnregister(data_);
 #endif
   std::free(data_);
 }

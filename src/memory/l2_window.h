@@ -7,9 +7,9 @@
 // cudaLaunchKernelEx (or a stream attribute) takes. Its destructor demotes the persisting lines
 // and restores the previous limit.
 //
-// Why the caps: a reserve larger than 3/16 of L2 (11.25 MiB of an H200's 60 MiB) cut other
-// kernels' write bandwidth by up to 65% in a microbenchmark, while optimizer state is read once
-// per step; L0 is opt-in and stays off unless the benchmark shows a gain (DESIGN.md).
+// Why the caps: a reserve larger than 3/16 of L2 cuts other kernels' write bandwidth, while
+// optimizer state is read once per step; L0 is opt-in and stays off unless the benchmark shows
+// a gain (DESIGN.md).
 //
 // The persisting limit is device-wide (per context): one L2Window per device at a time.
 #pragma once

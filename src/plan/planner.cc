@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "emsa/plan.h"
+#include "emsa/update.h"
 #include "plan/costs.h"
 #include "plan/hotness.h"
 #include "plan/layout.h"
@@ -28,12 +29,7 @@ std::string Bytes(uint64_t bytes) {
 }
 
 Status ValidateOptions(const PlanOptions& o) {
-  if (o.optimizer != OptimizerKind::kAdamW && o.optimizer != OptimizerKind::kAdam &&
-      o.optimizer != OptimizerKind::kLion) {
-    return Status::InvalidArgument("options.optimizer " +
-                                   std::to_string(static_cast<int>(o.optimizer)) +
-                                   " is not one of adamw (0), adam (1), lion (2)");
-  }
+  EMSA_RETURN_IF_ERROR(ValidateOptimizer(o.optimizer, "options.optimizer"));
   if (o.state_dtype != DType::kFloat32 && o.state_dtype != DType::kBFloat16) {
     return Status::InvalidArgument(
         std::string("options.state_dtype ") +

@@ -14,10 +14,10 @@
 #include <memory>
 #include <string>
 
+#include "common/thread_pool.h"
 #include "emsa/cpu_update.h"
 #include "emsa/host_tier.h"
 #include "emsa/profile.h"
-#include "engine/thread_pool.h"
 #include "profile/update_probe.h"
 
 #if defined(__x86_64__) || defined(__i386__)

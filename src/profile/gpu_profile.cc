@@ -17,9 +17,9 @@
 #include <memory>
 #include <vector>
 
+#include "common/thread_pool.h"
 #include "emsa/cpu_update.h"
 #include "emsa/host_tier.h"
-#include "engine/thread_pool.h"
 #include "profile/update_probe.h"
 
 namespace emsa {
@@ -131,8 +131,8 @@ Result<UpdateAndCopies> UpdateWhileCopying(int threads, cudaStream_t stream, dou
   Event start, done;
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start.event));
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&done.event));
-  constexpr int kPairs = 24;      // 256 MiB each way per pair: ~0.1 s of copies at 50 GB/s
-  constexpr int kMaxPasses = 64;  // ~20 ms each at the H200 host's rate
+  constexpr int kPairs = 24;      // 256 MiB each way per pair: a tenth of a second or more
+  constexpr int kMaxPasses = 64;  // tens of milliseconds each
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.event, stream));
   for (int i = 0; i < kPairs; ++i) {
     EMSA_RETURN_IF_ERROR(CudaStatus(enqueue_pair(), "GPU profile: copies both ways"));
@@ -164,6 +164,85 @@ Result<UpdateAndCopies> UpdateWhileCopying(int threads, cudaStream_t stream, dou
   return out;
 }
 
+Status AllocPinned(PinnedBuffer* buf, uint64_t bytes) {
+  const cudaError_t err = cudaHostAlloc(&buf->ptr, bytes, cudaHostAllocPortable);
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    return Status::OutOfMemory("GPU profile: cudaHostAlloc of " + std::to_string(bytes) +
+                               " pinned bytes failed; set measure_bandwidth=false");
+  }
+  return CudaStatus(err, "GPU profile: cudaHostAlloc");
+}
+
+// Device to device: `bytes` read and written, so 2 x bytes counted.
+Status MeasureHbm(GpuProfile* gpu, cudaStream_t stream, const DeviceBuffer& src,
+                  const DeviceBuffer& dst, uint64_t bytes) {
+  // cudaMalloc does not initialise; copying garbage is fine, but defined contents keep tools
+  // such as compute-sanitizer quiet.
+  EMSA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(src.ptr, 0, bytes, stream));
+  EMSA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dst.ptr, 0, bytes, stream));
+  auto d2d = [&] {
+    return cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, stream);
+  };
+  EMSA_ASSIGN_OR_RETURN(
+      gpu->hbm_bandwidth,
+      MedianBandwidth(stream, 2.0 * bytes, "GPU profile: device-to-device cudaMemcpyAsync", d2d));
+  return Status::Ok();
+}
+
+// PCIe one direction at a time; each counts the bytes that crossed the link once.
+Status MeasureOneWay(GpuProfile* gpu, cudaStream_t stream, const DeviceBuffer& src,
+                     const DeviceBuffer& dst, const PinnedBuffer& host, uint64_t bytes) {
+  auto h2d = [&] {
+    return cudaMemcpyAsync(dst.ptr, host.ptr, bytes, cudaMemcpyHostToDevice, stream);
+  };
+  auto d2h = [&] {
+    return cudaMemcpyAsync(host.ptr, src.ptr, bytes, cudaMemcpyDeviceToHost, stream);
+  };
+  EMSA_ASSIGN_OR_RETURN(
+      gpu->h2d_bandwidth,
+      MedianBandwidth(stream, 1.0 * bytes, "GPU profile: host-to-device cudaMemcpyAsync", h2d));
+  EMSA_ASSIGN_OR_RETURN(
+      gpu->d2h_bandwidth,
+      MedianBandwidth(stream, 1.0 * bytes, "GPU profile: device-to-host cudaMemcpyAsync", d2h));
+  return Status::Ok();
+}
+
+// Both directions at once: the H2D copy on a second stream that joins the first (so the events
+// on the first time both), the D2H copy into a second pinned buffer; then the same copies under
+// the host tier's CPU update. Returns once `stream` is idle.
+Status MeasureDuplex(GpuProfile* gpu, int threads, cudaStream_t stream, const DeviceBuffer& src,
+                     const DeviceBuffer& dst, const PinnedBuffer& host, uint64_t bytes) {
+  Stream other;
+  EMSA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&other.stream, cudaStreamNonBlocking));
+  PinnedBuffer host_out;
+  EMSA_RETURN_IF_ERROR(AllocPinned(&host_out, bytes));
+  Event fork, join;
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&fork.event, cudaEventDisableTiming));
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&join.event, cudaEventDisableTiming));
+  auto both = [&] {
+    cudaError_t e = cudaEventRecord(fork.event, stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(other.stream, fork.event, 0);
+    if (e == cudaSuccess) {
+      e = cudaMemcpyAsync(dst.ptr, host.ptr, bytes, cudaMemcpyHostToDevice, other.stream);
+    }
+    if (e == cudaSuccess) {
+      e = cudaMemcpyAsync(host_out.ptr, src.ptr, bytes, cudaMemcpyDeviceToHost, stream);
+    }
+    if (e == cudaSuccess) e = cudaEventRecord(join.event, other.stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, join.event, 0);
+    return e;
+  };
+  EMSA_ASSIGN_OR_RETURN(
+      gpu->duplex_bandwidth,
+      MedianBandwidth(stream, 1.0 * bytes, "GPU profile: copies both ways at once", both));
+  EMSA_ASSIGN_OR_RETURN(const UpdateAndCopies together,
+                        UpdateWhileCopying(threads, stream, 1.0 * bytes, both));
+  gpu->host_update_duplex_bandwidth = together.update;
+  gpu->duplex_under_update_bandwidth = together.copies;
+  return CudaStatus(cudaStreamSynchronize(stream), "GPU profile: cudaStreamSynchronize");
+}
+
 Status MeasureCopies(GpuProfile* gpu, int threads) {
   Stream stream;
   EMSA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream.stream, cudaStreamNonBlocking));
@@ -179,78 +258,14 @@ Status MeasureCopies(GpuProfile* gpu, int threads) {
   DeviceBuffer src, dst;
   EMSA_RETURN_IF_ERROR(AllocDevice(&src, hbm_bytes));
   EMSA_RETURN_IF_ERROR(AllocDevice(&dst, hbm_bytes));
-  // cudaMalloc does not initialise; copying garbage is fine, but defined contents keep tools
-  // such as compute-sanitizer quiet.
-  EMSA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(src.ptr, 0, hbm_bytes, stream.stream));
-  EMSA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dst.ptr, 0, hbm_bytes, stream.stream));
-  {
-    auto d2d = [&] {
-      return cudaMemcpyAsync(dst.ptr, src.ptr, hbm_bytes, cudaMemcpyDeviceToDevice, stream.stream);
-    };
-    EMSA_ASSIGN_OR_RETURN(gpu->hbm_bandwidth,
-                          MedianBandwidth(stream.stream, 2.0 * hbm_bytes,
-                                          "GPU profile: device-to-device cudaMemcpyAsync", d2d));
-  }
+  EMSA_RETURN_IF_ERROR(MeasureHbm(gpu, stream.stream, src, dst, hbm_bytes));
 
   // PCIe: pinned, portable, not write-combined (the same kind of memory as the host arena).
   const uint64_t pcie_bytes = std::min(kPcieCopyBytes, hbm_bytes);
   PinnedBuffer host;
-  cudaError_t err = cudaHostAlloc(&host.ptr, pcie_bytes, cudaHostAllocPortable);
-  if (err == cudaErrorMemoryAllocation) {
-    (void)cudaGetLastError();
-    return Status::OutOfMemory("GPU profile: cudaHostAlloc of " + std::to_string(pcie_bytes) +
-                               " pinned bytes failed; set measure_bandwidth=false");
-  }
-  EMSA_RETURN_IF_ERROR(CudaStatus(err, "GPU profile: cudaHostAlloc"));
-  auto h2d = [&] {
-    return cudaMemcpyAsync(dst.ptr, host.ptr, pcie_bytes, cudaMemcpyHostToDevice, stream.stream);
-  };
-  auto d2h = [&] {
-    return cudaMemcpyAsync(host.ptr, src.ptr, pcie_bytes, cudaMemcpyDeviceToHost, stream.stream);
-  };
-  // One direction at a time; each counts the bytes that crossed the link once.
-  EMSA_ASSIGN_OR_RETURN(gpu->h2d_bandwidth,
-                        MedianBandwidth(stream.stream, 1.0 * pcie_bytes,
-                                        "GPU profile: host-to-device cudaMemcpyAsync", h2d));
-  EMSA_ASSIGN_OR_RETURN(gpu->d2h_bandwidth,
-                        MedianBandwidth(stream.stream, 1.0 * pcie_bytes,
-                                        "GPU profile: device-to-host cudaMemcpyAsync", d2h));
-  // Both directions at once: the H2D copy on a second stream that joins the first (so the
-  // events on the first time both), the D2H copy into a second pinned buffer.
-  Stream other;
-  EMSA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&other.stream, cudaStreamNonBlocking));
-  PinnedBuffer host_out;
-  err = cudaHostAlloc(&host_out.ptr, pcie_bytes, cudaHostAllocPortable);
-  if (err == cudaErrorMemoryAllocation) {
-    (void)cudaGetLastError();
-    return Status::OutOfMemory("GPU profile: cudaHostAlloc of " + std::to_string(pcie_bytes) +
-                               " pinned bytes failed; set measure_bandwidth=false");
-  }
-  EMSA_RETURN_IF_ERROR(CudaStatus(err, "GPU profile: cudaHostAlloc"));
-  Event fork, join;
-  EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&fork.event, cudaEventDisableTiming));
-  EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&join.event, cudaEventDisableTiming));
-  auto both = [&] {
-    cudaError_t e = cudaEventRecord(fork.event, stream.stream);
-    if (e == cudaSuccess) e = cudaStreamWaitEvent(other.stream, fork.event, 0);
-    if (e == cudaSuccess) {
-      e = cudaMemcpyAsync(dst.ptr, host.ptr, pcie_bytes, cudaMemcpyHostToDevice, other.stream);
-    }
-    if (e == cudaSuccess) {
-      e = cudaMemcpyAsync(host_out.ptr, src.ptr, pcie_bytes, cudaMemcpyDeviceToHost, stream.stream);
-    }
-    if (e == cudaSuccess) e = cudaEventRecord(join.event, other.stream);
-    if (e == cudaSuccess) e = cudaStreamWaitEvent(stream.stream, join.event, 0);
-    return e;
-  };
-  EMSA_ASSIGN_OR_RETURN(gpu->duplex_bandwidth,
-                        MedianBandwidth(stream.stream, 1.0 * pcie_bytes,
-                                        "GPU profile: copies both ways at once", both));
-  EMSA_ASSIGN_OR_RETURN(const UpdateAndCopies together,
-                        UpdateWhileCopying(threads, stream.stream, 1.0 * pcie_bytes, both));
-  gpu->host_update_duplex_bandwidth = together.update;
-  gpu->duplex_under_update_bandwidth = together.copies;
-  return CudaStatus(cudaStreamSynchronize(stream.stream), "GPU profile: cudaStreamSynchronize");
+  EMSA_RETURN_IF_ERROR(AllocPinned(&host, pcie_bytes));
+  EMSA_RETURN_IF_ERROR(MeasureOneWay(gpu, stream.stream, src, dst, host, pcie_bytes));
+  return MeasureDuplex(gpu, threads, stream.stream, src, dst, host, pcie_bytes);
 }
 
 Status DeviceAttribute(int* value, cudaDeviceAttr attr, const char* name, int device) {

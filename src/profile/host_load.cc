@@ -11,10 +11,10 @@
 #include <thread>
 
 #include "common/cuda_util.h"
+#include "common/thread_pool.h"
 #include "emsa/cpu_update.h"
 #include "emsa/host_tier.h"
 #include "emsa/profile.h"
-#include "engine/thread_pool.h"
 #include "profile/update_probe.h"
 
 namespace emsa {

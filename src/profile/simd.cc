@@ -1,12 +1,13 @@
 // simd.cc — which vector ISA this CPU and OS can run, from cpuid and xgetbv, capped by
-// EMSA_MAX_SIMD. Checked at run time, never from the build machine's flags.
+// EMSA_MAX_SIMD (read through common/tuning.h). Checked at run time, never from the build
+// machine's flags.
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 
+#include "common/tuning.h"
 #include "emsa/profile.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -81,8 +82,8 @@ SimdLevel DetectHardwareSimdLevel() { return SimdLevel::kScalar; }
 
 SimdLevel DetectSimdLevel() {
   const SimdLevel hardware = DetectHardwareSimdLevel();
-  const char* cap_text = std::getenv("EMSA_MAX_SIMD");
-  if (cap_text == nullptr || cap_text[0] == '\0') return hardware;
+  const std::string cap_text = tuning::MaxSimd();
+  if (cap_text.empty()) return hardware;
   Result<SimdLevel> cap = ParseSimdLevel(cap_text);
   if (!cap.ok()) {
     // No Status to return here; a typo must not silently keep a level the user meant to avoid,
@@ -91,7 +92,7 @@ SimdLevel DetectSimdLevel() {
     if (!warned.exchange(true)) {
       std::fprintf(stderr,
                    "emsa: EMSA_MAX_SIMD=\"%s\" is not one of scalar, avx2, avx512; using scalar\n",
-                   cap_text);
+                   cap_text.c_str());
     }
     return SimdLevel::kScalar;
   }

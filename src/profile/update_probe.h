@@ -10,8 +10,8 @@
 #include <cstdlib>
 #include <memory>
 
+#include "common/thread_pool.h"
 #include "emsa/update.h"
-#include "engine/thread_pool.h"
 
 namespace emsa::profile_internal {
 

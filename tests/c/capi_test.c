@@ -90,8 +90,6 @@ static void test_cpu_step(void) {
   CHECK(emsa_cpu_updater_info(up, &threads, &level) == EMSA_OK);
   CHECK(threads == 2);
   CHECK(level == emsa_simd_level());
-  CHECK(emsa_cpu_updater_set_worker_nice(up, 20) == EMSA_INVALID_ARGUMENT);
-  CHECK(strstr(emsa_last_error(), "19 (lowest)") != NULL);
 
   emsa_hyperparams h;
   emsa_hyperparams_init(&h);
@@ -263,9 +261,9 @@ static void test_plan_and_arena(void) {
   o.struct_size = 1;
   CHECK(emsa_plan_create(probe, profile, &o, &plan, NULL) == EMSA_INVALID_ARGUMENT);
   CHECK(emsa_host_arena_create(0, 0, &arena) == EMSA_INVALID_ARGUMENT);
-  CHECK(emsa_host_arena_create(4096, 3, &arena) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_host_arena_create(4096, 2, &arena) == EMSA_INVALID_ARGUMENT);
   CHECK(arena == NULL);
-  CHECK(strstr(emsa_last_error(), "want_pinned is 3") != NULL);
+  CHECK(strstr(emsa_last_error(), "want_pinned is 2") != NULL);
   free(probe);
   free(profile);
 }
@@ -351,14 +349,6 @@ static void test_dlpack_exports(void) {
   CHECK(emsa_device_scalars_copy_header(NULL, NULL, NULL) == EMSA_INVALID_ARGUMENT);
   CHECK(emsa_device_scalars_read_steps(NULL, NULL, 0, NULL) == EMSA_INVALID_ARGUMENT);
   CHECK(emsa_device_scalars_set_hyper(NULL, 0, NULL, NULL) == EMSA_INVALID_ARGUMENT);
-  emsa_device_engine* engine = NULL;
-  CHECK(emsa_device_engine_create(NULL, 0, NULL, NULL, &engine) == EMSA_INVALID_ARGUMENT);
-  CHECK(engine == NULL && strstr(emsa_last_error(), "scalars") != NULL);
-  CHECK(emsa_device_engine_submit(NULL, 0, NULL) == EMSA_INVALID_ARGUMENT);
-  CHECK(emsa_device_engine_wait(NULL, 0, NULL) == EMSA_INVALID_ARGUMENT);
-  CHECK(emsa_device_engine_wait_all(NULL, NULL) == EMSA_INVALID_ARGUMENT);
-  CHECK(emsa_device_engine_synchronize(NULL) == EMSA_INVALID_ARGUMENT);
-  emsa_device_engine_destroy(NULL);
 }
 
 /* A model known by its config: preset and text, a device preset, planned, and the errors. */

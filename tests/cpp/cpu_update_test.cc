@@ -6,12 +6,9 @@
 
 #include <gtest/gtest.h>
 #include <immintrin.h>
-#include <sys/resource.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -23,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/thread_pool.h"
+#include "common/thread_pool.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/numerics.h"
 #include "status_test_support.h"
@@ -641,104 +638,6 @@ INSTANTIATE_TEST_SUITE_P(All, CpuUpdateBitwise, testing::ValuesIn(AllCombos()),
                            return ComboName(info.param);
                          });
 
-// Non-temporal stores of fp32 moments (CpuUpdaterOptions::stream_states) write the bits the
-// ordinary stores write: tensors whose moments start on a 64-byte line take the streaming path,
-// one starting 16 bytes past a line the ordinary one; bf16 moments, master weights and deltas
-// ride along. Three threads, so the streamed ranges start at their claims, not only at 0.
-TEST(CpuUpdate, StreamedStatesEqualOrdinaryStoresBitwise) {
-  if (!Supported(SimdLevel::kAvx512)) GTEST_SKIP() << "no AVX-512: stream_states does nothing";
-  CpuUpdaterOptions plain_options, stream_options;
-  plain_options.threads = stream_options.threads = 3;
-  stream_options.stream_states = true;
-  auto plain = CpuUpdater::Create(plain_options);
-  auto stream = CpuUpdater::Create(stream_options);
-  ASSERT_TRUE(plain.ok() && stream.ok());
-  if (std::getenv("EMSA_CPU_STREAM_STATES") == nullptr) {
-    EXPECT_FALSE(plain.value()->stream_states());
-    EXPECT_TRUE(stream.value()->stream_states());
-  }
-  // 64-byte aligned storage; `shift` floats past the line.
-  struct Lane {
-    std::vector<float> storage;
-    float* at(int shift) {
-      const auto base = reinterpret_cast<uintptr_t>(storage.data());
-      return reinterpret_cast<float*>((base + 63) / 64 * 64) + shift;
-    }
-  };
-  const int64_t n = 3 * 65536 + 37;
-  for (OptimizerKind opt : {OptimizerKind::kAdamW, OptimizerKind::kAdam, OptimizerKind::kLion}) {
-    for (DType state : {DType::kFloat32, DType::kBFloat16}) {
-      for (int variant = 0; variant < 3; ++variant) {  // 0 plain fp32, 1 bf16 + master, 2 delta
-        if (variant == 2 && opt == OptimizerKind::kAdam) continue;
-        for (int shift : {0, 4}) {
-          const std::string name = std::string(OptimizerName(opt)) + " state " + Short(state) +
-                                   " variant " + std::to_string(variant) + " shift " +
-                                   std::to_string(shift);
-          // Per run: param, grad, m, v, master/delta as floats (bf16 ones use the low half).
-          std::vector<Lane> runs[2];
-          for (auto& run : runs) {
-            run.assign(5, Lane{});
-            for (Lane& l : run) l.storage.assign(static_cast<size_t>(n + 32), 0.0f);
-          }
-          Rng rng(91 + variant);
-          for (int64_t i = 0; i < n; ++i) {
-            const float vals[5] = {static_cast<float>(rng.Signed(0.1, 2.0)),
-                                   static_cast<float>(rng.Signed(1e-4, 1.0)),
-                                   static_cast<float>(rng.Signed(1e-5, 0.1)),
-                                   static_cast<float>(rng.Uniform(1e-8, 1e-2)),
-                                   static_cast<float>(rng.Signed(0.1, 2.0))};
-            for (auto& run : runs) {
-              for (int k = 0; k < 5; ++k) run[k].at(shift)[i] = vals[k];
-            }
-          }
-          std::vector<uint16_t> low[2][3];  // bf16 m, v, param per run
-          for (int r = 0; r < 2; ++r) {
-            for (auto& b : low[r]) b.resize(static_cast<size_t>(n));
-            for (int64_t i = 0; i < n; ++i) {
-              low[r][0][i] = Bf16Nearest(runs[r][2].at(shift)[i]);
-              low[r][1][i] = Bf16Nearest(runs[r][3].at(shift)[i]);
-              low[r][2][i] = Bf16Nearest(runs[r][4].at(shift)[i]);
-            }
-          }
-          StepOptions o;
-          o.optimizer = opt;
-          o.rounding = Rounding::kStochastic;
-          HyperParams h;
-          for (int r = 0; r < 2; ++r) {
-            TensorUpdate u;
-            u.numel = n;
-            u.step = 3;
-            u.hyper = &h;
-            u.param = runs[r][0].at(shift);
-            u.grad = runs[r][1].at(shift);
-            u.state_dtype = state;
-            u.exp_avg = state == DType::kFloat32 ? static_cast<void*>(runs[r][2].at(shift))
-                                                 : low[r][0].data();
-            u.exp_avg_sq = opt == OptimizerKind::kLion ? nullptr
-                           : state == DType::kFloat32  ? static_cast<void*>(runs[r][3].at(shift))
-                                                       : low[r][1].data();
-            if (variant == 1) {
-              u.param = low[r][2].data();
-              u.param_dtype = DType::kBFloat16;
-              u.master = runs[r][4].at(shift);
-            }
-            if (variant == 2) u.delta = runs[r][1].at(shift);  // in place of the gradient
-            CpuUpdater& updater = r == 0 ? *plain.value() : *stream.value();
-            ASSERT_TRUE(updater.Step(&u, 1, o).ok()) << name;
-          }
-          for (int k = 0; k < 5; ++k) {
-            ASSERT_EQ(std::memcmp(runs[0][k].at(shift), runs[1][k].at(shift),
-                                  static_cast<size_t>(n) * sizeof(float)),
-                      0)
-                << name << ": float stream " << k << " differs";
-          }
-          for (int k = 0; k < 3; ++k) EXPECT_EQ(low[0][k], low[1][k]) << name << " bf16 " << k;
-        }
-      }
-    }
-  }
-}
-
 TEST(CpuUpdate, RepeatedRunsAreBitwiseEqual) {
   const Combo c{OptimizerKind::kAdamW, DType::kFloat32,  false,
                 DType::kFloat32,       DType::kBFloat16, Rounding::kStochastic};
@@ -804,28 +703,6 @@ TEST(CpuUpdate, GuidedSchedulingWritesTheSameBits) {
   auto updater = MakeUpdater(DetectSimdLevel(), 2);
   ExpectError(updater->SetGuidedScheduling(63), StatusCode::kInvalidArgument, "at least 64");
   ExpectError(updater->SetGuidedScheduling(-1), StatusCode::kInvalidArgument, "at least 64");
-}
-
-// The pool's nice value: out-of-range values are refused with what to use; a valid one leaves a
-// working updater with the same results.
-TEST(CpuUpdate, WorkerNiceValidatedAndResultsUnchanged) {
-  auto updater = MakeUpdater(DetectSimdLevel(), 3);
-  ExpectError(updater->SetWorkerNice(-1), StatusCode::kInvalidArgument, "0 (normal priority)");
-  ExpectError(updater->SetWorkerNice(20), StatusCode::kInvalidArgument, "19 (lowest)");
-#if defined(__linux__)
-  errno = 0;
-  const int own = getpriority(PRIO_PROCESS, static_cast<id_t>(gettid()));
-  if (errno != 0 || own > 10) GTEST_SKIP() << "this thread runs at nice " << own;
-  ASSERT_TRUE(updater->SetWorkerNice(own + 9).ok());
-  const Combo c{OptimizerKind::kAdamW, DType::kFloat32, false,
-                DType::kFloat32,       DType::kFloat32, Rounding::kNearest};
-  Batch want(c, kSizes, 11);
-  Batch got = want;
-  auto reference = MakeUpdater(DetectSimdLevel(), 1);
-  ASSERT_TRUE(want.Step(*reference, want.Options()).ok());
-  ASSERT_TRUE(got.Step(*updater, got.Options()).ok());
-  EXPECT_EQ(FirstDiff(want.t, got.t), "");
-#endif
 }
 
 // TensorUpdate::delta: the update's change to an fp32 parameter is written out instead of the

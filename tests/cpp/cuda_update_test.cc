@@ -12,18 +12,15 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "common/cuda_util.h"
 #include "emsa/cpu_update.h"
-#include "emsa/device_engine.h"
 #include "kernels/cpu/numerics.h"
 #include "status_test_support.h"
 #if EMSA_HAVE_CUDA
@@ -118,12 +115,6 @@ TEST(CudaUpdateValidation, TableNamesTheBadTensor) {
 
 // Valid input: a device checks the pointers (host addresses here: refused); no device or no
 // CUDA build: kUnsupported, saying why.
-TEST(CudaUpdateValidation, DeviceEngineNeedsScalars) {
-  auto engine = DeviceEngine::Create(nullptr, 0, nullptr, nullptr);
-  ASSERT_FALSE(engine.ok());
-  ExpectError(engine.status(), StatusCode::kInvalidArgument, "scalars is null");
-}
-
 TEST(CudaUpdateValidation, ValidInputNeedsADeviceAndDevicePointers) {
   std::vector<float> host(16);
   TensorUpdate t = FakeTensor(16);
@@ -744,7 +735,7 @@ struct SmallTable {
 };
 
 void MakeSmallTable(const Case& c, const std::vector<Tensor>& host, SmallTable* out,
-                    bool bulk_copy = true, bool persistent_grid = true) {
+                    bool bulk_copy = true) {
   for (const Tensor& t : host) out->dev.push_back(out->mem.Upload(c, t));
   ASSERT_TRUE(out->mem.ok());
   HyperParams h = GroupHyper(0, c.optimizer);
@@ -754,7 +745,6 @@ void MakeSmallTable(const Case& c, const std::vector<Tensor>& host, SmallTable* 
   o.optimizer = c.optimizer;
   o.rounding = c.rounding;
   o.bulk_copy = bulk_copy;
-  o.persistent_grid = persistent_grid;
   auto table = DeviceUpdateTable::Create(out->dev.data(), nullptr, out->dev.size(), o);
   ASSERT_TRUE(table.ok()) << table.status().ToString();
   out->scalars = std::move(*scalars);
@@ -807,8 +797,7 @@ TEST(CudaUpdate, SmallBitwiseRepeatable) {
 
 // fp32 tables take the bulk-copy kernel on sm_90 and later (DeviceTableOptions::bulk_copy), the
 // per-thread kernel elsewhere or when asked: both give the same bits over tiles, partial tiles,
-// chunk ends, misaligned tensors (the scalar path inside the bulk kernel) and several steps, on
-// a persistent grid or one block per chunk (DeviceTableOptions::persistent_grid).
+// chunk ends, misaligned tensors (the scalar path inside the bulk kernel) and several steps.
 TEST(CudaUpdate, SmallBulkCopyAndPerThreadKernelsAgreeBitwise) {
   SKIP_WITHOUT_DEVICE();
   int device = 0, major = 0;
@@ -823,25 +812,20 @@ TEST(CudaUpdate, SmallBulkCopyAndPerThreadKernelsAgreeBitwise) {
       host.push_back(MakeTensor(c, n, false, 0, rng));
     }
     host.push_back(MakeTensor(c, 5000, true, 0, rng));  // off 16 bytes: the scalar path
-    std::vector<Tensor> results[4];                     // [bulk + 2 * (one block per chunk)]
-    for (int run = 0; run < 4; ++run) {
-      const int bulk = run % 2;
+    std::vector<Tensor> results[2];                     // [bulk]
+    for (int bulk = 0; bulk < 2; ++bulk) {
       SmallTable t;
-      MakeSmallTable(c, host, &t, bulk == 1, run < 2);
+      MakeSmallTable(c, host, &t, bulk == 1);
       if (HasFatalFailure()) return;
       EXPECT_EQ(t.table->bulk_copy_launches(), bulk == 1 && major >= 9 ? 1 : 0);
       Stream stream;
       PlainSteps(*t.scalars, *t.table, 0.5f, 1, 3, stream.s);
       if (HasFatalFailure()) return;
       ASSERT_CUDA(cudaStreamSynchronize(stream.s));
-      results[run] = DownloadAll(host, t.dev);
+      results[bulk] = DownloadAll(host, t.dev);
     }
     ExpectBitwise(std::string("bulk copies vs per-thread, ") + CaseName(c), c, results[1],
                   results[0]);
-    ExpectBitwise(std::string("per-chunk grid vs persistent, bulk, ") + CaseName(c), c, results[3],
-                  results[1]);
-    ExpectBitwise(std::string("per-chunk grid vs persistent, per-thread, ") + CaseName(c), c,
-                  results[2], results[0]);
     // and both are the CPU's bits (grad_unscale 0.5 multiplies every gradient)
     HyperParams h = GroupHyper(0, opt);
     std::vector<Tensor> want = host;
@@ -1179,114 +1163,6 @@ TEST(CudaUpdate, SmallCapturedGraphReplaysWithNewLr) {
   ExpectBitwise("graph replays vs CPU", c, DownloadAll(host, dev), want);
   (void)cudaGraphExecDestroy(exec);
   (void)cudaGraphDestroy(graph);
-}
-
-// A non-blocking stream (no implicit ordering with the legacy stream's copies) that destroys
-// itself.
-struct OwnStream {
-  cudaStream_t s = nullptr;
-  OwnStream() { EXPECT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess); }
-  ~OwnStream() {
-    if (s != nullptr) (void)cudaStreamDestroy(s);
-  }
-};
-
-// Holds `stream` for 20 ms: what is enqueued after it runs that much later.
-void Hold(cudaStream_t stream) {
-  const cudaHostFn_t sleep = [](void*) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  };
-  EXPECT_EQ(cudaLaunchHostFunc(stream, sleep, nullptr), cudaSuccess);
-}
-
-// The device engine (emsa/device_engine.h): three buckets updated on a side stream over two
-// steps give the CPU's bits, with both races provoked. The gradients are poisoned (NaN) on the
-// compute stream and written there only after a 20 ms hold, just before each Submit: an update
-// that did not wait for its bucket's point on the compute stream reads NaN. The side stream is
-// held 20 ms before each step's last update: a WaitAll that did not order the compute stream
-// after the updates lets the next step's poison, or the final snapshot, run before it.
-TEST(CudaUpdate, SmallDeviceEngineOrdersUpdatesWithTheComputeStream) {
-  SKIP_WITHOUT_DEVICE();
-  const Case c{OptimizerKind::kAdamW, DType::kFloat32, DType::kFloat32,
-               DType::kFloat32,       false,           Rounding::kNearest};
-  const std::vector<std::vector<int64_t>> buckets = {{300000, 4097}, {1}, {100000, 3}};
-  Rng rng(5150);
-  std::vector<Tensor> host;
-  std::vector<size_t> first;  // each bucket's first tensor
-  for (const auto& sizes : buckets) {
-    first.push_back(host.size());
-    for (int64_t n : sizes) host.push_back(MakeTensor(c, n, false, 0, rng));
-  }
-  DeviceTensors mem;
-  std::vector<TensorUpdate> dev, real, snap;  // the tables' tensors; real gradients; snapshot
-  for (const Tensor& t : host) {
-    dev.push_back(mem.Upload(c, t));
-    real.push_back(mem.Upload(c, t));
-    snap.push_back(mem.Upload(c, t));
-  }
-  ASSERT_TRUE(mem.ok());
-  ASSERT_CUDA(cudaDeviceSynchronize());  // the uploads ran on the legacy stream
-
-  HyperParams h = GroupHyper(0, c.optimizer);
-  auto scalars = DeviceScalars::Create(&h, 1);
-  ASSERT_TRUE(scalars.ok()) << scalars.status().ToString();
-  DeviceScalars& s = **scalars;
-  DeviceTableOptions o;
-  o.rounding = c.rounding;
-  std::vector<std::unique_ptr<DeviceUpdateTable>> tables;
-  std::vector<DeviceUpdateTable*> raw;
-  for (size_t b = 0; b < buckets.size(); ++b) {
-    auto t = DeviceUpdateTable::Create(dev.data() + first[b], nullptr, buckets[b].size(), o);
-    ASSERT_TRUE(t.ok()) << t.status().ToString();
-    raw.push_back(t->get());
-    tables.push_back(std::move(*t));
-  }
-  OwnStream compute, side;
-  ExpectError(DeviceEngine::Create(raw.data(), raw.size(), &s, nullptr).status(),
-              StatusCode::kInvalidArgument, "default stream");
-  auto made = DeviceEngine::Create(raw.data(), raw.size(), &s, side.s);
-  ASSERT_TRUE(made.ok()) << made.status().ToString();
-  DeviceEngine& engine = **made;
-  ExpectError(engine.Submit(3, compute.s), StatusCode::kInvalidArgument, "out of range");
-  ExpectError(engine.Submit(0, side.s), StatusCode::kInvalidArgument, "side stream");
-  ASSERT_OK(engine.Wait(1, compute.s));  // never submitted: nothing to wait for
-  EXPECT_EQ(engine.submitted(), 0);
-
-  for (int step = 1; step <= 2; ++step) {
-    ASSERT_OK(engine.WaitAll(compute.s));  // the last step's updates read the gradients
-    for (size_t i = 0; i < dev.size(); ++i) {
-      ASSERT_CUDA(
-          cudaMemsetAsync(const_cast<void*>(dev[i].grad), 0xFF, host[i].grad.size(), compute.s));
-    }
-    ASSERT_OK(s.BeginStep(compute.s));
-    ASSERT_OK(s.AdvanceSteps(compute.s));
-    Hold(compute.s);
-    for (size_t b = 0; b < buckets.size(); ++b) {
-      for (size_t i = first[b]; i < first[b] + buckets[b].size(); ++i) {
-        ASSERT_CUDA(cudaMemcpyAsync(const_cast<void*>(dev[i].grad), real[i].grad,
-                                    host[i].grad.size(), cudaMemcpyDeviceToDevice, compute.s));
-      }
-      if (b + 1 == buckets.size()) Hold(side.s);  // the last update runs late
-      ASSERT_OK(engine.Submit(b, compute.s));
-    }
-  }
-  EXPECT_EQ(engine.submitted(), 6);
-  ASSERT_OK(engine.WaitAll(compute.s));
-  for (size_t i = 0; i < dev.size(); ++i) {  // what the compute stream sees after WaitAll
-    const std::pair<void*, const void*> streams[] = {{snap[i].param, dev[i].param},
-                                                     {snap[i].exp_avg, dev[i].exp_avg},
-                                                     {snap[i].exp_avg_sq, dev[i].exp_avg_sq}};
-    for (const auto& [to, from] : streams) {
-      ASSERT_CUDA(
-          cudaMemcpyAsync(to, from, host[i].param.size(), cudaMemcpyDeviceToDevice, compute.s));
-    }
-  }
-  ASSERT_CUDA(cudaStreamSynchronize(compute.s));  // not the side stream
-  const std::vector<Tensor> got = DownloadAll(host, snap);
-  std::vector<Tensor> want = CpuStep(c, host, {h}, {1}, 1.0f, 0);
-  want = CpuStep(c, want, {h}, {2}, 1.0f, 0);
-  ExpectBitwise("engine updates seen after WaitAll vs the CPU", c, got, want);
-  ASSERT_OK(engine.Synchronize());
 }
 
 // A bucket of more than 2^31 elements, one tensor itself longer than 2^31: chunk offsets and

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "common/cuda_util.h"
-#include "engine/thread_pool.h"
+#include "common/thread_pool.h"
 
 namespace emsa {
 namespace {
@@ -85,22 +85,18 @@ TEST(HostArena, PinnedRequestFallsBackWithoutADevice) {
   EXPECT_EQ(a.kind(), device_usable ? HostArena::Kind::kPinned : HostArena::Kind::kPageable);
 }
 
-// Both ways of pinning give memory the device copies to and from directly (the pointer is
-// registered host memory), zero-filled, and freed without error; the default is the huge-page
-// registration. GPU only.
-TEST(HostArena, BothPinningsAreCopyableByTheDevice) {
+// Pinned memory is memory the device copies to and from directly (the pointer is registered
+// host memory), zero-filled, and freed without error. GPU only.
+TEST(HostArena, PinnedIsCopyableByTheDevice) {
 #if EMSA_HAVE_CUDA
   if (!CudaDeviceUsable()) GTEST_SKIP() << "no usable CUDA device";
-  for (HostArena::Pinning pinning :
-       {HostArena::Pinning::kRegisteredHugePages, HostArena::Pinning::kHostAlloc}) {
-    SCOPED_TRACE(pinning == HostArena::Pinning::kHostAlloc ? "cudaHostAlloc" : "registered");
+  {
     const uint64_t bytes = 5 * kMiB + 12;  // not a multiple of the huge page
     ThreadPool pool(2);
-    Result<std::unique_ptr<HostArena>> arena = HostArena::Create(bytes, true, &pool, pinning);
+    Result<std::unique_ptr<HostArena>> arena = HostArena::Create(bytes, true, &pool);
     ASSERT_TRUE(arena.ok()) << arena.status().ToString();
     const HostArena& a = **arena;
     ASSERT_EQ(a.kind(), HostArena::Kind::kPinned);
-    EXPECT_EQ(a.pinning(), pinning);
     EXPECT_EQ(FirstNonZero(a.data(), bytes), -1);
     cudaPointerAttributes attr{};
     ASSERT_EQ(cudaPointerGetAttributes(&attr, a.data()), cudaSuccess);

@@ -1,15 +1,13 @@
-// Tests for src/engine/thread_pool.h: every worker runs once per Run, many Runs in a row,
+// Tests for src/common/thread_pool.h: every worker runs once per Run, many Runs in a row,
 // oversubscribed pools, and SplitRange's exact, grain-aligned, balanced cover of [0, n).
-#include "engine/thread_pool.h"
+#include "common/thread_pool.h"
 
 #include <gtest/gtest.h>
 #include <sched.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <climits>
 #include <cstdint>
 #include <thread>
@@ -115,43 +113,6 @@ void CheckSplit(int64_t n, int64_t grain, int count) {
     EXPECT_LE(max_blocks - min_blocks, 1) << "unbalanced";
   }
 }
-
-#if defined(__linux__)
-// The nice value each worker runs at, as the OS reports it from inside the worker.
-std::vector<int> NiceValues(ThreadPool& pool) {
-  std::vector<int> nice(static_cast<size_t>(pool.size()));
-  pool.Run([&](int index, int) {
-    errno = 0;
-    nice[static_cast<size_t>(index)] = getpriority(PRIO_PROCESS, static_cast<id_t>(gettid()));
-  });
-  return nice;
-}
-
-TEST(ThreadPool, SetWorkerNiceLowersTheWorkersNotTheCaller) {
-  errno = 0;
-  const int own = getpriority(PRIO_PROCESS, static_cast<id_t>(gettid()));
-  ASSERT_EQ(errno, 0);
-  if (own > 14) GTEST_SKIP() << "this thread already runs at nice " << own;
-  ThreadPool pool(4);
-  const std::vector<int> before = NiceValues(pool);
-  for (int v : before) EXPECT_EQ(v, own);  // new threads inherit the creator's value
-  EXPECT_EQ(pool.SetWorkerNice(own + 5), 0);
-  const std::vector<int> after = NiceValues(pool);
-  EXPECT_EQ(after[0], own);  // the calling thread is worker 0: unchanged
-  for (size_t i = 1; i < after.size(); ++i) EXPECT_EQ(after[i], own + 5) << "worker " << i;
-  EXPECT_EQ(getpriority(PRIO_PROCESS, static_cast<id_t>(gettid())), own);
-  CheckEveryIndexOncePerRun(pool, 50);  // still a working pool
-  // Back up needs CAP_SYS_NICE: refused for every worker without it, done with it.
-  const int refused = pool.SetWorkerNice(own);
-  const std::vector<int> back = NiceValues(pool);
-  if (refused == 0) {
-    for (int v : back) EXPECT_EQ(v, own);
-  } else {
-    EXPECT_EQ(refused, pool.size() - 1);
-    for (size_t i = 1; i < back.size(); ++i) EXPECT_EQ(back[i], own + 5);
-  }
-}
-#endif
 
 TEST(ThreadPool, SplitRangeCoversExactlyWithGrainAlignment) {
   for (int64_t n : {-5, 0, 1, 2, 7, 63, 64, 65, 127, 1000, 4097, 1 << 20})

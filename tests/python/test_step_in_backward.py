@@ -95,14 +95,13 @@ def _wide_chain(device):
     return torch.nn.Sequential(*[m for l in layers for m in (l, torch.nn.Tanh())]).to(device)
 
 
-def _train_wide(mode, monkeypatch, steps=8):
+def _train_wide(in_backward, steps=8):
     """Large parameters, little compute: an update still running when the next forward reads
     its layer (a missing wait after the pass) or when the caching allocator hands its gradient
     to later backward work (a missing record_stream) changes the result."""
-    monkeypatch.setenv("EMSA_DEVICE_SIDE_STREAM", "0" if mode == "inline" else "1")
     model = _wide_chain("cuda")
     opt = emsa.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, skip_nonfinite=False,
-                     step_in_backward=mode != "step", profile=str(CPU_PROFILE))
+                     step_in_backward=in_backward, profile=str(CPU_PROFILE))
     gen = torch.Generator(device="cuda").manual_seed(11)
     for _ in range(steps):
         x = torch.randn(4, 2048, device="cuda", generator=gen)
@@ -114,27 +113,13 @@ def _train_wide(mode, monkeypatch, steps=8):
 
 
 @requires_cuda
-def test_cuda_side_stream_updates_equal_inline_and_step(monkeypatch):
-    """The side-stream engine (EMSA_DEVICE_SIDE_STREAM=1) gives the bits of the same updates
-    made on the current stream (the default), and of step() after backward, on either grid."""
-    ref = _train_wide("step", monkeypatch)
-    inline = _train_wide("inline", monkeypatch)
-    side = _train_wide("side", monkeypatch)
-    monkeypatch.setenv("EMSA_DEVICE_BUCKET_GRID", "chunks")
-    chunks = _train_wide("side", monkeypatch)
-    for (name, a), b, c, d in zip(ref.named_parameters(), inline.parameters(),
-                                  side.parameters(), chunks.parameters()):
+def test_cuda_updates_in_backward_equal_step():
+    """Bucket updates made in backward on the current stream give the bits of step() after
+    backward."""
+    ref = _train_wide(False)
+    inline = _train_wide(True)
+    for (name, a), b in zip(ref.named_parameters(), inline.parameters()):
         assert torch.equal(a, b), f"{name}: inline updates in backward differ from step()"
-        assert torch.equal(a, c), f"{name}: side-stream updates differ from step()"
-        assert torch.equal(a, d), f"{name}: side-stream updates, one block a chunk, differ"
-
-
-@requires_cuda
-def test_cuda_side_stream_setting_is_checked(monkeypatch):
-    monkeypatch.setenv("EMSA_DEVICE_SIDE_STREAM", "yes")
-    w = torch.nn.Parameter(torch.ones(8, device="cuda"))
-    with pytest.raises(ValueError, match="EMSA_DEVICE_SIDE_STREAM"):
-        emsa.AdamW([w], step_in_backward=True, profile=str(CPU_PROFILE))
 
 
 @requires_cuda

@@ -89,8 +89,6 @@ struct KernelTable {
 const KernelTable& ScalarKernels();
 const KernelTable& Avx2Kernels();
 const KernelTable& Avx512Kernels();
-// Avx512Kernels with non-temporal stores of fp32 moments (CpuUpdaterOptions::stream_states).
-const KernelTable& Avx512StreamKernels();
 // The table for `level` (callers make sure the CPU supports it).
 const KernelTable& KernelsFor(SimdLevel level);
 

@@ -23,7 +23,6 @@ struct ScalarOps {
   };
   static constexpr int kWidth = 1;
   static constexpr bool kMaskedTail = false;
-  static constexpr bool kStreamStates = false;
 
   static M All() { return {}; }
   static V Set(float x) { return x; }

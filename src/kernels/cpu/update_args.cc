@@ -20,9 +20,6 @@ LerpConst MakeLerp(double beta) {
   return lerp;
 }
 
-constexpr uint32_t kStateStream = 1;
-constexpr uint32_t kParamStream = 2;
-
 }  // namespace
 
 UpdateArgs MakeUpdateArgs(const TensorUpdate& t, const StepOptions& options) {

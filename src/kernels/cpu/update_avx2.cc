@@ -28,7 +28,6 @@ struct Avx2Ops {
   };
   static constexpr int kWidth = 8;
   static constexpr bool kMaskedTail = false;
-  static constexpr bool kStreamStates = false;
 
   static M All() { return {}; }
   static V Set(float x) { return _mm256_set1_ps(x); }

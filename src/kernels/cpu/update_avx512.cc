@@ -38,7 +38,6 @@ struct Avx512Ops {
   };
   static constexpr int kWidth = 16;
   static constexpr bool kMaskedTail = true;
-  static constexpr bool kStreamStates = false;
 
   struct Full {};  // every lane: plain loads and stores (masked stores cost more on some CPUs)
   static Full All() { return {}; }
@@ -144,26 +143,10 @@ struct Avx512Ops {
   }
 };
 
-// The same kernels, writing fp32 moments with non-temporal stores: they are not read again in
-// the step, so they need not push the gradients (which the host tier's DMA may have just put in
-// the last-level cache) and the deltas (which it reads back) out of the cache.
-struct Avx512StreamOps : Avx512Ops {
-  using Plain = Avx512Ops;
-  static constexpr bool kStreamStates = true;
-  static void StreamF32(float* p, V x) { _mm512_stream_ps(p, x); }
-  static void Fence() { _mm_sfence(); }
-};
-
 }  // namespace
 
 const KernelTable& Avx512Kernels() {
   static const KernelTable table = MakeKernelTable<Avx512Ops, Avx512Ops>(SimdLevel::kAvx512);
-  return table;
-}
-
-const KernelTable& Avx512StreamKernels() {
-  static const KernelTable table =
-      MakeKernelTable<Avx512StreamOps, Avx512StreamOps>(SimdLevel::kAvx512);
   return table;
 }
 

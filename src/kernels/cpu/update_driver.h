@@ -41,32 +41,14 @@ EMSA_CPU_INLINE void UpdateLoop(const UpdateArgs& a, int64_t begin, int64_t end)
   }
 }
 
-// Whether elements [begin, ...) of a tensor's fp32 moments start on a 64-byte line (Lion has
-// no exp_avg_sq: a null pointer passes).
-EMSA_CPU_INLINE bool StatesLineAligned(const UpdateArgs& a, int64_t begin) {
-  const auto at = [begin](const void* s) {
-    return s == nullptr ? uintptr_t{0} : reinterpret_cast<uintptr_t>(At<float>(s, begin));
-  };
-  return ((at(a.exp_avg) | at(a.exp_avg_sq)) & 63u) == 0;
-}
-
-// kD: the delta kernels (UpdateVector's kDelta). Ops with kStreamStates write fp32 moments with
-// non-temporal stores when the range starts on a line (else, and for bf16 moments, Ops::Plain's
-// kernel runs), and fence them before returning.
+// kD: the delta kernels (UpdateVector's kDelta).
 template <class Ops, class TailOps, OptimizerKind kOpt, ParamKind kP, int kS, bool kD = false>
 void UpdateRange(const UpdateArgs& a, int64_t begin, int64_t end) {
-  if constexpr (Ops::kStreamStates) {
-    if (kS != 0 || !StatesLineAligned(a, begin)) {
-      UpdateRange<typename Ops::Plain, typename Ops::Plain, kOpt, kP, kS, kD>(a, begin, end);
-      return;
-    }
-  }
   if (kS == 1 && a.stochastic) {
     UpdateLoop<Ops, TailOps, kOpt, kP, kS, true, kD>(a, begin, end);
   } else {
     UpdateLoop<Ops, TailOps, kOpt, kP, kS, false, kD>(a, begin, end);
   }
-  if constexpr (Ops::kStreamStates) Ops::Fence();
 }
 
 template <class Ops, class Mask>

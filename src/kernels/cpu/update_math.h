@@ -8,8 +8,6 @@
 //   even), StoreBf16Sr/StoreF16Sr(ptr, V, U random, mask) (stochastic; numerics.h says which bits)
 //   Hash(first_index, key): lane k = HashIndex(first_index + k, key); High16(U)
 //   Sqrt(V) (IEEE, correctly rounded), Sign(V) (-1, 0 or +1; NaN gives 0)
-//   kStreamStates: fp32 moments are written with non-temporal stores, StreamF32(ptr, V) on
-//   64-byte aligned full vectors (UpdateRange checks the alignment and fences after)
 // Because every ISA runs this same sequence of IEEE operations (no FMA: each .cc disables
 // contraction), all of them produce the same bits. The operations and their order are
 // torch.optim's single-tensor AdamW/Adam (Lion as in include/emsa/update.h), see each line;
@@ -22,7 +20,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/numerics.h"
@@ -118,15 +115,7 @@ EMSA_CPU_INLINE typename Ops::V LoadState(void* s, int64_t i, Mask m) {
 template <class Ops, int kS, bool kSr, class Mask>
 EMSA_CPU_INLINE void StoreState(void* s, typename Ops::V x, typename Ops::U random, int64_t i,
                                 Mask m) {
-  if constexpr (kS == 0) {
-    if constexpr (Ops::kStreamStates) {
-      if constexpr (std::is_same_v<Mask, typename Ops::Full>) {
-        Ops::StreamF32(At<float>(s, i), x);  // aligned: UpdateRange checked
-        return;
-      }
-    }
-    Ops::StoreF32(At<float>(s, i), x, m);
-  }
+  if constexpr (kS == 0) Ops::StoreF32(At<float>(s, i), x, m);
   if constexpr (kS == 1 && kSr) Ops::StoreBf16Sr(At<uint16_t>(s, i), x, random, m);
   if constexpr (kS == 1 && !kSr) Ops::StoreBf16(At<uint16_t>(s, i), x, m);
 }

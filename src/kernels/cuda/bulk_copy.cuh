@@ -1,6 +1,6 @@
 // bulk_copy.cuh — Hopper bulk copies (cp.async.bulk, PTX ISA 8.0, sm_90) and the mbarriers they
 // complete on: what the fp32 update kernel's load pipeline uses (update_kernel.cuh), and the
-// stream-mix benchmark (bench/stream_mix_bench.cu) that measured it.
+// stream-mix benchmark (bench/stream_mix_bench.cu).
 //
 // Below sm_90 every function compiles to nothing (EMSA_HAVE_BULK_COPY 0): callers must not take
 // a bulk path there (the launcher checks the device's compute capability).

@@ -1,8 +1,6 @@
-// device_update.cc — DeviceScalars and DeviceUpdateTable: validation, the bind-time uploads, and
-// the per-step launches (host side; the kernels are in the .cu files beside this one).
-//
-// Validation is the same with or without CUDA in the build, so bad input always gets the error
-// that names it; only then does a build without CUDA (or a machine without a device) say so.
+// device_update.cc — DeviceScalars and DeviceUpdateTable: the bind-time uploads and the
+// per-step launches (host side; the kernels are in the .cu files beside this one). Validation
+// runs first (device_validate.h); a build without CUDA has device_update_nocuda.cc instead.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -10,155 +8,26 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/cuda_util.h"
 #include "emsa/cuda_update.h"
 #include "kernels/cuda/device_table.h"
+#include "kernels/cuda/device_validate.h"
 
 namespace emsa {
 namespace {
 
 using cuda::ParamKind;
 using cuda::Variant;
-
-std::string Num(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g", v);
-  return buf;
-}
-
-std::string Name(size_t i) { return "tensors[" + std::to_string(i) + "]"; }
-
-bool IsDType(DType d) {
-  return d == DType::kFloat32 || d == DType::kBFloat16 || d == DType::kFloat16;
-}
-
-// The CPU updater's rules, so a group valid on one tier is valid on the other. Lion ignores eps,
-// but a group does not know its optimizer: the default (1e-8) passes.
-Status ValidateHyper(const std::string& where, const HyperParams& h) {
-  if (!(std::isfinite(h.lr) && h.lr >= 0.0f)) {
-    return Status::InvalidArgument(where + ".lr is " + Num(h.lr) + "; it must be finite and >= 0");
-  }
-  if (!(h.beta1 >= 0.0f && h.beta1 < 1.0f)) {
-    return Status::InvalidArgument(where + ".beta1 is " + Num(h.beta1) + "; it must be in [0, 1)");
-  }
-  if (!(h.beta2 >= 0.0f && h.beta2 < 1.0f)) {
-    return Status::InvalidArgument(where + ".beta2 is " + Num(h.beta2) + "; it must be in [0, 1)");
-  }
-  if (!(std::isfinite(h.weight_decay) && h.weight_decay >= 0.0f)) {
-    return Status::InvalidArgument(where + ".weight_decay is " + Num(h.weight_decay) +
-                                   "; it must be finite and >= 0");
-  }
-  if (!(std::isfinite(h.eps) && h.eps > 0.0f)) {
-    return Status::InvalidArgument(where + ".eps is " + Num(h.eps) +
-                                   "; it must be finite and > 0 (Lion ignores it: keep the "
-                                   "default)");
-  }
-  return Status::Ok();
-}
-
-Status ValidateGroups(const HyperParams* hypers, size_t group_count) {
-  if (group_count == 0) {
-    return Status::InvalidArgument("group_count is 0; a DeviceScalars needs at least one group");
-  }
-  if (hypers == nullptr) return Status::InvalidArgument("hypers is null");
-  if (group_count > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
-    return Status::InvalidArgument("group_count " + std::to_string(group_count) +
-                                   " exceeds 2^31 - 1 groups");
-  }
-  for (size_t i = 0; i < group_count; ++i) {
-    EMSA_RETURN_IF_ERROR(ValidateHyper("hypers[" + std::to_string(i) + "]", hypers[i]));
-  }
-  return Status::Ok();
-}
-
-Status ValidateTensor(size_t i, const TensorUpdate& t, int32_t group, const DeviceTableOptions& o) {
-  const auto invalid = [&](const std::string& what) {
-    return Status::InvalidArgument(Name(i) + "." + what);
-  };
-  if (t.numel < 0) return invalid("numel is " + std::to_string(t.numel) + "; it must be >= 0");
-  if (group < 0) {
-    return Status::InvalidArgument("groups[" + std::to_string(i) + "] is " + std::to_string(group) +
-                                   "; group indices are >= 0");
-  }
-  if (!IsDType(t.param_dtype) || !IsDType(t.grad_dtype) || !IsDType(t.state_dtype)) {
-    return invalid("param_dtype, grad_dtype or state_dtype is not a DType value");
-  }
-  if (t.state_dtype == DType::kFloat16) {
-    return Status::Unsupported(Name(i) +
-                               ".state_dtype float16 is not supported; use float32 or bfloat16");
-  }
-  if (t.grad_dtype != DType::kFloat32 && t.grad_dtype != t.param_dtype) {
-    return Status::Unsupported(Name(i) + ".grad_dtype is " + DTypeName(t.grad_dtype) + " with a " +
-                               DTypeName(t.param_dtype) +
-                               " param; on the device the grad is float32 or the param's dtype");
-  }
-  if (t.delta != nullptr) {
-    return Status::Unsupported(Name(i) +
-                               ".delta is set; the device kernels update the parameter in place "
-                               "(delta is for the CPU updater): pass null");
-  }
-  const bool low_param = t.param_dtype != DType::kFloat32;
-  if (!low_param && t.master != nullptr) {
-    return invalid("master is set but param is float32, which is its own master; pass null");
-  }
-  if (low_param && t.master == nullptr && o.rounding != Rounding::kStochastic) {
-    return invalid(std::string("param is ") + DTypeName(t.param_dtype) +
-                   " without an fp32 master, which needs Rounding::kStochastic (round-to-nearest "
-                   "would drop small updates); pass a master copy or stochastic rounding");
-  }
-  if (t.numel == 0) return Status::Ok();
-  if (t.param == nullptr) return invalid("param is null");
-  if (t.grad == nullptr) return invalid("grad is null");
-  if (t.exp_avg == nullptr) return invalid("exp_avg is null");
-  if (t.exp_avg_sq == nullptr && o.optimizer != OptimizerKind::kLion) {
-    return invalid(std::string("exp_avg_sq is null; ") + OptimizerName(o.optimizer) +
-                   " keeps two moments");
-  }
-  return Status::Ok();
-}
-
-// What validation learns about a table on the way.
-struct TableShape {
-  int64_t total = 0;   // elements
-  int64_t chunks = 0;  // kChunkElems pieces
-  int32_t max_group = 0;
-};
-
-Status ValidateTable(const TensorUpdate* tensors, const int32_t* groups, size_t count,
-                     const DeviceTableOptions& options, TableShape* shape) {
-  if (options.optimizer != OptimizerKind::kAdamW && options.optimizer != OptimizerKind::kAdam &&
-      options.optimizer != OptimizerKind::kLion) {
-    return Status::InvalidArgument("options.optimizer is " +
-                                   std::to_string(static_cast<int>(options.optimizer)) +
-                                   "; use OptimizerKind::kAdamW, kAdam or kLion");
-  }
-  if (options.rounding != Rounding::kNearest && options.rounding != Rounding::kStochastic) {
-    return Status::InvalidArgument("options.rounding is " +
-                                   std::to_string(static_cast<int>(options.rounding)) +
-                                   "; use Rounding::kNearest or kStochastic");
-  }
-  if (tensors == nullptr && count > 0) {
-    return Status::InvalidArgument("tensors is null but count is " + std::to_string(count));
-  }
-  if (count > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
-    return Status::InvalidArgument("count " + std::to_string(count) +
-                                   " exceeds 2^31 - 1 tensors in one table; split the bucket");
-  }
-  *shape = TableShape{};
-  for (size_t i = 0; i < count; ++i) {
-    const int32_t group = groups != nullptr ? groups[i] : 0;
-    EMSA_RETURN_IF_ERROR(ValidateTensor(i, tensors[i], group, options));
-    if (tensors[i].numel > std::numeric_limits<int64_t>::max() - shape->total) {
-      return Status::InvalidArgument(Name(i) + ".numel makes the table's element count overflow");
-    }
-    shape->total += tensors[i].numel;
-    shape->chunks += (tensors[i].numel + cuda::kChunkElems - 1) / cuda::kChunkElems;
-    shape->max_group = std::max(shape->max_group, group);
-  }
-  return Status::Ok();
-}
+using device_checks::CheckGroupIndex;
+using device_checks::Name;
+using device_checks::Num;
+using device_checks::TableShape;
+using device_checks::ValidateGroupHyper;
+using device_checks::ValidateGroups;
+using device_checks::ValidateTable;
 
 }  // namespace
 }  // namespace emsa
@@ -298,14 +167,6 @@ uint64_t BytesPerElement(const TensorUpdate& t, OptimizerKind optimizer) {
 
 size_t RoundUp(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
-Status CheckGroupIndex(size_t group, size_t group_count) {
-  if (group >= group_count) {
-    return Status::InvalidArgument("group " + std::to_string(group) + " is out of range; there " +
-                                   "are " + std::to_string(group_count) + " groups");
-  }
-  return Status::Ok();
-}
-
 constexpr int kGradSlots = DeviceUpdateTable::kGradStagingSlots;
 
 }  // namespace
@@ -347,7 +208,7 @@ DeviceScalars::~DeviceScalars() {
 Status DeviceScalars::SetGroup(size_t group, const HyperParams& hyper, int64_t step,
                                cudaStream_t stream) {
   EMSA_RETURN_IF_ERROR(CheckGroupIndex(group, group_count_));
-  EMSA_RETURN_IF_ERROR(ValidateHyper("hyper", hyper));
+  EMSA_RETURN_IF_ERROR(ValidateGroupHyper(hyper, "hyper."));
   if (step < 0) {
     return Status::InvalidArgument("step is " + std::to_string(step) +
                                    "; it must be >= 0 (AdvanceSteps adds 1 before each update)");
@@ -359,7 +220,7 @@ Status DeviceScalars::SetGroup(size_t group, const HyperParams& hyper, int64_t s
 
 Status DeviceScalars::SetGroupHyper(size_t group, const HyperParams& hyper, cudaStream_t stream) {
   EMSA_RETURN_IF_ERROR(CheckGroupIndex(group, group_count_));
-  EMSA_RETURN_IF_ERROR(ValidateHyper("hyper", hyper));
+  EMSA_RETURN_IF_ERROR(ValidateGroupHyper(hyper, "hyper."));
   EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::SetGroupHyper"));
   return cuda::LaunchSetGroupHyper(groups_, static_cast<int64_t>(group), ToDeviceScalars(hyper, 0),
                                    stream);
@@ -432,6 +293,59 @@ Status DeviceScalars::Read(DeviceStepHeader* header, DeviceGroupScalars* groups,
   return Status::Ok();
 }
 
+namespace {
+
+// The table's image before upload: one DeviceTensor per tensor, and the tensors' variants.
+struct TableImage {
+  std::vector<cuda::DeviceTensor> tensors;
+  std::vector<int> variant_of;  // cuda::VariantIndex of each tensor
+  uint64_t bytes = 0;           // moved by one update
+};
+
+// Each pointer an update touches must be memory of `device` that kernels can read.
+Status CheckTablePointers(const TensorUpdate* tensors, size_t count, OptimizerKind optimizer,
+                          int device) {
+  for (size_t i = 0; i < count; ++i) {
+    const TensorUpdate& t = tensors[i];
+    if (t.numel == 0) continue;
+    EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "param", t.param, device));
+    EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "grad", t.grad, device));
+    EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "exp_avg", t.exp_avg, device));
+    if (optimizer != OptimizerKind::kLion) {
+      EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "exp_avg_sq", t.exp_avg_sq, device));
+    }
+    EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "master", t.master, device));
+  }
+  return Status::Ok();
+}
+
+TableImage MakeTableImage(const TensorUpdate* tensors, const int32_t* groups, size_t count,
+                          OptimizerKind optimizer) {
+  TableImage image;
+  image.tensors.resize(count);
+  image.variant_of.resize(count);
+  for (size_t i = 0; i < count; ++i) {
+    const TensorUpdate& t = tensors[i];
+    const bool lion = optimizer == OptimizerKind::kLion;
+    cuda::DeviceTensor& d = image.tensors[i];
+    d.param = t.param;
+    d.grad = t.grad;
+    d.exp_avg = t.exp_avg;
+    d.exp_avg_sq = lion ? nullptr : t.exp_avg_sq;
+    d.master = t.master;
+    d.numel = t.numel;
+    d.group = groups != nullptr ? groups[i] : 0;
+    d.flags = cuda::TensorFlags(d.param, d.grad, d.exp_avg, d.exp_avg_sq, d.master);
+    d.grad_dtype = static_cast<uint16_t>(t.grad_dtype);
+    image.variant_of[i] = cuda::VariantIndex(
+        {ParamKindOf(t), t.grad_dtype == DType::kFloat32, t.state_dtype == DType::kBFloat16});
+    image.bytes += static_cast<uint64_t>(t.numel) * BytesPerElement(t, optimizer);
+  }
+  return image;
+}
+
+}  // namespace
+
 // ---- DeviceUpdateTable -------------------------------------------------------------------------
 
 struct DeviceUpdateTable::Impl {
@@ -452,6 +366,15 @@ struct DeviceUpdateTable::Impl {
     if (pinned != nullptr) (void)cudaFreeHost(pinned);
     if (memory != nullptr) (void)cudaFree(memory);
   }
+  // Create's steps, in order.
+  std::vector<cuda::DeviceChunk> SortChunks(const TensorUpdate* tensors, size_t count,
+                                            const std::vector<int>& variant_of,
+                                            int64_t chunk_total);
+  Status SizeGrids(const DeviceTableOptions& options, int device, int64_t chunk_total);
+  Status AllocateMemory(size_t count, size_t chunk_count);
+  Status KeepGrads(const TensorUpdate* tensors, size_t count);
+  Status UploadImage(const TableImage& image, const std::vector<cuda::DeviceChunk>& chunks);
+
   void* memory = nullptr;  // one allocation: tensors | chunks | partials | stats | staged
   cuda::DeviceTensor* tensors = nullptr;
   cuda::DeviceChunk* chunks = nullptr;
@@ -472,55 +395,14 @@ struct DeviceUpdateTable::Impl {
   std::vector<uint32_t> grad_sizes;  // bytes per gradient element
 };
 
-Result<std::unique_ptr<DeviceUpdateTable>> DeviceUpdateTable::Create(
-    const TensorUpdate* tensors, const int32_t* groups, size_t count,
-    const DeviceTableOptions& options) {
-  TableShape shape;
-  EMSA_RETURN_IF_ERROR(ValidateTable(tensors, groups, count, options, &shape));
-  const int64_t chunk_total = shape.chunks;
-  if (!CudaDeviceUsable()) return NoDevice("DeviceUpdateTable::Create");
-  int device = -1;
-  EMSA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  for (size_t i = 0; i < count; ++i) {
-    const TensorUpdate& t = tensors[i];
-    if (t.numel == 0) continue;
-    EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "param", t.param, device));
-    EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "grad", t.grad, device));
-    EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "exp_avg", t.exp_avg, device));
-    if (options.optimizer != OptimizerKind::kLion) {
-      EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "exp_avg_sq", t.exp_avg_sq, device));
-    }
-    EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "master", t.master, device));
-  }
-
-  // Host images of the device arrays; chunks sorted by variant, so one launch per variant.
-  std::unique_ptr<DeviceUpdateTable> table(new DeviceUpdateTable());
-  table->impl_ = std::make_unique<Impl>();
-  Impl& impl = *table->impl_;
-  std::vector<cuda::DeviceTensor> dev_tensors(count);
-  std::vector<int> variant_of(count);
-  uint64_t bytes = 0;
-  for (size_t i = 0; i < count; ++i) {
-    const TensorUpdate& t = tensors[i];
-    const bool lion = options.optimizer == OptimizerKind::kLion;
-    cuda::DeviceTensor& d = dev_tensors[i];
-    d.param = t.param;
-    d.grad = t.grad;
-    d.exp_avg = t.exp_avg;
-    d.exp_avg_sq = lion ? nullptr : t.exp_avg_sq;
-    d.master = t.master;
-    d.numel = t.numel;
-    d.group = groups != nullptr ? groups[i] : 0;
-    d.flags = cuda::TensorFlags(d.param, d.grad, d.exp_avg, d.exp_avg_sq, d.master);
-    d.grad_dtype = static_cast<uint16_t>(t.grad_dtype);
-    variant_of[i] = cuda::VariantIndex(
-        {ParamKindOf(t), t.grad_dtype == DType::kFloat32, t.state_dtype == DType::kBFloat16});
-    bytes += static_cast<uint64_t>(t.numel) * BytesPerElement(t, options.optimizer);
-  }
+// The chunks sorted by variant, so one launch per variant.
+std::vector<cuda::DeviceChunk> DeviceUpdateTable::Impl::SortChunks(
+    const TensorUpdate* tensors, size_t count, const std::vector<int>& variant_of,
+    int64_t chunk_total) {
   std::vector<cuda::DeviceChunk> dev_chunks;
   dev_chunks.reserve(static_cast<size_t>(chunk_total));
   for (int v = 0; v < cuda::kVariants; ++v) {
-    Impl::Launch launch;
+    Launch launch;
     launch.variant = {static_cast<ParamKind>(v / 4), (v & 2) != 0, (v & 1) != 0};
     launch.first_chunk = static_cast<int64_t>(dev_chunks.size());
     for (size_t i = 0; i < count; ++i) {
@@ -530,88 +412,127 @@ Result<std::unique_ptr<DeviceUpdateTable>> DeviceUpdateTable::Create(
       }
     }
     launch.chunk_count = static_cast<int64_t>(dev_chunks.size()) - launch.first_chunk;
-    if (launch.chunk_count > 0) impl.launches.push_back(launch);
+    if (launch.chunk_count > 0) launches.push_back(launch);
   }
+  return dev_chunks;
+}
 
-  // A persistent grid per launch: as many blocks as fit on the device at once, fewer when
-  // there are fewer chunks.
+// A persistent grid per launch: as many blocks as fit on the device at once, fewer when there
+// are fewer chunks.
+Status DeviceUpdateTable::Impl::SizeGrids(const DeviceTableOptions& options, int device,
+                                          int64_t chunk_total) {
   int sms = 0;
   EMSA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   bool bulk_available = false;
   if (options.bulk_copy) {
     EMSA_ASSIGN_OR_RETURN(bulk_available, cuda::BulkAvailable(options.optimizer));
   }
-  for (Impl::Launch& launch : impl.launches) {
+  for (Launch& launch : launches) {
     launch.bulk = bulk_available && cuda::BulkVariant(launch.variant);
     EMSA_ASSIGN_OR_RETURN(int per_sm,
                           cuda::UpdateBlocksPerSm(options.optimizer, launch.variant, launch.bulk));
     const int64_t resident = static_cast<int64_t>(per_sm) * sms;
-    launch.grid = static_cast<int>(
-        std::min<int64_t>(launch.chunk_count, options.persistent_grid ? resident : INT32_MAX));
+    launch.grid = static_cast<int>(std::min<int64_t>(launch.chunk_count, resident));
   }
   EMSA_ASSIGN_OR_RETURN(int stats_per_sm, cuda::GradStatsBlocksPerSm());
-  impl.stats_grid = static_cast<int>(std::max<int64_t>(
+  stats_grid = static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>(chunk_total, static_cast<int64_t>(stats_per_sm) * sms)));
+  return Status::Ok();
+}
 
-  // One allocation: tensors | chunks | partials | stats | staged, each 256-byte aligned.
+// One allocation: tensors | chunks | partials | stats | staged, each 256-byte aligned.
+Status DeviceUpdateTable::Impl::AllocateMemory(size_t count, size_t chunk_count) {
   const size_t tensors_bytes = RoundUp(count * sizeof(cuda::DeviceTensor), 256);
-  const size_t chunks_bytes = RoundUp(dev_chunks.size() * sizeof(cuda::DeviceChunk), 256);
+  const size_t chunks_bytes = RoundUp(chunk_count * sizeof(cuda::DeviceChunk), 256);
   const size_t partials_bytes =
-      RoundUp(static_cast<size_t>(impl.stats_grid) * sizeof(cuda::GradPartial), 256);
+      RoundUp(static_cast<size_t>(stats_grid) * sizeof(cuda::GradPartial), 256);
   const size_t stats_bytes = RoundUp(sizeof(cuda::GradTableStats), 256);
   const size_t slots_bytes = kGradSlots * count * sizeof(void*);
   const size_t alloc =
       tensors_bytes + chunks_bytes + partials_bytes + stats_bytes + RoundUp(slots_bytes, 256);
   DeviceMemory mem;
   EMSA_RETURN_IF_ERROR(Allocate(&mem, alloc, "DeviceUpdateTable::Create"));
-  impl.memory = mem.release();
-  char* base = static_cast<char*>(impl.memory);
-  impl.tensors = reinterpret_cast<cuda::DeviceTensor*>(base);
-  impl.chunks = reinterpret_cast<cuda::DeviceChunk*>(base + tensors_bytes);
-  impl.partials = reinterpret_cast<cuda::GradPartial*>(base + tensors_bytes + chunks_bytes);
-  impl.stats =
+  memory = mem.release();
+  char* base = static_cast<char*>(memory);
+  tensors = reinterpret_cast<cuda::DeviceTensor*>(base);
+  chunks = reinterpret_cast<cuda::DeviceChunk*>(base + tensors_bytes);
+  partials = reinterpret_cast<cuda::GradPartial*>(base + tensors_bytes + chunks_bytes);
+  stats =
       reinterpret_cast<cuda::GradTableStats*>(base + tensors_bytes + chunks_bytes + partials_bytes);
-  impl.staged = reinterpret_cast<const void**>(base + tensors_bytes + chunks_bytes +
-                                               partials_bytes + stats_bytes);
+  staged = reinterpret_cast<const void**>(base + tensors_bytes + chunks_bytes + partials_bytes +
+                                          stats_bytes);
+  return Status::Ok();
+}
+
+// SetGradPointers' pinned staging and events, and the gradients the table points at now.
+Status DeviceUpdateTable::Impl::KeepGrads(const TensorUpdate* tensors, size_t count) {
   if (count > 0) {
-    void* pinned = nullptr;
-    const cudaError_t err = cudaHostAlloc(&pinned, slots_bytes, cudaHostAllocDefault);
+    const size_t slots_bytes = kGradSlots * count * sizeof(void*);
+    void* host = nullptr;
+    const cudaError_t err = cudaHostAlloc(&host, slots_bytes, cudaHostAllocDefault);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
       return Status::OutOfMemory(
           "DeviceUpdateTable::Create: cudaHostAlloc of " + std::to_string(slots_bytes) +
           " bytes of pinned staging for SetGradPointers failed (" + cudaGetErrorName(err) + ")");
     }
-    impl.pinned = static_cast<const void**>(pinned);
-    for (cudaEvent_t& e : impl.slot_done) {
+    pinned = static_cast<const void**>(host);
+    for (cudaEvent_t& e : slot_done) {
       EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     }
   }
-  impl.grads.resize(count);
-  impl.numels.resize(count);
-  impl.grad_sizes.resize(count);
+  grads.resize(count);
+  numels.resize(count);
+  grad_sizes.resize(count);
   for (size_t i = 0; i < count; ++i) {
-    impl.grads[i] = tensors[i].grad;
-    impl.numels[i] = tensors[i].numel;
-    impl.grad_sizes[i] = static_cast<uint32_t>(DTypeSize(tensors[i].grad_dtype));
+    grads[i] = tensors[i].grad;
+    numels[i] = tensors[i].numel;
+    grad_sizes[i] = static_cast<uint32_t>(DTypeSize(tensors[i].grad_dtype));
   }
+  return Status::Ok();
+}
+
+Status DeviceUpdateTable::Impl::UploadImage(const TableImage& image,
+                                            const std::vector<cuda::DeviceChunk>& dev_chunks) {
   const char* what = "DeviceUpdateTable::Create: upload";
+  EMSA_RETURN_IF_ERROR(Upload(tensors, image.tensors.data(),
+                              image.tensors.size() * sizeof(cuda::DeviceTensor), what));
   EMSA_RETURN_IF_ERROR(
-      Upload(impl.tensors, dev_tensors.data(), count * sizeof(cuda::DeviceTensor), what));
-  EMSA_RETURN_IF_ERROR(
-      Upload(impl.chunks, dev_chunks.data(), dev_chunks.size() * sizeof(cuda::DeviceChunk), what));
+      Upload(chunks, dev_chunks.data(), dev_chunks.size() * sizeof(cuda::DeviceChunk), what));
   const cuda::GradTableStats stats0{0.0, 0, -1, 0u, 0u};
-  EMSA_RETURN_IF_ERROR(Upload(impl.stats, &stats0, sizeof stats0, what));
-  EMSA_RETURN_IF_ERROR(FinishUploads(what));
+  EMSA_RETURN_IF_ERROR(Upload(stats, &stats0, sizeof stats0, what));
+  return FinishUploads(what);
+}
+
+Result<std::unique_ptr<DeviceUpdateTable>> DeviceUpdateTable::Create(
+    const TensorUpdate* tensors, const int32_t* groups, size_t count,
+    const DeviceTableOptions& options) {
+  TableShape shape;
+  EMSA_RETURN_IF_ERROR(ValidateTable(tensors, groups, count, options, &shape));
+  if (!CudaDeviceUsable()) return NoDevice("DeviceUpdateTable::Create");
+  int device = -1;
+  EMSA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  EMSA_RETURN_IF_ERROR(CheckTablePointers(tensors, count, options.optimizer, device));
+
+  std::unique_ptr<DeviceUpdateTable> table(new DeviceUpdateTable());
+  table->impl_ = std::make_unique<Impl>();
+  Impl& impl = *table->impl_;
+  const TableImage image = MakeTableImage(tensors, groups, count, options.optimizer);
+  const std::vector<cuda::DeviceChunk> dev_chunks =
+      impl.SortChunks(tensors, count, image.variant_of, shape.chunks);
+  EMSA_RETURN_IF_ERROR(impl.SizeGrids(options, device, shape.chunks));
+  EMSA_RETURN_IF_ERROR(impl.AllocateMemory(count, dev_chunks.size()));
+  EMSA_RETURN_IF_ERROR(impl.KeepGrads(tensors, count));
+  EMSA_RETURN_IF_ERROR(impl.UploadImage(image, dev_chunks));
 
   table->device_ = device;
   table->options_ = options;
   table->tensor_count_ = count;
   table->total_numel_ = shape.total;
-  table->chunk_count_ = chunk_total;
+  table->chunk_count_ = shape.chunks;
   table->launch_count_ = impl.launches.size();
   for (const Impl::Launch& l : impl.launches) table->bulk_launch_count_ += l.bulk ? 1 : 0;
-  table->bytes_per_update_ = bytes;
+  table->bytes_per_update_ = image.bytes;
   table->groups_needed_ = count > 0 ? static_cast<size_t>(shape.max_group) + 1 : 0;
   return table;
 }
@@ -735,78 +656,6 @@ Status DeviceUpdateTable::ReadStats(DeviceTableStats* stats, cudaStream_t stream
   stats->nonfinite_count = s.nonfinite;
   stats->first_nonfinite_tensor = s.first_bad;
   return Status::Ok();
-}
-
-}  // namespace emsa
-
-#else  // !EMSA_HAVE_CUDA: the API exists, validates, and says why it cannot work.
-
-namespace emsa {
-namespace {
-Status NoCuda(const char* what) {
-  return Status::Unsupported(std::string(what) +
-                             ": this build of emsa has no CUDA (nvcc was not found at configure "
-                             "time); rebuild with the CUDA toolkit for the device tier");
-}
-}  // namespace
-
-struct DeviceUpdateTable::Impl {};
-
-Result<std::unique_ptr<DeviceScalars>> DeviceScalars::Create(const HyperParams* hypers,
-                                                             size_t group_count) {
-  EMSA_RETURN_IF_ERROR(ValidateGroups(hypers, group_count));
-  return NoCuda("DeviceScalars::Create");
-}
-DeviceScalars::~DeviceScalars() = default;
-Status DeviceScalars::SetGroup(size_t, const HyperParams&, int64_t, cudaStream_t) {
-  return NoCuda("DeviceScalars::SetGroup");
-}
-Status DeviceScalars::SetGroupHyper(size_t, const HyperParams&, cudaStream_t) {
-  return NoCuda("DeviceScalars::SetGroupHyper");
-}
-Status DeviceScalars::CopyHeader(DeviceStepHeader*, cudaStream_t) const {
-  return NoCuda("DeviceScalars::CopyHeader");
-}
-Status DeviceScalars::SetInputs(float, float, uint64_t, cudaStream_t) {
-  return NoCuda("DeviceScalars::SetInputs");
-}
-Status DeviceScalars::UploadHeader(const DeviceStepHeader*, cudaStream_t) {
-  return NoCuda("DeviceScalars::UploadHeader");
-}
-Status DeviceScalars::UploadGroups(const DeviceGroupScalars*, cudaStream_t) {
-  return NoCuda("DeviceScalars::UploadGroups");
-}
-Status DeviceScalars::BeginStep(cudaStream_t) { return NoCuda("DeviceScalars::BeginStep"); }
-Status DeviceScalars::FinishGradStats(cudaStream_t) {
-  return NoCuda("DeviceScalars::FinishGradStats");
-}
-Status DeviceScalars::AdvanceSteps(cudaStream_t) { return NoCuda("DeviceScalars::AdvanceSteps"); }
-Status DeviceScalars::Read(DeviceStepHeader*, DeviceGroupScalars*, cudaStream_t) const {
-  return NoCuda("DeviceScalars::Read");
-}
-
-Result<std::unique_ptr<DeviceUpdateTable>> DeviceUpdateTable::Create(
-    const TensorUpdate* tensors, const int32_t* groups, size_t count,
-    const DeviceTableOptions& options) {
-  TableShape shape;
-  EMSA_RETURN_IF_ERROR(ValidateTable(tensors, groups, count, options, &shape));
-  return NoCuda("DeviceUpdateTable::Create");
-}
-DeviceUpdateTable::~DeviceUpdateTable() = default;
-Status DeviceUpdateTable::Update(const DeviceScalars&, cudaStream_t) {
-  return NoCuda("DeviceUpdateTable::Update");
-}
-Status DeviceUpdateTable::SetAccessWindow(const DeviceAccessWindow&) {
-  return NoCuda("DeviceUpdateTable::SetAccessWindow");
-}
-Status DeviceUpdateTable::AccumulateGradStats(DeviceScalars&, cudaStream_t) {
-  return NoCuda("DeviceUpdateTable::AccumulateGradStats");
-}
-Status DeviceUpdateTable::ReadStats(DeviceTableStats*, cudaStream_t) const {
-  return NoCuda("DeviceUpdateTable::ReadStats");
-}
-Status DeviceUpdateTable::SetGradPointers(const void* const*, size_t, cudaStream_t) {
-  return NoCuda("DeviceUpdateTable::SetGradPointers");
 }
 
 }  // namespace emsa

@@ -35,8 +35,7 @@ constexpr int kUpdateThreads = 256;
 constexpr int kElemsPerThread = EMSA_CUDA_ELEMS_PER_THREAD;
 // Blocks per SM the compiler must fit (it trims registers to do so), a tuning knob like the one
 // above. Unset by default: __launch_bounds__(256, 1) is not the same as __launch_bounds__(256)
-// to nvcc 13. With the minimum given, the bf16 kernel took 5.45 ms instead of 4.37 ms on the
-// H200 (same run, 2026-11-30, cuda_update_bench).
+// to nvcc 13, and the register trimming a minimum forces makes the bf16 kernel slower.
 #ifdef EMSA_CUDA_MIN_BLOCKS
 #define EMSA_UPDATE_LAUNCH_BOUNDS __launch_bounds__(kUpdateThreads, EMSA_CUDA_MIN_BLOCKS)
 #else
@@ -345,17 +344,17 @@ __global__ void EMSA_UPDATE_LAUNCH_BOUNDS FusedUpdateKernel(const UpdateLaunch a
 
 // ---- the bulk-copy kernel: fp32 parameters, gradients and states on sm_90 ----------------------
 //
-// Loads and stores by Hopper bulk copies instead of per-thread 16-byte accesses: measured on the
-// H200 (bench/stream_mix_bench.cu, 2026-11-30) the per-thread path tops out near 88-91% of a
-// device copy for any stream count, bulk copies of 1024-element tiles in a 2-stage ring reach
-// 94-95%. Per block (persistent grid, the chunks round-robin as above): thread 0 fills stage
-// k % 2 with tile k of every input stream (one mbarrier per stage, its phase completing when
-// the bytes have landed) two tiles ahead; all threads wait for the stage, compute from shared
-// memory into one of two output tiles, and thread 0 bulk-stores those after a barrier (the
-// output tile is rewritten only once its store has read it: wait_group.read). Tiles cover each
-// vector-path chunk's whole 4-element vectors (a tensor's last chunk may end in a shorter tile);
-// the rest (tensors off 16-byte alignment, the last n % 4 elements) takes the scalar path after
-// the pipeline. The arithmetic is StepElement's, so results are the bits of the other path.
+// Loads and stores by Hopper bulk copies instead of per-thread 16-byte accesses: with many
+// streams at once, bulk copies of 1024-element tiles in a 2-stage ring come closer to a device
+// copy's bandwidth than per-thread accesses do. Per block (persistent grid, the chunks round-robin
+// as above): thread 0 fills stage k % 2 with tile k of every input stream (one mbarrier per stage,
+// its phase completing when the bytes have landed) two tiles ahead; all threads wait for the stage,
+// compute from shared memory into one of two output tiles, and thread 0 bulk-stores those after a
+// barrier (the output tile is rewritten only once its store has read it: wait_group.read). Tiles
+// cover each vector-path chunk's whole 4-element vectors (a tensor's last chunk may end in a
+// shorter tile); the rest (tensors off 16-byte alignment, the last n % 4 elements) takes the scalar
+// path after the pipeline. The arithmetic is StepElement's, so results are the bits of the other
+// path.
 
 constexpr int kBulkTile = 1024;  // elements per tile per stream: 4 KiB of fp32
 constexpr int kBulkStages = 2;
@@ -416,12 +415,68 @@ __device__ __forceinline__ bool NextTile(const UpdateLaunch& a, TileCursor& c) {
   return SeekTile(a, c.chunk + gridDim.x, c);
 }
 
+// The update of one tile in shared memory: `vecs` float4 of each input stream (param, grad,
+// exp_avg, exp_avg_sq) from `in`, the results (param, exp_avg, exp_avg_sq) to `out`.
+template <OptimizerKind kOpt>
+__device__ __forceinline__ void UpdateSharedTile(const StepConsts& c, const float4* in, float4* out,
+                                                 int vecs, int tid) {
+  using S = BulkShape<kOpt>;
+  constexpr bool kLion = kOpt == OptimizerKind::kLion;
+  const Keys keys{0u, 0u};  // fp32 stores do not round
+  for (int i = tid; i < vecs; i += kUpdateThreads) {
+    const float4 p4 = in[i], g4 = in[S::kTileVecs + i], m4 = in[2 * S::kTileVecs + i];
+    const float4 v4 = kLion ? float4{} : in[3 * S::kTileVecs + i];
+    const float ps[4] = {p4.x, p4.y, p4.z, p4.w}, gs[4] = {g4.x, g4.y, g4.z, g4.w};
+    const float ms[4] = {m4.x, m4.y, m4.z, m4.w}, vs[4] = {v4.x, v4.y, v4.z, v4.w};
+    float po[4], mo[4], vo[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const Stored o =
+          StepElement<kOpt, ParamKind::kF32, false>(c, keys, false, 0u, ps[e], gs[e], ms[e], vs[e]);
+      po[e] = o.master;
+      mo[e] = BitsFloat(o.exp_avg);
+      vo[e] = BitsFloat(o.exp_avg_sq);
+    }
+    out[i] = float4{po[0], po[1], po[2], po[3]};
+    out[S::kTileVecs + i] = float4{mo[0], mo[1], mo[2], mo[3]};
+    if constexpr (!kLion) out[2 * S::kTileVecs + i] = float4{vo[0], vo[1], vo[2], vo[3]};
+  }
+}
+
+// What the tiles left: whole chunks of tensors off 16-byte alignment, and the last n % 4
+// elements of the others. `group` and `c` carry the last group's constants over.
+template <OptimizerKind kOpt>
+__device__ __forceinline__ void UpdateTileLeftovers(const UpdateLaunch& a, float grad_multiplier,
+                                                    int32_t& group, StepConsts& c) {
+  constexpr bool kLion = kOpt == OptimizerKind::kLion;
+  const Keys keys{0u, 0u};  // fp32 stores do not round
+  for (int64_t ci = blockIdx.x; ci < a.chunk_count; ci += gridDim.x) {
+    const DeviceChunk chunk = a.chunks[ci];
+    const DeviceTensor& t = a.tensors[chunk.tensor];
+    const int64_t left = t.numel - chunk.begin;
+    const int n = static_cast<int>(left < kChunkElems ? left : kChunkElems);
+    const int from = (t.flags & kTensorVector) ? (n & ~3) : 0;
+    if (from == n) continue;
+    if (t.group != group) {
+      group = t.group;
+      c = MakeStepConsts<kOpt>(a.groups[group], grad_multiplier);
+    }
+    ChunkPtrs p;
+    p.param = static_cast<float*>(t.param) + chunk.begin;
+    p.grad = static_cast<const float*>(t.grad) + chunk.begin;
+    p.exp_avg = static_cast<float*>(t.exp_avg) + chunk.begin;
+    p.exp_avg_sq = kLion ? nullptr : static_cast<float*>(t.exp_avg_sq) + chunk.begin;
+    p.master = nullptr;
+    UpdateScalar<kOpt, ParamKind::kF32, true, false>(
+        p, c, keys, false, static_cast<uint32_t>(static_cast<uint64_t>(chunk.begin)), from, n);
+  }
+}
+
 template <OptimizerKind kOpt>
 __global__ void EMSA_UPDATE_LAUNCH_BOUNDS BulkUpdateKernel(const UpdateLaunch a) {
 #if EMSA_HAVE_BULK_COPY
   using S = BulkShape<kOpt>;
   constexpr bool kLion = kOpt == OptimizerKind::kLion;
-  constexpr ParamKind kP = ParamKind::kF32;
   if (a.header->found_inf != 0) return;
   const float grad_multiplier = a.header->grad_multiplier;
   extern __shared__ __align__(128) float smem[];
@@ -459,7 +514,6 @@ __global__ void EMSA_UPDATE_LAUNCH_BOUNDS BulkUpdateKernel(const UpdateLaunch a)
 
   int32_t group = -1;
   StepConsts c{};
-  const Keys keys{0u, 0u};  // fp32 stores do not round
   float* const outputs = smem + kBulkStages * S::kIn * kBulkTile;
   for (int64_t k = 0; more; ++k) {
     const int st = static_cast<int>(k % kBulkStages);
@@ -471,24 +525,7 @@ __global__ void EMSA_UPDATE_LAUNCH_BOUNDS BulkUpdateKernel(const UpdateLaunch a)
     MbarWait(&full[st], static_cast<uint32_t>((k / kBulkStages) & 1));
     const float4* in = reinterpret_cast<const float4*>(smem + st * S::kIn * kBulkTile);
     float4* out = reinterpret_cast<float4*>(outputs + (k & 1) * S::kOut * kBulkTile);
-    for (int i = tid; i < vecs; i += kUpdateThreads) {
-      const float4 p4 = in[i], g4 = in[S::kTileVecs + i], m4 = in[2 * S::kTileVecs + i];
-      const float4 v4 = kLion ? float4{} : in[3 * S::kTileVecs + i];
-      const float ps[4] = {p4.x, p4.y, p4.z, p4.w}, gs[4] = {g4.x, g4.y, g4.z, g4.w};
-      const float ms[4] = {m4.x, m4.y, m4.z, m4.w}, vs[4] = {v4.x, v4.y, v4.z, v4.w};
-      float po[4], mo[4], vo[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const Stored o =
-            StepElement<kOpt, kP, false>(c, keys, false, 0u, ps[e], gs[e], ms[e], vs[e]);
-        po[e] = o.master;
-        mo[e] = BitsFloat(o.exp_avg);
-        vo[e] = BitsFloat(o.exp_avg_sq);
-      }
-      out[i] = float4{po[0], po[1], po[2], po[3]};
-      out[S::kTileVecs + i] = float4{mo[0], mo[1], mo[2], mo[3]};
-      if constexpr (!kLion) out[2 * S::kTileVecs + i] = float4{vo[0], vo[1], vo[2], vo[3]};
-    }
+    UpdateSharedTile<kOpt>(c, in, out, vecs, tid);
     FenceProxyAsyncShared();          // this thread's st.shared before the bulk stores read them
     if (tid == 0) BulkWaitRead<0>();  // the other output tile's stores have read it
     __syncthreads();                  // stage st and the output tile are complete
@@ -508,29 +545,7 @@ __global__ void EMSA_UPDATE_LAUNCH_BOUNDS BulkUpdateKernel(const UpdateLaunch a)
     more = NextTile(a, use);
   }
   if (tid == 0) BulkWait<0>();  // shared memory must outlive the stores' reads
-
-  // What the tiles left: whole chunks of tensors off 16-byte alignment, and the last n % 4
-  // elements of the others.
-  for (int64_t ci = blockIdx.x; ci < a.chunk_count; ci += gridDim.x) {
-    const DeviceChunk chunk = a.chunks[ci];
-    const DeviceTensor& t = a.tensors[chunk.tensor];
-    const int64_t left = t.numel - chunk.begin;
-    const int n = static_cast<int>(left < kChunkElems ? left : kChunkElems);
-    const int from = (t.flags & kTensorVector) ? (n & ~3) : 0;
-    if (from == n) continue;
-    if (t.group != group) {
-      group = t.group;
-      c = MakeStepConsts<kOpt>(a.groups[group], grad_multiplier);
-    }
-    ChunkPtrs p;
-    p.param = static_cast<float*>(t.param) + chunk.begin;
-    p.grad = static_cast<const float*>(t.grad) + chunk.begin;
-    p.exp_avg = static_cast<float*>(t.exp_avg) + chunk.begin;
-    p.exp_avg_sq = kLion ? nullptr : static_cast<float*>(t.exp_avg_sq) + chunk.begin;
-    p.master = nullptr;
-    UpdateScalar<kOpt, kP, true, false>(
-        p, c, keys, false, static_cast<uint32_t>(static_cast<uint64_t>(chunk.begin)), from, n);
-  }
+  UpdateTileLeftovers<kOpt>(a, grad_multiplier, group, c);
 #endif
 }
 

@@ -1,11 +1,12 @@
 // update_math.cuh — the per-element optimizer arithmetic of the device kernels.
 //
-// A transcription of the CPU kernels' reference definitions (src/kernels/cpu/numerics.h,
-// update_args.cc, update_math.h), which are host-only code (GCC vector types, memcpy) and so
-// cannot be included in device code. On the device every float operation is an explicit
-// round-to-nearest intrinsic (__fmul_rn, __fadd_rn, ...): nvcc would otherwise contract a*b+c
-// into one FMA, and the CPU kernels round each operation on its own. The per-step constants
-// follow MakeUpdateArgs: double arithmetic (again without contraction), one rounding to float.
+// The bf16 conversions, the stochastic-rounding hash and its keys are the CPU kernels' own
+// (kernels/rounding.h, included by both). The rest transcribes the CPU kernels' per-element
+// arithmetic (update_args.cc, update_math.h), which is host-only code (GCC vector types). On the
+// device every float operation is an explicit round-to-nearest intrinsic (__fmul_rn, __fadd_rn,
+// ...): nvcc would otherwise contract a*b+c into one FMA, and the CPU kernels round each operation
+// on its own. The per-step constants follow MakeUpdateArgs: double arithmetic (again without
+// contraction), one rounding to float.
 //
 // Everything here is also host code (plain IEEE operations; the emsa build targets baseline
 // x86-64, which has no FMA to contract into), so the unit test runs this very transcription on
@@ -18,17 +19,11 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "emsa/cuda_update.h"
 #include "emsa/types.h"
 #include "kernels/cuda/device_table.h"
-
-#if defined(__CUDACC__)
-#define EMSA_HD __host__ __device__ __forceinline__
-#else
-#define EMSA_HD inline
-#endif
+#include "kernels/rounding.h"  // defines EMSA_HD
 
 namespace emsa {
 namespace cuda {
@@ -48,8 +43,6 @@ EMSA_HD double DSqrt(double a) { return __dsqrt_rn(a); }
 EMSA_HD double DPow(double a, double b) { return pow(a, b); }
 EMSA_HD float ToFloat(double a) { return __double2float_rn(a); }
 EMSA_HD float Abs(float a) { return fabsf(a); }
-EMSA_HD uint32_t FloatBits(float f) { return __float_as_uint(f); }
-EMSA_HD float BitsFloat(uint32_t u) { return __uint_as_float(u); }
 #else
 EMSA_HD float Add(float a, float b) { return a + b; }
 EMSA_HD float Sub(float a, float b) { return a - b; }
@@ -63,83 +56,27 @@ EMSA_HD double DSqrt(double a) { return std::sqrt(a); }
 EMSA_HD double DPow(double a, double b) { return std::pow(a, b); }
 EMSA_HD float ToFloat(double a) { return static_cast<float>(a); }
 EMSA_HD float Abs(float a) { return std::fabs(a); }
-EMSA_HD uint32_t FloatBits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-EMSA_HD float BitsFloat(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 #endif
 
-// ---- bf16 and fp16 (numerics.h) ----------------------------------------------------------------
+// ---- bf16, fp16 and the stochastic-rounding stream (kernels/rounding.h) ------------------------
 
-EMSA_HD bool IsNanBits(uint32_t u) { return (u & 0x7FFFFFFFu) > 0x7F800000u; }
+using namespace rounding;  // one definition for the CPU and CUDA paths
 
-EMSA_HD float Bf16ToFloat(uint32_t h) { return BitsFloat(h << 16); }
-
-EMSA_HD uint32_t Bf16Nearest(float f) {
-  const uint32_t u = FloatBits(f);
-  if (IsNanBits(u)) return (u >> 16) | 0x40u;
-  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-}
-
-// Uses the low 16 bits of `random`.
-EMSA_HD uint32_t Bf16Stochastic(float f, uint32_t random) {
-  const uint32_t u = FloatBits(f);
-  if (IsNanBits(u)) return (u >> 16) | 0x40u;
-  return (u + (random & 0xFFFFu)) >> 16;
-}
-
-// The CUDA conversions are IEEE: exact from half, round-to-nearest-even and toward-zero to half,
-// as numerics.h's reference functions (they differ only in NaN payloads).
+// fp16 by the CUDA conversions, which are IEEE: exact from half, round-to-nearest-even and
+// toward-zero to half, as rounding.h's reference functions (they differ only in NaN payloads).
 EMSA_HD float HalfToFloat(uint32_t h) {
   return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
 }
 EMSA_HD uint32_t HalfNearest(float f) { return __half_as_ushort(__float2half_rn(f)); }
 
-// numerics.h's HalfStochastic: truncate, then one ulp away from zero with probability
-// (|f| - |t|) / ulp, from the top 24 bits of `random`. Every step is exact in float.
+struct HardwareHalfToFloat {
+  EMSA_HD float operator()(uint32_t h) const { return HalfToFloat(h); }
+};
+
+// rounding.h's stochastic step over the CUDA truncation toward zero.
 EMSA_HD uint32_t HalfStochastic(float f, uint32_t random) {
-  const uint32_t t = __half_as_ushort(__float2half_rz(f));
-  if ((t & 0x7FFFu) >= 0x7C00u) return t;  // inf or NaN
-  const float diff = Sub(BitsFloat(FloatBits(f) & 0x7FFFFFFFu), HalfToFloat(t & 0x7FFFu));
-  uint32_t exp = (t >> 10) & 0x1Fu;
-  if (exp == 0) exp = 1;
-  const float ulp = BitsFloat((exp + 102u) << 23);  // 2^(exp - 25)
-  const float fraction = Mul(static_cast<float>(random >> 8), BitsFloat(0x33800000u));  // [0, 1)
-  return Mul(fraction, ulp) < diff ? t + 1u : t;
-}
-
-// ---- the stochastic-rounding stream (numerics.h) -----------------------------------------------
-
-// murmur3's 32-bit finalizer over index ^ key (numerics.h).
-EMSA_HD uint32_t HashIndex(uint32_t index, uint32_t key) {
-  uint32_t x = index ^ key;
-  x ^= x >> 16;
-  x *= 0x85EBCA6Bu;
-  x ^= x >> 13;
-  x *= 0xC2B2AE35u;
-  x ^= x >> 16;
-  return x;
-}
-
-EMSA_HD uint64_t Mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-constexpr uint32_t kStateStream = 1;
-constexpr uint32_t kParamStream = 2;
-
-EMSA_HD uint32_t StreamKey(uint64_t seed, int64_t step, uint32_t stream, uint32_t index_high) {
-  uint64_t z = Mix64(seed + 0x9E3779B97F4A7C15ull * (static_cast<uint64_t>(step) + 1));
-  z = Mix64(z ^ (static_cast<uint64_t>(stream) << 32 | index_high));
-  return static_cast<uint32_t>(z >> 32) ^ static_cast<uint32_t>(z);
+  return rounding::HalfStochasticFrom(f, __half_as_ushort(__float2half_rz(f)), random,
+                                      HardwareHalfToFloat{});
 }
 
 // The rounding keys of the elements whose index within the tensor has high 32 bits `high`.

@@ -1,9 +1,7 @@
 // thread_pool.cc — persistent fork-join workers: spin briefly, then sleep on a condition variable.
-#include "engine/thread_pool.h"
+#include "common/thread_pool.h"
 
 #include <sched.h>
-#include <sys/resource.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -127,20 +125,6 @@ uint64_t ThreadPool::WaitForWork(uint64_t seen) {
     wake_.wait(lock, changed);
   }
   return generation_.load(std::memory_order_acquire);
-}
-
-int ThreadPool::SetWorkerNice(int nice) {
-  std::atomic<int> refused{0};
-  Run([&](int index, int) {
-    if (index == 0) return;
-#if defined(__linux__)
-    const bool ok = setpriority(PRIO_PROCESS, static_cast<id_t>(gettid()), nice) == 0;
-#else
-    const bool ok = false;
-#endif
-    if (!ok) refused.fetch_add(1, std::memory_order_relaxed);
-  });
-  return refused.load();
 }
 
 void ThreadPool::WorkerLoop(int index) {

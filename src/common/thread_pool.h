@@ -62,13 +62,6 @@ class ThreadPool {
   // CPUs in this process's affinity mask (at least 1).
   static int AvailableCpus();
 
-  // Linux: every worker thread but the caller's (index 0) sets its own nice value, in a Run, so
-  // that the scheduler prefers other threads of the process when cores are short (the host
-  // tier's pool shares the machine with the framework threads that launch the GPU's work).
-  // Returns how many workers the OS refused (raising priority back needs CAP_SYS_NICE);
-  // elsewhere every worker counts as refused.
-  int SetWorkerNice(int nice);
-
  private:
   using Thunk = void (*)(void*, int, int);
   template <typename Fn>
