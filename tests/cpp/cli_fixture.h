@@ -8,7 +8,9 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <string>
+#include <system_error>
 
 #include "common/json.h"
 
@@ -30,10 +32,13 @@ class CliFixture : public ::testing::Test {
     if (access(cli_.c_str(), X_OK) != 0) GTEST_SKIP() << "the emsa binary is not built at " << cli_;
     dir_ = ::testing::TempDir() + "emsa_cli_" + std::to_string(getpid()) + "_" +
            ::testing::UnitTest::GetInstance()->current_test_info()->name();
-    ASSERT_EQ(std::system(("mkdir -p '" + dir_ + "'").c_str()), 0);
+    std::error_code made;
+    std::filesystem::create_directories(dir_, made);
+    ASSERT_FALSE(made) << dir_ << ": " << made.message();
   }
   void TearDown() override {
-    if (!dir_.empty()) (void)std::system(("rm -rf '" + dir_ + "'").c_str());
+    std::error_code ignored;  // a scratch folder left behind is no test failure
+    if (!dir_.empty()) std::filesystem::remove_all(dir_, ignored);
   }
 
   std::string Path(const std::string& name) const { return dir_ + "/" + name; }
