@@ -157,7 +157,7 @@ class DeviceScalars {
   DeviceScalars() = default;
   int device_ = -1;
   size_t group_count_ = 0;
-  void* memory_ = nullptr;  // one allocation: header, then groups
+  [[maybe_unused]] void* memory_ = nullptr;  // one allocation: header, then groups (CUDA only)
   DeviceStepHeader* header_ = nullptr;
   DeviceGroupScalars* groups_ = nullptr;
 };

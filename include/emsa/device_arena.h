@@ -109,9 +109,10 @@ class DeviceArena {
   int device_ = 0;
   Kind kind_ = Kind::kCudaMalloc;
   std::string fallback_reason_;
-  uint64_t vmm_handle_ = 0;      // CUmemGenericAllocationHandle, kVmm only
-  void* malloc_base_ = nullptr;  // what cudaMalloc returned, kCudaMalloc only
-  uint64_t malloc_bytes_ = 0;    // what was asked of cudaMalloc
+  // CUDA builds only (unused without CUDA).
+  [[maybe_unused]] uint64_t vmm_handle_ = 0;      // CUmemGenericAllocationHandle, kVmm only
+  [[maybe_unused]] void* malloc_base_ = nullptr;  // what cudaMalloc returned, kCudaMalloc only
+  [[maybe_unused]] uint64_t malloc_bytes_ = 0;    // what was asked of cudaMalloc
 };
 
 const char* DeviceArenaKindName(DeviceArena::Kind kind);  // "vmm", "cudaMalloc"

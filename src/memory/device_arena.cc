@@ -20,11 +20,12 @@ namespace emsa {
 namespace {
 
 constexpr uint64_t kMiB = uint64_t{1} << 20;
-constexpr uint64_t kArenaAlignment = 2 * kMiB;     // DESIGN.md: the arena is 2 MiB-aligned
+[[maybe_unused]] constexpr uint64_t kArenaAlignment =
+    2 * kMiB;                                      // DESIGN.md: the arena is 2 MiB-aligned
 constexpr uint64_t kMaxBytes = uint64_t{1} << 50;  // 1 PiB: larger is a units mistake
 
 std::atomic<uint64_t> g_release_errors{0};
-std::atomic<bool> g_release_error_logged{false};
+[[maybe_unused]] std::atomic<bool> g_release_error_logged{false};
 
 Status CheckSize(uint64_t bytes) {
   if (bytes == 0 || bytes > kMaxBytes) {

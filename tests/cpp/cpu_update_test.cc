@@ -4,6 +4,7 @@
 // determinism, the bf16/fp16 conversions against F16C hardware, and no allocation in Step.
 #include "emsa/cpu_update.h"
 
+#include <cpuid.h>
 #include <gtest/gtest.h>
 #include <immintrin.h>
 
@@ -921,8 +922,14 @@ __attribute__((target("f16c"))) uint32_t HwFromHalf(uint16_t h) {
   return cpu::FloatBits(_mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(static_cast<short>(h)))));
 }
 
+// CPUID leaf 1, ECX bit 29 (clang 14 knows no "f16c" for __builtin_cpu_supports).
+bool CpuHasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && ((ecx >> 29) & 1u) != 0;
+}
+
 TEST(CpuNumerics, HalfConversionsMatchF16cBitwise) {
-  if (!__builtin_cpu_supports("f16c")) GTEST_SKIP() << "no F16C on this CPU";
+  if (!CpuHasF16c()) GTEST_SKIP() << "no F16C on this CPU";
   for (uint32_t h = 0; h <= 0xFFFF; ++h) {
     ASSERT_EQ(cpu::FloatBits(HalfToFloat(static_cast<uint16_t>(h))),
               HwFromHalf(static_cast<uint16_t>(h)))
