@@ -100,10 +100,9 @@ Result<DeviceProfile> DeviceProfileFromJson(const std::string& text);
 // HostTierThreads(cores) threads streaming through `update_params` fp32 parameters' state in host
 // memory, and (with a CUDA device) copies both ways between pinned host memory and the device,
 // each on its own thread, over and over until Stop. The host's memory and PCIe, saturated so, slow
-// the threads that launch the GPU's forward and backward (on the H200 host a 0.95 B Llama at
-// 4 x 512 tokens went from 52-67 to 87-159 ms a step, bench/README.md); the probe times the
-// model's forward and backward under it (ProbeRecord::period_under_load) and the planner uses
-// that for plans with a host tier.
+// the threads that launch the GPU's forward and backward; the probe times the model's forward and
+// backward under it (ProbeRecord::period_under_load) and the planner uses that for plans with a
+// host tier.
 struct HostLoadOptions {
   int threads = 0;                            // CPU update threads; 0: HostTierThreads(all cores)
   int64_t update_params = int64_t{64} << 20;  // 1 GiB of fp32 param, grad and moments; >= 64

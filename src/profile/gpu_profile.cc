@@ -19,7 +19,7 @@
 
 #include "common/thread_pool.h"
 #include "emsa/cpu_update.h"
-#include "emsa/host_tier.h"
+#include "emsa/host_tier_costs.h"
 #include "profile/update_probe.h"
 
 namespace emsa {

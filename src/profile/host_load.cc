@@ -13,7 +13,7 @@
 #include "common/cuda_util.h"
 #include "common/thread_pool.h"
 #include "emsa/cpu_update.h"
-#include "emsa/host_tier.h"
+#include "emsa/host_tier_costs.h"
 #include "emsa/profile.h"
 #include "profile/update_probe.h"
 
