@@ -1,48 +1,136 @@
 // json.cc — parser, writer and field reader for src/common/json.h.
 #include "common/json.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <sstream>
+
+#include "emsa/types.h"
 
 namespace emsa::json {
 
 // ---- Value
 // ---------------------------------------------------------------------------------------
 
+Value::Value(const Value& other) : kind_(other.kind_), is_int_(other.is_int_), word_(other.word_) {
+  switch (kind_) {
+    case Kind::kString:
+      word_.s = new std::string(*other.word_.s);
+      break;
+    case Kind::kArray:
+      word_.a = new Array(*other.word_.a);
+      break;
+    case Kind::kObject:
+      word_.o = new Object(*other.word_.o);
+      break;
+    default:
+      break;
+  }
+}
+
+Value& Value::operator=(const Value& other) {
+  if (this != &other) *this = Value(other);
+  return *this;
+}
+
+Value& Value::operator=(Value&& other) noexcept {
+  if (this == &other) return *this;
+  Release();
+  kind_ = other.kind_;
+  is_int_ = other.is_int_;
+  word_ = other.word_;
+  other.kind_ = Kind::kNull;
+  return *this;
+}
+
+void Value::Release() noexcept {
+  switch (kind_) {
+    case Kind::kString:
+      delete word_.s;
+      break;
+    case Kind::kArray:
+      delete word_.a;
+      break;
+    case Kind::kObject:
+      delete word_.o;
+      break;
+    default:
+      break;
+  }
+  kind_ = Kind::kNull;
+}
+
+double Value::as_double() const {
+  if (kind_ != Kind::kNumber) return 0.0;
+  return is_int_ ? static_cast<double>(word_.i) : word_.d;
+}
+
+int64_t Value::as_int() const {
+  if (kind_ != Kind::kNumber) return 0;
+  return is_int_ ? word_.i : static_cast<int64_t>(word_.d);
+}
+
+const std::string& Value::as_string() const {
+  static const std::string kEmpty;
+  return kind_ == Kind::kString ? *word_.s : kEmpty;
+}
+
+const Value::Array& Value::as_array() const {
+  static const Array kEmpty;
+  return kind_ == Kind::kArray ? *word_.a : kEmpty;
+}
+
+Value::Array& Value::as_array() {
+  if (kind_ != Kind::kArray) *this = MakeArray();
+  return *word_.a;
+}
+
+const Value::Object& Value::as_object() const {
+  static const Object kEmpty;
+  return kind_ == Kind::kObject ? *word_.o : kEmpty;
+}
+
+Value::Object& Value::as_object() {
+  if (kind_ != Kind::kObject) *this = MakeObject();
+  return *word_.o;
+}
+
 const Value* Value::Find(std::string_view key) const {
   if (kind_ != Kind::kObject) return nullptr;
-  for (const auto& [k, v] : obj_) {
+  for (const auto& [k, v] : *word_.o) {
     if (k == key) return &v;
   }
   return nullptr;
 }
 
 Value& Value::Set(std::string key, Value v) {
-  if (kind_ != Kind::kObject) *this = MakeObject();
-  for (auto& [k, old] : obj_) {
+  Object& obj = as_object();
+  for (auto& [k, old] : obj) {
     if (k == key) return old = std::move(v);
   }
-  obj_.emplace_back(std::move(key), std::move(v));
-  return obj_.back().second;
+  obj.emplace_back(std::move(key), std::move(v));
+  return obj.back().second;
 }
 
 Value& Value::Push(Value v) {
-  if (kind_ != Kind::kArray) *this = MakeArray();
-  arr_.push_back(std::move(v));
-  return arr_.back();
+  Array& arr = as_array();
+  arr.push_back(std::move(v));
+  return arr.back();
 }
 
 // ---- Parser
 // --------------------------------------------------------------------------------------
 
 namespace {
-
-constexpr int kMaxDepth = 256;
 
 class Parser {
  public:
@@ -71,6 +159,14 @@ class Parser {
                               ": " + what);
   }
 
+  static std::string Printable(char c) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u >= 0x20 && u < 0x7f) return std::string("'") + c + "'";
+    char buf[8];
+    std::snprintf(buf, sizeof buf, "0x%02x", u);
+    return buf;
+  }
+
   void SkipSpace() {
     while (pos_ < s_.size() &&
            (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r')) {
@@ -87,7 +183,12 @@ class Parser {
   }
 
   Status ParseValue(Value* out, int depth) {
-    if (depth > kMaxDepth) return Fail("nesting deeper than 256 levels");
+    if (depth > kMaxDepth) {
+      return Fail("nesting deeper than " + std::to_string(kMaxDepth) + " levels");
+    }
+    if (++values_ > kMaxValues) {
+      return Fail("more than " + std::to_string(kMaxValues) + " values in one document");
+    }
     SkipSpace();
     if (pos_ >= s_.size()) return Fail("unexpected end of input, expected a value");
     char c = s_[pos_];
@@ -112,7 +213,7 @@ class Parser {
       *out = Value();
       return Status::Ok();
     }
-    return Fail(std::string("unexpected character '") + c + "'");
+    return Fail("unexpected character " + Printable(c));
   }
 
   Status ParseObject(Value* out, int depth) {
@@ -124,12 +225,13 @@ class Parser {
       *out = std::move(obj);
       return Status::Ok();
     }
+    std::vector<size_t> key_at;  // where each key starts, for the duplicate check at the end
     while (true) {
       SkipSpace();
       if (pos_ >= s_.size() || s_[pos_] != '"') return Fail("expected a quoted key");
+      key_at.push_back(pos_);
       std::string key;
       EMSA_RETURN_IF_ERROR(ParseString(&key));
-      if (obj.Find(key) != nullptr) return Fail("duplicate key \"" + key + "\"");
       SkipSpace();
       if (pos_ >= s_.size() || s_[pos_] != ':') return Fail("expected ':' after key");
       ++pos_;
@@ -147,8 +249,27 @@ class Parser {
       }
       return Fail("expected ',' or '}' in object");
     }
+    EMSA_RETURN_IF_ERROR(CheckUniqueKeys(obj.as_object(), key_at));
     *out = std::move(obj);
     return Status::Ok();
+  }
+
+  // Sorting the keys finds duplicates in n log n; the error names the first repeated key in the
+  // text, at its position.
+  Status CheckUniqueKeys(const Value::Object& obj, const std::vector<size_t>& key_at) {
+    if (obj.size() < 2) return Status::Ok();
+    std::vector<uint32_t> idx(obj.size());
+    for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<uint32_t>(i);
+    std::sort(idx.begin(), idx.end(), [&](uint32_t a, uint32_t b) {
+      return obj[a].first != obj[b].first ? obj[a].first < obj[b].first : a < b;
+    });
+    size_t repeat = obj.size();
+    for (size_t i = 1; i < idx.size(); ++i) {
+      if (obj[idx[i]].first == obj[idx[i - 1]].first) repeat = std::min<size_t>(repeat, idx[i]);
+    }
+    if (repeat == obj.size()) return Status::Ok();
+    pos_ = key_at[repeat];
+    return Fail("duplicate key \"" + obj[repeat].first + "\"");
   }
 
   Status ParseArray(Value* out, int depth) {
@@ -315,6 +436,7 @@ class Parser {
 
   std::string_view s_;
   size_t pos_ = 0;
+  size_t values_ = 0;
 };
 
 // ---- Writer
@@ -588,23 +710,80 @@ Result<std::string> Reader::AsString() const { return ToString(*this, "", *v_); 
 // ---- Files
 // ---------------------------------------------------------------------------------------
 
-Result<std::string> ReadFile(const std::string& path) {
+Result<std::string> ReadFile(const std::string& path, uint64_t max_bytes) {
   std::ifstream in(path, std::ios::binary);
   if (!in)
     return Status::IoError("cannot open '" + path + "' for reading: " + std::strerror(errno));
-  std::ostringstream ss;
-  ss << in.rdbuf();
+  auto too_large = [&] {
+    return Status::IoError("'" + path + "' is larger than " + FormatBytes(max_bytes) +
+                           ", the most emsa reads of a JSON file");
+  };
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
+      static_cast<uint64_t>(st.st_size) > max_bytes) {
+    return too_large();
+  }
+  // Streams and devices have no size: read in chunks and stop past the limit.
+  std::string text;
+  char chunk[1 << 16];
+  while (in) {
+    in.read(chunk, sizeof chunk);
+    const auto got = static_cast<size_t>(in.gcount());
+    if (text.size() + got > max_bytes) return too_large();
+    text.append(chunk, got);
+  }
   if (in.bad()) return Status::IoError("error while reading '" + path + "'");
-  return ss.str();
+  return text;
 }
 
-Status WriteFile(const std::string& path, std::string_view text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out)
+namespace {
+
+Status WriteAll(int fd, std::string_view text) {
+  while (!text.empty()) {
+    const ssize_t n = ::write(fd, text.data(), text.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return Status::IoError(std::strerror(errno));
+    text.remove_prefix(static_cast<size_t>(n));
+  }
+  return Status::Ok();
+}
+
+// A target that exists and is not a regular file (a terminal, /dev/null, a pipe) is written in
+// place: renaming over it would replace the device rather than write to it.
+Status WriteInPlace(const std::string& path, std::string_view text) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
+  if (fd < 0) {
     return Status::IoError("cannot open '" + path + "' for writing: " + std::strerror(errno));
-  out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  out.close();
-  if (!out) return Status::IoError("error while writing '" + path + "'");
+  }
+  Status s = WriteAll(fd, text);
+  ::close(fd);
+  if (!s.ok()) return Status::IoError("error while writing '" + path + "': " + s.message());
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status WriteFile(const std::string& path, std::string_view text) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) return WriteInPlace(path, text);
+  static std::atomic<unsigned> counter{0};
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." +
+                          std::to_string(counter.fetch_add(1));
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  if (fd < 0) {
+    return Status::IoError("cannot open '" + path + "' for writing: cannot create '" + tmp +
+                           "': " + std::strerror(errno));
+  }
+  Status s = WriteAll(fd, text);
+  if (s.ok() && ::fsync(fd) != 0) s = Status::IoError(std::strerror(errno));
+  if (::close(fd) != 0 && s.ok()) s = Status::IoError(std::strerror(errno));
+  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
+    s = Status::IoError(std::strerror(errno));
+  }
+  if (!s.ok()) {
+    ::unlink(tmp.c_str());
+    return Status::IoError("error while writing '" + path + "': " + s.message());
+  }
   return Status::Ok();
 }
 

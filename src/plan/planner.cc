@@ -7,6 +7,7 @@
 // parameter and gradient bytes stand in for it. emsa's own workspace adds nothing yet.
 #include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "emsa/plan.h"
@@ -103,12 +104,21 @@ uint64_t BaseDeviceBytes(const ProbeRecord& record, const PlanOptions& options) 
   // Gradients freed as they are used: what a sample held of them by its time is gone, but
   // for about two buckets in flight (one being copied or updated, one being produced).
   const uint64_t in_flight = std::min(grads, 2 * options.bucket_bytes);
+  // released_by(t): the bytes of the gradients final by time t, from the ready times sorted once
+  // and their running sums, so each sample costs a binary search.
+  std::vector<std::pair<double, uint64_t>> ready;
+  for (const ParamRecord& p : record.params) {
+    if (p.trainable && p.grad_ready_order >= 0) ready.emplace_back(p.grad_ready_time, p.bytes);
+  }
+  std::sort(ready.begin(), ready.end());
+  std::vector<double> times(ready.size());
+  std::vector<uint64_t> sums(ready.size() + 1, 0);
+  for (size_t i = 0; i < ready.size(); ++i) {
+    times[i] = ready[i].first;
+    sums[i + 1] = sums[i] + ready[i].second;
+  }
   auto released_by = [&](double t) {
-    uint64_t r = 0;
-    for (const ParamRecord& p : record.params) {
-      if (p.trainable && p.grad_ready_order >= 0 && p.grad_ready_time <= t) r += p.bytes;
-    }
-    return r;
+    return sums[static_cast<size_t>(std::upper_bound(times.begin(), times.end(), t) - times.begin())];
   };
   // The record's peak has no time: place it at its largest sample (a transient inside a
   // module, such as the loss's gradient, peaks next to it); without samples, assume it held
