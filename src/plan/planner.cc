@@ -22,6 +22,9 @@ namespace {
 using plan_internal::DeviceSizer;
 using plan_internal::LayoutOrder;
 
+// Alignments past this would let the padding of a million parameters outgrow uint64.
+constexpr uint64_t kMaxAlignment = uint64_t{1} << 30;
+
 bool IsPowerOfTwo(uint64_t x) { return x != 0 && (x & (x - 1)) == 0; }
 
 std::string Bytes(uint64_t bytes) {
@@ -48,8 +51,10 @@ Status ValidateOptions(const PlanOptions& o) {
                                    std::to_string(o.device_update_share) +
                                    "; use -1 (balanced by the planner) or a share in [0, 1]");
   }
-  if (o.bucket_bytes == 0) {
-    return Status::InvalidArgument("options.bucket_bytes is 0; use a positive size such as 32MiB");
+  if (o.bucket_bytes == 0 || o.bucket_bytes > ProbeRecord::kMaxBytes) {
+    return Status::InvalidArgument("options.bucket_bytes is " + std::to_string(o.bucket_bytes) +
+                                   "; use a positive size up to " +
+                                   FormatBytes(ProbeRecord::kMaxBytes) + ", such as 32MiB");
   }
   const struct {
     const char* name;
@@ -58,9 +63,11 @@ Status ValidateOptions(const PlanOptions& o) {
                 {"device_tensor_alignment", o.device_tensor_alignment},
                 {"host_tensor_alignment", o.host_tensor_alignment}};
   for (const auto& a : aligns) {
-    if (!IsPowerOfTwo(a.value)) {
+    if (!IsPowerOfTwo(a.value) || a.value > kMaxAlignment) {
       return Status::InvalidArgument(std::string("options.") + a.name + " is " +
-                                     std::to_string(a.value) + "; it must be a power of two");
+                                     std::to_string(a.value) +
+                                     "; it must be a power of two up to " +
+                                     std::to_string(kMaxAlignment));
     }
   }
   if (o.device_module_alignment < o.device_tensor_alignment) {
