@@ -57,7 +57,9 @@ struct ProbeRecord {
   static constexpr size_t kMaxParams = size_t{1} << 18;
   static constexpr size_t kMaxMemorySamples = size_t{1} << 20;
   static constexpr size_t kMaxGraphOps = size_t{1} << 18;
-  static constexpr uint64_t kMaxBytes = uint64_t{1} << 50;  // 1 PiB: parameters, peak, samples
+  // 1 PiB: the most in the peak, in any memory sample, and in the parameters together.
+  static constexpr uint64_t kMaxBytes = uint64_t{1} << 50;
+
   std::string model;           // free text, e.g. "LlamaForCausalLM"
   std::string device;          // where the probe ran: "cuda:0", "cpu"
   double forward_time = 0.0;   // s, forward duration

@@ -25,13 +25,13 @@ class Value {
   using Array = std::vector<Value>;
   using Object = std::vector<std::pair<std::string, Value>>;  // insertion order kept
 
-  Value() = default;                                         // null
-  Value(bool b) : kind_(Kind::kBool) { word_.b = b; }        // NOLINT
-  Value(int v) : Value(static_cast<int64_t>(v)) {}           // NOLINT
-  Value(int64_t v) : kind_(Kind::kNumber), is_int_(true) {   // NOLINT
+  Value() = default;                                        // null
+  Value(bool b) : kind_(Kind::kBool) { word_.b = b; }       // NOLINT
+  Value(int v) : Value(static_cast<int64_t>(v)) {}          // NOLINT
+  Value(int64_t v) : kind_(Kind::kNumber), is_int_(true) {  // NOLINT
     word_.i = v;
   }
-  Value(uint64_t v) : Value(static_cast<int64_t>(v)) {}   // NOLINT: values above 2^63 are not used
+  Value(uint64_t v) : Value(static_cast<int64_t>(v)) {}    // NOLINT: values above 2^63 are not used
   Value(double v) : kind_(Kind::kNumber) { word_.d = v; }  // NOLINT
   Value(const char* s) : Value(std::string(s)) {}          // NOLINT
   Value(std::string s) : kind_(Kind::kString) {            // NOLINT

@@ -64,10 +64,9 @@ Status ValidateOptions(const PlanOptions& o) {
                 {"host_tensor_alignment", o.host_tensor_alignment}};
   for (const auto& a : aligns) {
     if (!IsPowerOfTwo(a.value) || a.value > kMaxAlignment) {
-      return Status::InvalidArgument(std::string("options.") + a.name + " is " +
-                                     std::to_string(a.value) +
-                                     "; it must be a power of two up to " +
-                                     std::to_string(kMaxAlignment));
+      return Status::InvalidArgument(
+          std::string("options.") + a.name + " is " + std::to_string(a.value) +
+          "; it must be a power of two up to " + std::to_string(kMaxAlignment));
     }
   }
   if (o.device_module_alignment < o.device_tensor_alignment) {
@@ -125,7 +124,8 @@ uint64_t BaseDeviceBytes(const ProbeRecord& record, const PlanOptions& options) 
     sums[i + 1] = sums[i] + ready[i].second;
   }
   auto released_by = [&](double t) {
-    return sums[static_cast<size_t>(std::upper_bound(times.begin(), times.end(), t) - times.begin())];
+    return sums[static_cast<size_t>(std::upper_bound(times.begin(), times.end(), t) -
+                                    times.begin())];
   };
   // The record's peak has no time: place it at its largest sample (a transient inside a
   // module, such as the loss's gradient, peaks next to it); without samples, assume it held

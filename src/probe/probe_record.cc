@@ -275,14 +275,12 @@ Status CheckCount(size_t count, size_t limit, const char* field) {
 
 Status CheckLimits(const ProbeRecord& record) {
   EMSA_RETURN_IF_ERROR(CheckCount(record.params.size(), ProbeRecord::kMaxParams, "params"));
-  EMSA_RETURN_IF_ERROR(
-      CheckCount(record.memory.size(), ProbeRecord::kMaxMemorySamples, "memory"));
+  EMSA_RETURN_IF_ERROR(CheckCount(record.memory.size(), ProbeRecord::kMaxMemorySamples, "memory"));
   EMSA_RETURN_IF_ERROR(CheckCount(record.graph.size(), ProbeRecord::kMaxGraphOps, "graph"));
   if (record.peak_device_bytes > ProbeRecord::kMaxBytes) {
-    return Status::InvalidArgument("peak_device_bytes: " +
-                                   std::to_string(record.peak_device_bytes) +
-                                   " exceeds the limit " +
-                                   std::to_string(ProbeRecord::kMaxBytes) + " (1 PiB)");
+    return Status::InvalidArgument(
+        "peak_device_bytes: " + std::to_string(record.peak_device_bytes) + " exceeds the limit " +
+        std::to_string(ProbeRecord::kMaxBytes) + " (1 PiB)");
   }
   return Status::Ok();
 }
