@@ -1,131 +1,16 @@
 // json.cc — parser, writer and field reader for src/common/json.h.
 #include "common/json.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-
-#include "emsa/types.h"
+#include <string>
+#include <vector>
 
 namespace emsa::json {
-
-// ---- Value
-// ---------------------------------------------------------------------------------------
-
-Value::Value(const Value& other) : kind_(other.kind_), is_int_(other.is_int_), word_(other.word_) {
-  switch (kind_) {
-    case Kind::kString:
-      word_.s = new std::string(*other.word_.s);
-      break;
-    case Kind::kArray:
-      word_.a = new Array(*other.word_.a);
-      break;
-    case Kind::kObject:
-      word_.o = new Object(*other.word_.o);
-      break;
-    default:
-      break;
-  }
-}
-
-Value& Value::operator=(const Value& other) {
-  if (this != &other) *this = Value(other);
-  return *this;
-}
-
-Value& Value::operator=(Value&& other) noexcept {
-  if (this == &other) return *this;
-  Release();
-  kind_ = other.kind_;
-  is_int_ = other.is_int_;
-  word_ = other.word_;
-  other.kind_ = Kind::kNull;
-  return *this;
-}
-
-void Value::Release() noexcept {
-  switch (kind_) {
-    case Kind::kString:
-      delete word_.s;
-      break;
-    case Kind::kArray:
-      delete word_.a;
-      break;
-    case Kind::kObject:
-      delete word_.o;
-      break;
-    default:
-      break;
-  }
-  kind_ = Kind::kNull;
-}
-
-double Value::as_double() const {
-  if (kind_ != Kind::kNumber) return 0.0;
-  return is_int_ ? static_cast<double>(word_.i) : word_.d;
-}
-
-int64_t Value::as_int() const {
-  if (kind_ != Kind::kNumber) return 0;
-  return is_int_ ? word_.i : static_cast<int64_t>(word_.d);
-}
-
-const std::string& Value::as_string() const {
-  static const std::string kEmpty;
-  return kind_ == Kind::kString ? *word_.s : kEmpty;
-}
-
-const Value::Array& Value::as_array() const {
-  static const Array kEmpty;
-  return kind_ == Kind::kArray ? *word_.a : kEmpty;
-}
-
-Value::Array& Value::as_array() {
-  if (kind_ != Kind::kArray) *this = MakeArray();
-  return *word_.a;
-}
-
-const Value::Object& Value::as_object() const {
-  static const Object kEmpty;
-  return kind_ == Kind::kObject ? *word_.o : kEmpty;
-}
-
-Value::Object& Value::as_object() {
-  if (kind_ != Kind::kObject) *this = MakeObject();
-  return *word_.o;
-}
-
-const Value* Value::Find(std::string_view key) const {
-  if (kind_ != Kind::kObject) return nullptr;
-  for (const auto& [k, v] : *word_.o) {
-    if (k == key) return &v;
-  }
-  return nullptr;
-}
-
-Value& Value::Set(std::string key, Value v) {
-  Object& obj = as_object();
-  for (auto& [k, old] : obj) {
-    if (k == key) return old = std::move(v);
-  }
-  obj.emplace_back(std::move(key), std::move(v));
-  return obj.back().second;
-}
-
-Value& Value::Push(Value v) {
-  Array& arr = as_array();
-  arr.push_back(std::move(v));
-  return arr.back();
-}
 
 // ---- Parser
 // --------------------------------------------------------------------------------------
@@ -706,85 +591,5 @@ Result<int64_t> Reader::AsInt() const { return ToInt(*this, "", *v_); }
 Result<uint64_t> Reader::AsUInt() const { return ToUInt(*this, "", *v_); }
 Result<double> Reader::AsNumber() const { return ToNumber(*this, "", *v_); }
 Result<std::string> Reader::AsString() const { return ToString(*this, "", *v_); }
-
-// ---- Files
-// ---------------------------------------------------------------------------------------
-
-Result<std::string> ReadFile(const std::string& path, uint64_t max_bytes) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
-    return Status::IoError("cannot open '" + path + "' for reading: " + std::strerror(errno));
-  auto too_large = [&] {
-    return Status::IoError("'" + path + "' is larger than " + FormatBytes(max_bytes) +
-                           ", the most emsa reads of a JSON file");
-  };
-  struct stat st {};
-  if (::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
-      static_cast<uint64_t>(st.st_size) > max_bytes) {
-    return too_large();
-  }
-  // Streams and devices have no size: read in chunks and stop past the limit.
-  std::string text;
-  char chunk[1 << 16];
-  while (in) {
-    in.read(chunk, sizeof chunk);
-    const auto got = static_cast<size_t>(in.gcount());
-    if (text.size() + got > max_bytes) return too_large();
-    text.append(chunk, got);
-  }
-  if (in.bad()) return Status::IoError("error while reading '" + path + "'");
-  return text;
-}
-
-namespace {
-
-Status WriteAll(int fd, std::string_view text) {
-  while (!text.empty()) {
-    const ssize_t n = ::write(fd, text.data(), text.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return Status::IoError(std::strerror(errno));
-    text.remove_prefix(static_cast<size_t>(n));
-  }
-  return Status::Ok();
-}
-
-// A target that exists and is not a regular file (a terminal, /dev/null, a pipe) is written in
-// place: renaming over it would replace the device rather than write to it.
-Status WriteInPlace(const std::string& path, std::string_view text) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
-  if (fd < 0) {
-    return Status::IoError("cannot open '" + path + "' for writing: " + std::strerror(errno));
-  }
-  Status s = WriteAll(fd, text);
-  ::close(fd);
-  if (!s.ok()) return Status::IoError("error while writing '" + path + "': " + s.message());
-  return Status::Ok();
-}
-
-}  // namespace
-
-Status WriteFile(const std::string& path, std::string_view text) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) return WriteInPlace(path, text);
-  static std::atomic<unsigned> counter{0};
-  const std::string tmp =
-      path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter.fetch_add(1));
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-  if (fd < 0) {
-    return Status::IoError("cannot open '" + path + "' for writing: cannot create '" + tmp +
-                           "': " + std::strerror(errno));
-  }
-  Status s = WriteAll(fd, text);
-  if (s.ok() && ::fsync(fd) != 0) s = Status::IoError(std::strerror(errno));
-  if (::close(fd) != 0 && s.ok()) s = Status::IoError(std::strerror(errno));
-  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
-    s = Status::IoError(std::strerror(errno));
-  }
-  if (!s.ok()) {
-    ::unlink(tmp.c_str());
-    return Status::IoError("error while writing '" + path + "': " + s.message());
-  }
-  return Status::Ok();
-}
 
 }  // namespace emsa::json
