@@ -64,6 +64,9 @@ enum class ModelFamily : int32_t {
 const char* ModelFamilyName(ModelFamily family);  // "llama", "gpt2"
 
 struct DecoderConfig {
+  // The most decoder layers AnalyticDecoderProbe builds: far past any model (the largest have a
+  // few hundred), and few enough that the record and its plan take moments.
+  static constexpr int64_t kMaxLayers = 4096;
   std::string name = "decoder";  // becomes ProbeRecord::model
   ModelFamily family = ModelFamily::kLlama;
   int64_t vocab_size = 32000;
@@ -90,7 +93,8 @@ struct DecoderConfig {
 // Errors: kInvalidArgument naming the DecoderConfig field (non-positive sizes, hidden_size not
 // divisible by num_heads, num_heads not divisible by num_kv_heads, a GPT-2 config with
 // num_kv_heads != num_heads or seq_len beyond max_position_embeddings, a non-positive rate, an
-// unknown family or dtype).
+// unknown family or dtype, num_layers above kMaxLayers, sizes whose parameters, gradients and
+// activations pass ProbeRecord::kMaxBytes).
 Result<ProbeRecord> AnalyticDecoderProbe(const DecoderConfig& config);
 
 }  // namespace emsa

@@ -6,6 +6,7 @@
 // JSON form: {"format":"emsa.probe","version":1, ...}; see ProbeRecordToJson for the layout.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -50,6 +51,15 @@ struct GraphOp {
 
 struct ProbeRecord {
   static constexpr int kVersion = 1;
+  // Limits that ValidateProbeRecord holds a record to, far above any model trained today, so
+  // that every size the planner derives from a record (state bytes, alignments, prefix sums)
+  // fits in uint64 and every loop over it ends in moments.
+  static constexpr size_t kMaxParams = size_t{1} << 18;
+  static constexpr size_t kMaxMemorySamples = size_t{1} << 20;
+  static constexpr size_t kMaxGraphOps = size_t{1} << 18;
+  // 1 PiB: the most in the peak, in any memory sample, and in the parameters together.
+  static constexpr uint64_t kMaxBytes = uint64_t{1} << 50;
+
   std::string model;           // free text, e.g. "LlamaForCausalLM"
   std::string device;          // where the probe ran: "cuda:0", "cpu"
   double forward_time = 0.0;   // s, forward duration
@@ -72,7 +82,9 @@ struct ProbeRecord {
 // names (aliases included), times finite and >= 0, orders unique among params that have them,
 // graph references resolvable. Also: use_count >= 0; a frozen parameter has grad_ready_order -1;
 // activation_peak_bytes and every memory sample <= peak_device_bytes; graph inputs name earlier
-// ops. Errors (kInvalidArgument) name the parameter and the field.
+// ops. The counts and byte sizes are at most the limits above: params, memory samples, graph ops;
+// each of peak_device_bytes and the sum of the parameters' bytes at most kMaxBytes. Errors
+// (kInvalidArgument) name the parameter and the field.
 Status ValidateProbeRecord(const ProbeRecord& record);
 
 // Pretty-printed JSON, keys in this order (the same record always gives the same bytes):

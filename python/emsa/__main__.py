@@ -8,15 +8,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
+from . import _files
 from ._capi import EmsaError, EmsaLibraryError
 from ._model import (device_preset, format_bytes, matmul_flops_of, model_options, model_probe,
                      plan_summary)
 from .plan import InfeasibleBudgetError, infeasible_message, make_plan, measure_profile
-from .probe_record import ProbeRecord
 
 STATE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
                 "bfloat16": torch.bfloat16}
@@ -102,10 +101,19 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error(f"{flag(dest)} {value} is not a positive whole number")
 
 
+def _profile_text(path: str) -> str:
+    """The text of a --profile file, bounded in size; ValueError unless it is a JSON object."""
+    text = _files.read_text(path)
+    if not text.lstrip().startswith("{"):
+        raise ValueError(f"{path}: not a device profile (expected a JSON object, as "
+                         "`emsa profile` writes)")
+    return text
+
+
 def _choose_device(args) -> tuple[str, str]:
     """(profile JSON text, label) for --profile FILE, --device this, or a device preset."""
     if args.profile is not None:
-        return Path(args.profile).read_text(encoding="utf-8"), f"profile {args.profile}"
+        return _profile_text(args.profile), f"profile {args.profile}"
     if args.device == "this":
         return json.dumps(measure_profile()), "this machine, measured"
     name = args.device or DEFAULT_DEVICE
@@ -179,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.model is not None:
             plan, preamble = _plan_model(args)
         else:
-            plan = _plan(ProbeRecord.load(args.probe), args.profile, optimizer=args.optimizer,
+            # The text goes to the C++ reader as it is: bounded in size, nesting and values,
+            # with the messages the C++ CLI gives.
+            profile = _profile_text(args.profile) if args.profile is not None else None
+            plan = _plan(_files.read_text(args.probe), profile, optimizer=args.optimizer,
                          state_dtype=STATE_DTYPES[args.state_dtype], budget=args.budget,
                          allow_host_tier=not args.no_host_tier, force_all_host=args.all_host,
                          release_grads=args.step_in_backward)
@@ -189,15 +200,21 @@ def main(argv: list[str] | None = None) -> int:
     except (EmsaError, ValueError, OSError) as e:
         print(f"emsa: {e}", file=sys.stderr)
         return 2
-    except EmsaLibraryError as e:
-        print(f"emsa: {e}", file=sys.stderr)
+    except RecursionError:
+        print("emsa: the input's JSON nests too deeply", file=sys.stderr)
+        return 2
+    except (EmsaLibraryError, MemoryError) as e:
+        print(f"emsa: {e or 'out of memory'}", file=sys.stderr)
         return 1
     if args.json == "-":
         sys.stdout.write(plan.text)
         return 0
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(plan.text)
+        try:
+            _files.write_text(args.json, plan.text)
+        except OSError as e:
+            print(f"emsa: cannot write {args.json}: {e.strerror or e}", file=sys.stderr)
+            return 1
     sys.stdout.write(preamble + (plan_summary(plan) if args.summary else plan.table()))
     return 0
 

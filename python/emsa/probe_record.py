@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import _files
+
 __all__ = ["ParamRecord", "MemorySample", "GraphOp", "ProbeRecord"]
 
 FORMAT = "emsa.probe"
@@ -118,18 +120,21 @@ class ProbeRecord:
 
     @classmethod
     def from_json(cls, text: str) -> "ProbeRecord":
-        return cls.from_dict(json.loads(text))
+        try:
+            doc = json.loads(text)
+        except RecursionError:
+            raise ValueError("the probe record's JSON nests too deeply to be a probe "
+                             "record") from None
+        return cls.from_dict(doc)
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the JSON form; checks it with the C++ parser first, so nothing invalid lands."""
         self.check()
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.to_json())
+        _files.write_text(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ProbeRecord":
-        with open(path, encoding="utf-8") as f:
-            return cls.from_json(f.read())
+        return cls.from_json(_files.read_text(path))
 
     def check(self) -> None:
         """Raises EmsaError with the C++ parser's message (naming the field) when invalid."""

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import _files
+
 __all__ = ["main", "write", "write_run", "load", "Run", "RunDirError", "fmt_bytes", "tier_groups",
            "ENGINE_FIELDS"]
 
@@ -67,9 +69,13 @@ class Run:
 # ---- reading ---------------------------------------------------------------------------------
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(_files.read_text(path))
     except json.JSONDecodeError as e:
         raise RunDirError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise RunDirError(f"{path}: its JSON nests too deeply") from None
+    except ValueError as e:
+        raise RunDirError(str(e)) from None
     except OSError as e:
         raise RunDirError(f"{path}: cannot read it ({e.strerror})") from None
 
@@ -77,7 +83,9 @@ def _read_json(path: Path) -> Any:
 def _read_steps(path: Path) -> list[dict[str, Any]]:
     steps = []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = _files.read_text(path).splitlines()
+    except ValueError as e:
+        raise RunDirError(str(e)) from None
     except OSError as e:
         raise RunDirError(f"{path}: cannot read it ({e.strerror})") from None
     for n, line in enumerate(lines, 1):
@@ -363,7 +371,8 @@ def _mean(vals: list[tuple[int, float]]) -> float:
 
 def _save(fig, plt, path: Path) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with _files.replacing(path) as tmp:
+        fig.savefig(tmp, dpi=110, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
 
 
@@ -463,7 +472,7 @@ def write(run_dir: str | Path) -> Path:
         if note:
             lines += ["", f"Note: {note}."]
     path = run.path / "report.md"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    _files.write_text(path, "\n".join(lines) + "\n")
     return path
 
 
@@ -476,7 +485,7 @@ def write_run(run_dir: str | Path, *, plan, record=None, steps: list[dict[str, A
     step's start) are left out."""
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "plan.json").write_text(plan.text, encoding="utf-8")
+    _files.write_text(out / "plan.json", plan.text)
     if record is not None:
         record.save(out / "probe.json")
     lines = []
@@ -492,10 +501,8 @@ def write_run(run_dir: str | Path, *, plan, record=None, steps: list[dict[str, A
         if peer_losses is not None and n < len(peer_losses):
             row["loss_peer"] = float(peer_losses[n])
         lines.append(json.dumps(row))
-    (out / "steps.jsonl").write_text("\n".join(lines) + ("\n" if lines else ""),
-                                     encoding="utf-8")
-    (out / "meta.json").write_text(json.dumps(meta or {"title": "emsa run"}, indent=2),
-                                   encoding="utf-8")
+    _files.write_text(out / "steps.jsonl", "\n".join(lines) + ("\n" if lines else ""))
+    _files.write_text(out / "meta.json", json.dumps(meta or {"title": "emsa run"}, indent=2))
     return write(out)
 
 

@@ -71,13 +71,37 @@ namespace {
 
 thread_local std::string g_last_error;
 
-emsa_status Report(const emsa::Status& status) {
-  g_last_error = status.ok() ? std::string() : status.message();
+// Keeping the message may itself run out of memory; then a short one that needs no allocation
+// (the string's capacity already holds it) stands in, so these never throw.
+void SetLastError(const std::string& message) noexcept {
+  try {
+    g_last_error = message;
+  } catch (...) {
+    g_last_error = "out of memory";
+  }
+}
+
+emsa_status Report(const emsa::Status& status) noexcept {
+  if (status.ok()) {
+    g_last_error.clear();
+  } else {
+    SetLastError(status.message());
+  }
   return static_cast<emsa_status>(status.code());
 }
 
-emsa_status Fail(emsa_status code, const std::string& message) {
-  g_last_error = message;
+emsa_status Fail(emsa_status code, const std::string& message) noexcept {
+  SetLastError(message);
+  return code;
+}
+
+// For a literal message: no std::string is built at the call, so unguarded entries stay safe.
+emsa_status Fail(emsa_status code, const char* message) noexcept {
+  try {
+    g_last_error = message;
+  } catch (...) {
+    g_last_error = "out of memory";
+  }
   return code;
 }
 
@@ -543,7 +567,6 @@ emsa_status emsa_host_arena_create(uint64_t bytes, int32_t want_pinned,
                                    emsa_host_arena** arena_out) {
   return Guard([&] {
     if (arena_out == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "arena_out is NULL");
-    *arena_out = nullptr;
     if (want_pinned != 0 && want_pinned != 1) {
       return Fail(EMSA_INVALID_ARGUMENT, "want_pinned is " + std::to_string(want_pinned) +
                                              "; use 0 (plain) or 1 (pinned)");
@@ -1174,15 +1197,17 @@ int32_t emsa_host_tier_bucket_copies_enqueued(const emsa_host_tier* tier, size_t
 
 emsa_status emsa_host_tier_trace(const emsa_host_tier* tier, double* submit, double* start,
                                  double* end, size_t count) {
-  if (tier == nullptr || submit == nullptr || start == nullptr || end == nullptr) {
-    return Fail(EMSA_INVALID_ARGUMENT, "tier and the three output arrays must not be NULL");
-  }
-  if (count != tier->tier->bucket_count()) {
-    return Fail(EMSA_INVALID_ARGUMENT, "count must be the tier's bucket count, " +
-                                           std::to_string(tier->tier->bucket_count()));
-  }
-  tier->tier->Trace(submit, start, end, count);
-  return Report(emsa::Status::Ok());
+  return Guard([&] {
+    if (tier == nullptr || submit == nullptr || start == nullptr || end == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "tier and the three output arrays must not be NULL");
+    }
+    if (count != tier->tier->bucket_count()) {
+      return Fail(EMSA_INVALID_ARGUMENT, "count must be the tier's bucket count, " +
+                                             std::to_string(tier->tier->bucket_count()));
+    }
+    tier->tier->Trace(submit, start, end, count);
+    return Report(emsa::Status::Ok());
+  });
 }
 
 emsa_status emsa_host_tier_stats(const emsa_host_tier* tier, int64_t first,

@@ -1,48 +1,21 @@
 // json.cc — parser, writer and field reader for src/common/json.h.
 #include "common/json.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <sstream>
+#include <string>
+#include <vector>
 
 namespace emsa::json {
-
-// ---- Value
-// ---------------------------------------------------------------------------------------
-
-const Value* Value::Find(std::string_view key) const {
-  if (kind_ != Kind::kObject) return nullptr;
-  for (const auto& [k, v] : obj_) {
-    if (k == key) return &v;
-  }
-  return nullptr;
-}
-
-Value& Value::Set(std::string key, Value v) {
-  if (kind_ != Kind::kObject) *this = MakeObject();
-  for (auto& [k, old] : obj_) {
-    if (k == key) return old = std::move(v);
-  }
-  obj_.emplace_back(std::move(key), std::move(v));
-  return obj_.back().second;
-}
-
-Value& Value::Push(Value v) {
-  if (kind_ != Kind::kArray) *this = MakeArray();
-  arr_.push_back(std::move(v));
-  return arr_.back();
-}
 
 // ---- Parser
 // --------------------------------------------------------------------------------------
 
 namespace {
-
-constexpr int kMaxDepth = 256;
 
 class Parser {
  public:
@@ -71,6 +44,14 @@ class Parser {
                               ": " + what);
   }
 
+  static std::string Printable(char c) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u >= 0x20 && u < 0x7f) return std::string("'") + c + "'";
+    char buf[8];
+    std::snprintf(buf, sizeof buf, "0x%02x", u);
+    return buf;
+  }
+
   void SkipSpace() {
     while (pos_ < s_.size() &&
            (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r')) {
@@ -87,7 +68,12 @@ class Parser {
   }
 
   Status ParseValue(Value* out, int depth) {
-    if (depth > kMaxDepth) return Fail("nesting deeper than 256 levels");
+    if (depth > kMaxDepth) {
+      return Fail("nesting deeper than " + std::to_string(kMaxDepth) + " levels");
+    }
+    if (++values_ > kMaxValues) {
+      return Fail("more than " + std::to_string(kMaxValues) + " values in one document");
+    }
     SkipSpace();
     if (pos_ >= s_.size()) return Fail("unexpected end of input, expected a value");
     char c = s_[pos_];
@@ -112,7 +98,7 @@ class Parser {
       *out = Value();
       return Status::Ok();
     }
-    return Fail(std::string("unexpected character '") + c + "'");
+    return Fail("unexpected character " + Printable(c));
   }
 
   Status ParseObject(Value* out, int depth) {
@@ -124,12 +110,13 @@ class Parser {
       *out = std::move(obj);
       return Status::Ok();
     }
+    std::vector<size_t> key_at;  // where each key starts, for the duplicate check at the end
     while (true) {
       SkipSpace();
       if (pos_ >= s_.size() || s_[pos_] != '"') return Fail("expected a quoted key");
+      key_at.push_back(pos_);
       std::string key;
       EMSA_RETURN_IF_ERROR(ParseString(&key));
-      if (obj.Find(key) != nullptr) return Fail("duplicate key \"" + key + "\"");
       SkipSpace();
       if (pos_ >= s_.size() || s_[pos_] != ':') return Fail("expected ':' after key");
       ++pos_;
@@ -147,8 +134,27 @@ class Parser {
       }
       return Fail("expected ',' or '}' in object");
     }
+    EMSA_RETURN_IF_ERROR(CheckUniqueKeys(obj.as_object(), key_at));
     *out = std::move(obj);
     return Status::Ok();
+  }
+
+  // Sorting the keys finds duplicates in n log n; the error names the first repeated key in the
+  // text, at its position.
+  Status CheckUniqueKeys(const Value::Object& obj, const std::vector<size_t>& key_at) {
+    if (obj.size() < 2) return Status::Ok();
+    std::vector<uint32_t> idx(obj.size());
+    for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<uint32_t>(i);
+    std::sort(idx.begin(), idx.end(), [&](uint32_t a, uint32_t b) {
+      return obj[a].first != obj[b].first ? obj[a].first < obj[b].first : a < b;
+    });
+    size_t repeat = obj.size();
+    for (size_t i = 1; i < idx.size(); ++i) {
+      if (obj[idx[i]].first == obj[idx[i - 1]].first) repeat = std::min<size_t>(repeat, idx[i]);
+    }
+    if (repeat == obj.size()) return Status::Ok();
+    pos_ = key_at[repeat];
+    return Fail("duplicate key \"" + obj[repeat].first + "\"");
   }
 
   Status ParseArray(Value* out, int depth) {
@@ -315,6 +321,7 @@ class Parser {
 
   std::string_view s_;
   size_t pos_ = 0;
+  size_t values_ = 0;
 };
 
 // ---- Writer
@@ -584,28 +591,5 @@ Result<int64_t> Reader::AsInt() const { return ToInt(*this, "", *v_); }
 Result<uint64_t> Reader::AsUInt() const { return ToUInt(*this, "", *v_); }
 Result<double> Reader::AsNumber() const { return ToNumber(*this, "", *v_); }
 Result<std::string> Reader::AsString() const { return ToString(*this, "", *v_); }
-
-// ---- Files
-// ---------------------------------------------------------------------------------------
-
-Result<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
-    return Status::IoError("cannot open '" + path + "' for reading: " + std::strerror(errno));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) return Status::IoError("error while reading '" + path + "'");
-  return ss.str();
-}
-
-Status WriteFile(const std::string& path, std::string_view text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out)
-    return Status::IoError("cannot open '" + path + "' for writing: " + std::strerror(errno));
-  out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  out.close();
-  if (!out) return Status::IoError("error while writing '" + path + "'");
-  return Status::Ok();
-}
 
 }  // namespace emsa::json

@@ -17,23 +17,35 @@
 
 namespace emsa::json {
 
+// A JSON value in 16 bytes: the kind and one word, a scalar or the pointer to an owned string,
+// array or object, so a parsed document stays within a small multiple of its text.
 class Value {
  public:
-  enum class Kind { kNull, kBool, kNumber, kString, kArray, kObject };
+  enum class Kind : uint8_t { kNull, kBool, kNumber, kString, kArray, kObject };
   using Array = std::vector<Value>;
   using Object = std::vector<std::pair<std::string, Value>>;  // insertion order kept
 
-  Value() = default;                                // null
-  Value(bool b) : kind_(Kind::kBool), bool_(b) {}   // NOLINT
-  Value(int v) : Value(static_cast<int64_t>(v)) {}  // NOLINT
-  Value(int64_t v)
-      : kind_(Kind::kNumber), num_(static_cast<double>(v)), int_(v), is_int_(true) {}  // NOLINT
+  Value() = default;                                        // null
+  Value(bool b) : kind_(Kind::kBool) { word_.b = b; }       // NOLINT
+  Value(int v) : Value(static_cast<int64_t>(v)) {}          // NOLINT
+  Value(int64_t v) : kind_(Kind::kNumber), is_int_(true) {  // NOLINT
+    word_.i = v;
+  }
   Value(uint64_t v) : Value(static_cast<int64_t>(v)) {}    // NOLINT: values above 2^63 are not used
-  Value(double v) : kind_(Kind::kNumber), num_(v) {}       // NOLINT
-  Value(const char* s) : kind_(Kind::kString), str_(s) {}  // NOLINT
-  Value(std::string s) : kind_(Kind::kString), str_(std::move(s)) {}  // NOLINT
-  Value(Array a) : kind_(Kind::kArray), arr_(std::move(a)) {}         // NOLINT
-  Value(Object o) : kind_(Kind::kObject), obj_(std::move(o)) {}       // NOLINT
+  Value(double v) : kind_(Kind::kNumber) { word_.d = v; }  // NOLINT
+  Value(const char* s) : Value(std::string(s)) {}          // NOLINT
+  Value(std::string s) : kind_(Kind::kString) {            // NOLINT
+    word_.s = new std::string(std::move(s));
+  }
+  Value(Array a) : kind_(Kind::kArray) { word_.a = new Array(std::move(a)); }     // NOLINT
+  Value(Object o) : kind_(Kind::kObject) { word_.o = new Object(std::move(o)); }  // NOLINT
+  Value(const Value& other);
+  Value(Value&& other) noexcept : kind_(other.kind_), is_int_(other.is_int_), word_(other.word_) {
+    other.kind_ = Kind::kNull;
+  }
+  Value& operator=(const Value& other);
+  Value& operator=(Value&& other) noexcept;
+  ~Value() { Release(); }
   static Value MakeArray() { return Value(Array{}); }
   static Value MakeObject() { return Value(Object{}); }
 
@@ -46,14 +58,16 @@ class Value {
   bool is_array() const { return kind_ == Kind::kArray; }
   bool is_object() const { return kind_ == Kind::kObject; }
 
-  bool as_bool() const { return bool_; }
-  double as_double() const { return num_; }
-  int64_t as_int() const { return is_int_ ? int_ : static_cast<int64_t>(num_); }
-  const std::string& as_string() const { return str_; }
-  const Array& as_array() const { return arr_; }
-  Array& as_array() { return arr_; }
-  const Object& as_object() const { return obj_; }
-  Object& as_object() { return obj_; }
+  // Accessors of the wrong kind answer false, 0, or an empty string, array or object; the
+  // mutable as_array()/as_object() first make a value of another kind an empty one of theirs.
+  bool as_bool() const { return kind_ == Kind::kBool && word_.b; }
+  double as_double() const;
+  int64_t as_int() const;
+  const std::string& as_string() const;
+  const Array& as_array() const;
+  Array& as_array();
+  const Object& as_object() const;
+  Object& as_object();
 
   // Object helpers. Set() replaces an existing key in place or appends.
   const Value* Find(std::string_view key) const;
@@ -62,18 +76,29 @@ class Value {
   Value& Push(Value v);
 
  private:
+  void Release() noexcept;
   Kind kind_ = Kind::kNull;
-  bool bool_ = false;
-  double num_ = 0.0;
-  int64_t int_ = 0;
   bool is_int_ = false;
-  std::string str_;
-  Array arr_;
-  Object obj_;
+  union Word {
+    bool b;
+    int64_t i;
+    double d;
+    std::string* s;
+    Array* a;
+    Object* o;
+  } word_{};
 };
 
+// Limits that keep hostile text from exhausting the stack or memory: deeper nesting or more
+// values than these is refused. A probe record of a model with a hundred thousand parameter
+// tensors holds about two million values.
+inline constexpr int kMaxDepth = 256;
+inline constexpr size_t kMaxValues = size_t{1} << 22;
+// Files larger than this are refused before they are read.
+inline constexpr uint64_t kMaxFileBytes = uint64_t{128} << 20;
+
 // Parses one JSON document. Errors are kParseError with "line L, column C: what".
-// Nesting deeper than 256 levels is refused (no stack overflow on hostile input).
+// Nesting deeper than kMaxDepth or more than kMaxValues values is refused. Linear in the text.
 Result<Value> Parse(std::string_view text);
 
 // Writes compact (indent < 0) or pretty (indent >= 0 spaces) JSON. Doubles are written with the
@@ -119,8 +144,11 @@ class Reader {
   std::string path_;
 };
 
-// File helpers: whole-file read/write with kIoError naming the path.
-Result<std::string> ReadFile(const std::string& path);
+// File helpers with kIoError naming the path. ReadFile refuses a file (or a stream such as
+// /dev/zero) longer than max_bytes before holding more of it. WriteFile is atomic: it writes a
+// temporary file in the same folder, flushes and fsyncs it, then renames it over `path`, so a
+// reader sees the old file or the new one, never a torn one.
+Result<std::string> ReadFile(const std::string& path, uint64_t max_bytes = kMaxFileBytes);
 Status WriteFile(const std::string& path, std::string_view text);
 
 }  // namespace emsa::json

@@ -7,6 +7,7 @@
 // parameter and gradient bytes stand in for it. emsa's own workspace adds nothing yet.
 #include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "emsa/plan.h"
@@ -21,6 +22,9 @@ namespace {
 
 using plan_internal::DeviceSizer;
 using plan_internal::LayoutOrder;
+
+// Alignments past this would let the padding of a million parameters outgrow uint64.
+constexpr uint64_t kMaxAlignment = uint64_t{1} << 30;
 
 bool IsPowerOfTwo(uint64_t x) { return x != 0 && (x & (x - 1)) == 0; }
 
@@ -43,8 +47,10 @@ Status ValidateOptions(const PlanOptions& o) {
                                    std::to_string(o.device_update_share) +
                                    "; use -1 (balanced by the planner) or a share in [0, 1]");
   }
-  if (o.bucket_bytes == 0) {
-    return Status::InvalidArgument("options.bucket_bytes is 0; use a positive size such as 32MiB");
+  if (o.bucket_bytes == 0 || o.bucket_bytes > ProbeRecord::kMaxBytes) {
+    return Status::InvalidArgument("options.bucket_bytes is " + std::to_string(o.bucket_bytes) +
+                                   "; use a positive size up to " +
+                                   FormatBytes(ProbeRecord::kMaxBytes) + ", such as 32MiB");
   }
   const struct {
     const char* name;
@@ -53,9 +59,10 @@ Status ValidateOptions(const PlanOptions& o) {
                 {"device_tensor_alignment", o.device_tensor_alignment},
                 {"host_tensor_alignment", o.host_tensor_alignment}};
   for (const auto& a : aligns) {
-    if (!IsPowerOfTwo(a.value)) {
-      return Status::InvalidArgument(std::string("options.") + a.name + " is " +
-                                     std::to_string(a.value) + "; it must be a power of two");
+    if (!IsPowerOfTwo(a.value) || a.value > kMaxAlignment) {
+      return Status::InvalidArgument(
+          std::string("options.") + a.name + " is " + std::to_string(a.value) +
+          "; it must be a power of two up to " + std::to_string(kMaxAlignment));
     }
   }
   if (o.device_module_alignment < o.device_tensor_alignment) {
@@ -99,12 +106,22 @@ uint64_t BaseDeviceBytes(const ProbeRecord& record, const PlanOptions& options) 
   // Gradients freed as they are used: what a sample held of them by its time is gone, but
   // for about two buckets in flight (one being copied or updated, one being produced).
   const uint64_t in_flight = std::min(grads, 2 * options.bucket_bytes);
+  // released_by(t): the bytes of the gradients final by time t, from the ready times sorted once
+  // and their running sums, so each sample costs a binary search.
+  std::vector<std::pair<double, uint64_t>> ready;
+  for (const ParamRecord& p : record.params) {
+    if (p.trainable && p.grad_ready_order >= 0) ready.emplace_back(p.grad_ready_time, p.bytes);
+  }
+  std::sort(ready.begin(), ready.end());
+  std::vector<double> times(ready.size());
+  std::vector<uint64_t> sums(ready.size() + 1, 0);
+  for (size_t i = 0; i < ready.size(); ++i) {
+    times[i] = ready[i].first;
+    sums[i + 1] = sums[i] + ready[i].second;
+  }
   auto released_by = [&](double t) {
-    uint64_t r = 0;
-    for (const ParamRecord& p : record.params) {
-      if (p.trainable && p.grad_ready_order >= 0 && p.grad_ready_time <= t) r += p.bytes;
-    }
-    return r;
+    return sums[static_cast<size_t>(std::upper_bound(times.begin(), times.end(), t) -
+                                    times.begin())];
   };
   // The record's peak has no time: place it at its largest sample (a transient inside a
   // module, such as the loss's gradient, peaks next to it); without samples, assume it held

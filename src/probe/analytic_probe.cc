@@ -75,24 +75,31 @@ Status CheckConfig(const DecoderConfig& c) {
                                      " (GPT-2's position table); use a shorter sequence");
     }
   }
-  // Reject shapes whose sizes would overflow the 64-bit counts below; doubles have the range
-  // to tell. 2^60 bytes (1 EiB) is far beyond any machine and leaves room for the sums below.
+  if (c.num_layers > DecoderConfig::kMaxLayers) {
+    return Status::InvalidArgument("DecoderConfig.num_layers: " + std::to_string(c.num_layers) +
+                                   " exceeds the limit " +
+                                   std::to_string(DecoderConfig::kMaxLayers));
+  }
+  // Reject shapes whose record would pass the probe record's byte limit (and so overflow no
+  // 64-bit count below); doubles have the range to tell. The parameter count is an upper bound
+  // (every norm and bias counted, fp32), the peak the one Builder::Memory() sums.
   const double h = static_cast<double>(c.hidden_size);
-  const double layer_params = 4.0 * h * h + 3.0 * h * static_cast<double>(c.intermediate_size);
-  const double params = static_cast<double>(c.num_layers) * layer_params +
+  const double inner = static_cast<double>(c.intermediate_size);
+  const double layer_params = 4.0 * h * h + 3.0 * h * inner + 10.0 * h + inner;
+  const double params = static_cast<double>(c.num_layers + 1) * layer_params +
                         h * (2.0 * static_cast<double>(c.vocab_size) +
-                             static_cast<double>(c.max_position_embeddings));
+                             static_cast<double>(c.max_position_embeddings) + 2.0);
   const double tokens = static_cast<double>(c.batch) * static_cast<double>(c.seq_len);
   const double activations =
-      static_cast<double>(c.num_layers) * tokens *
+      static_cast<double>(c.num_layers + 1) * tokens *
           (34.0 * h + 5.0 * static_cast<double>(c.num_heads) * static_cast<double>(c.seq_len)) +
       8.0 * tokens * static_cast<double>(c.vocab_size);
-  constexpr double kLimit = 1152921504606846976.0;  // 2^60
-  if (params * 4.0 > kLimit || activations > kLimit) {
+  const double limit = static_cast<double>(ProbeRecord::kMaxBytes);
+  if (params * 4.0 > limit || 2.0 * params * 4.0 + activations > limit) {
     return Status::InvalidArgument(
-        "DecoderConfig: sizes describe more than 2^60 bytes; check "
-        "vocab_size, hidden_size, intermediate_size, num_layers, "
-        "batch and seq_len");
+        "DecoderConfig: the parameters, gradients and activations pass 1 PiB (2^50 bytes), the "
+        "most emsa plans for; check vocab_size, hidden_size, intermediate_size, "
+        "num_layers, batch and seq_len");
   }
   return Status::Ok();
 }

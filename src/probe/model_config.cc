@@ -46,6 +46,11 @@ class HfFields {
     return PositiveValue(field);
   }
 
+  Status AtMost(const char* field, int64_t value, int64_t limit) const {
+    if (value <= limit) return Status::Ok();
+    return Error(field, std::to_string(value) + " exceeds the limit " + std::to_string(limit));
+  }
+
   Result<bool> Flag(const char* field, bool def) const {
     if (!Present(field)) return def;
     const json::Value* v = root_.Find(field);
@@ -89,6 +94,7 @@ Status ReadLlama(const HfFields& f, const std::string& model_type, DecoderConfig
   EMSA_ASSIGN_OR_RETURN(c->hidden_size, f.Positive("hidden_size", kLlamaNeeds));
   EMSA_ASSIGN_OR_RETURN(c->intermediate_size, f.Positive("intermediate_size", kLlamaNeeds));
   EMSA_ASSIGN_OR_RETURN(c->num_layers, f.Positive("num_hidden_layers", kLlamaNeeds));
+  EMSA_RETURN_IF_ERROR(f.AtMost("num_hidden_layers", c->num_layers, DecoderConfig::kMaxLayers));
   EMSA_ASSIGN_OR_RETURN(c->num_heads, f.Positive("num_attention_heads", kLlamaNeeds));
   EMSA_ASSIGN_OR_RETURN(c->vocab_size, f.Positive("vocab_size", kLlamaNeeds));
   EMSA_ASSIGN_OR_RETURN(c->num_kv_heads, f.Positive("num_key_value_heads", c->num_heads));
@@ -132,6 +138,7 @@ Status ReadGpt2(const HfFields& f, DecoderConfig* c) {
   c->family = ModelFamily::kGpt2;
   EMSA_ASSIGN_OR_RETURN(c->hidden_size, f.Positive("n_embd", kGpt2Needs));
   EMSA_ASSIGN_OR_RETURN(c->num_layers, f.Positive("n_layer", kGpt2Needs));
+  EMSA_RETURN_IF_ERROR(f.AtMost("n_layer", c->num_layers, DecoderConfig::kMaxLayers));
   EMSA_ASSIGN_OR_RETURN(c->num_heads, f.Positive("n_head", kGpt2Needs));
   EMSA_ASSIGN_OR_RETURN(c->max_position_embeddings, f.Positive("n_positions", kGpt2Needs));
   EMSA_ASSIGN_OR_RETURN(c->vocab_size, f.Positive("vocab_size", kGpt2Needs));

@@ -267,6 +267,24 @@ Status ReadProfile(const json::Value& doc, ProbeRecord* record) {
   return Status::Ok();
 }
 
+Status CheckCount(size_t count, size_t limit, const char* field) {
+  if (count <= limit) return Status::Ok();
+  return Status::InvalidArgument(std::string(field) + ": " + std::to_string(count) +
+                                 " entries exceed the limit " + std::to_string(limit));
+}
+
+Status CheckLimits(const ProbeRecord& record) {
+  EMSA_RETURN_IF_ERROR(CheckCount(record.params.size(), ProbeRecord::kMaxParams, "params"));
+  EMSA_RETURN_IF_ERROR(CheckCount(record.memory.size(), ProbeRecord::kMaxMemorySamples, "memory"));
+  EMSA_RETURN_IF_ERROR(CheckCount(record.graph.size(), ProbeRecord::kMaxGraphOps, "graph"));
+  if (record.peak_device_bytes > ProbeRecord::kMaxBytes) {
+    return Status::InvalidArgument(
+        "peak_device_bytes: " + std::to_string(record.peak_device_bytes) + " exceeds the limit " +
+        std::to_string(ProbeRecord::kMaxBytes) + " (1 PiB)");
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status ValidateProbeRecord(const ProbeRecord& record) {
@@ -278,11 +296,24 @@ Status ValidateProbeRecord(const ProbeRecord& record) {
         "activation_peak_bytes: " + std::to_string(record.activation_peak_bytes) +
         " exceeds peak_device_bytes " + std::to_string(record.peak_device_bytes));
   }
+  EMSA_RETURN_IF_ERROR(CheckLimits(record));
   std::unordered_map<std::string, size_t> names;
   std::unordered_map<int64_t, size_t> forward_ranks;
   std::unordered_map<int64_t, size_t> grad_ranks;
+  uint64_t total_bytes = 0;
   for (size_t i = 0; i < record.params.size(); ++i) {
     EMSA_RETURN_IF_ERROR(CheckParam(record.params[i], i, &names, &forward_ranks, &grad_ranks));
+    const uint64_t bytes = record.params[i].bytes;
+    const std::string field = ParamLabel(i, record.params[i].name) + ".bytes: ";
+    const std::string limit = std::to_string(ProbeRecord::kMaxBytes) + " (1 PiB)";
+    if (bytes > ProbeRecord::kMaxBytes) {
+      return Status::InvalidArgument(field + std::to_string(bytes) + " exceeds the limit " + limit);
+    }
+    total_bytes += bytes;  // both at most kMaxBytes: cannot wrap
+    if (total_bytes > ProbeRecord::kMaxBytes) {
+      return Status::InvalidArgument(field + "the parameters' bytes up to here, " +
+                                     std::to_string(total_bytes) + ", exceed the limit " + limit);
+    }
   }
   for (size_t i = 0; i < record.memory.size(); ++i) {
     const MemorySample& m = record.memory[i];

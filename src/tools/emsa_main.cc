@@ -6,6 +6,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -412,9 +414,7 @@ int RunProfile(Args* args) {
   return kExitOk;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int Main(int argc, char** argv) {
   Args args;
   for (int i = 1; i < argc; ++i) args.items.emplace_back(argv[i]);
   if (args.Done()) {
@@ -433,4 +433,19 @@ int main(int argc, char** argv) {
   if (command == "plan") return RunPlan(&args);
   if (command == "profile") return RunProfile(&args);
   return Usage("unknown command '" + command + "'");
+}
+
+}  // namespace
+
+// Nothing escapes as a signal: the inputs' limits keep memory small, and should an allocation
+// fail anyway the answer is a message and an exit code.
+int main(int argc, char** argv) {
+  try {
+    return Main(argc, argv);
+  } catch (const std::bad_alloc&) {
+    std::fputs("emsa: out of memory\n", stderr);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "emsa: internal error: %s\n", e.what());
+  }
+  return kExitFailure;
 }

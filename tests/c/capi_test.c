@@ -253,16 +253,22 @@ static void test_plan_and_arena(void) {
   emsa_host_arena_destroy(arena);
   emsa_plan_destroy(plan);
 
-  /* Malformed input is an error, not a crash. */
-  plan = NULL;
+  /* Malformed input is an error, not a crash, and a failed call leaves its outputs untouched
+   * (they start non-NULL so that a call clearing them is caught). */
+  emsa_plan* const plan_sentinel = (emsa_plan*)&g_passed;
+  emsa_host_arena* const arena_sentinel = (emsa_host_arena*)&g_passed;
+  plan = plan_sentinel;
   CHECK(emsa_plan_create("{\"format\": \"emsa.probe\"", profile, &o, &plan, NULL) ==
         EMSA_PARSE_ERROR);
-  CHECK(plan == NULL);
+  CHECK(plan == plan_sentinel);
   o.struct_size = 1;
   CHECK(emsa_plan_create(probe, profile, &o, &plan, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(plan == plan_sentinel);
+  arena = arena_sentinel;
   CHECK(emsa_host_arena_create(0, 0, &arena) == EMSA_INVALID_ARGUMENT);
+  CHECK(arena == arena_sentinel);
   CHECK(emsa_host_arena_create(4096, 2, &arena) == EMSA_INVALID_ARGUMENT);
-  CHECK(arena == NULL);
+  CHECK(arena == arena_sentinel);
   CHECK(strstr(emsa_last_error(), "want_pinned is 2") != NULL);
   free(probe);
   free(profile);

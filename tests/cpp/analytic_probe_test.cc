@@ -331,7 +331,10 @@ TEST(AnalyticProbe, NonsenseConfigsNameTheField) {
       {[](DecoderConfig& c) { c.num_kv_heads = 5; },
        "num_heads 32 is not divisible by num_kv_heads"},
       {[](DecoderConfig& c) { c.matmul_flops = 0; }, "matmul_flops"},
-      {[](DecoderConfig& c) { c.vocab_size = int64_t{1} << 50; }, "2^60"},
+      {[](DecoderConfig& c) { c.vocab_size = int64_t{1} << 50; }, "2^50"},
+      {[](DecoderConfig& c) { c.num_layers = DecoderConfig::kMaxLayers + 1; },
+       "num_layers: 4097 exceeds the limit 4096"},
+      {[](DecoderConfig& c) { c.batch = int64_t{1} << 40; }, "2^50"},
   };
   for (const Case& k : cases) {
     SCOPED_TRACE(k.field);
