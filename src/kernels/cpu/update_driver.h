@@ -21,6 +21,11 @@ namespace {
 
 template <class Ops, class TailOps, OptimizerKind kOpt, ParamKind kP, int kS, bool kSr, bool kD>
 EMSA_CPU_INLINE void UpdateLoop(const UpdateArgs& a, int64_t begin, int64_t end) {
+#ifdef EMSA_MUTATE_NOOP_UPDATE
+  // A test-only build (CMake EMSA_MUTATE_NOOP_UPDATE): the update writes nothing, so every
+  // numerics test must fail against it (scripts/test checks that they do).
+  return;
+#endif
   constexpr int64_t kW = Ops::kWidth;
   const auto c = Broadcast<Ops>(a);
   const auto all = Ops::All();
@@ -55,11 +60,6 @@ EMSA_CPU_INLINE bool StatesLineAligned(const UpdateArgs& a, int64_t begin) {
 // kernel runs), and fence them before returning.
 template <class Ops, class TailOps, OptimizerKind kOpt, ParamKind kP, int kS, bool kD = false>
 void UpdateRange(const UpdateArgs& a, int64_t begin, int64_t end) {
-#ifdef EMSA_MUTATE_NOOP_UPDATE
-  // A test-only build (CMake EMSA_MUTATE_NOOP_UPDATE): the update writes nothing, so every
-  // numerics test must fail against it (scripts/test checks that they do).
-  return;
-#endif
   if constexpr (Ops::kStreamStates) {
     if (kS != 0 || !StatesLineAligned(a, begin)) {
       UpdateRange<typename Ops::Plain, typename Ops::Plain, kOpt, kP, kS, kD>(a, begin, end);
