@@ -1,7 +1,8 @@
 // cpu_update_bench.cc — host-tier AdamW throughput: Gparam/s and GB/s for fp32 state (28 bytes
 // per parameter moved) and bf16 state (20 bytes, nearest and stochastic rounding), each next to
 // a trivial read-modify-write stream over the same arrays: the memory system's ceiling for this
-// access pattern. Medians of --iters steps. Not part of the test build.
+// access pattern. Medians of --iters steps; first, how long MeasureCpuProfile takes. Not part
+// of the test build.
 //
 //   cmake -S . -B build -DEMSA_BUILD_BENCH=ON && cmake --build build --target cpu_update_bench
 //   (or: g++ -O3 -std=c++17 -Iinclude -Isrc bench/cpu_update_bench.cc build/libemsa_core.a
@@ -206,6 +207,12 @@ int main(int argc, char** argv) {
       static_cast<long long>(a.params), a.tensors, (*updater)->threads(),
       emsa::SimdLevelName((*updater)->simd()), a.memory.c_str(), static_cast<long long>(a.guided),
       static_cast<long long>(a.range));
+  const auto profile_start = std::chrono::steady_clock::now();
+  const bool profiled = emsa::MeasureCpuProfile().ok();
+  std::printf(
+      "CPU profile (MeasureCpuProfile) %s in %.0f ms\n", profiled ? "measured" : "failed",
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - profile_start)
+          .count());
   Run(**updater, a, emsa::DType::kFloat32, emsa::Rounding::kNearest, "fp32 param+state");
   if (!a.bf16_states) return 0;
   Run(**updater, a, emsa::DType::kBFloat16, emsa::Rounding::kNearest, "bf16 state, nearest");

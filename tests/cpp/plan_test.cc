@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <set>
 #include <string>
@@ -660,16 +661,20 @@ TEST(PlanSchedule, LoadSlowdownStretchesTheHostTiersPeriod) {
 
   // The CPU path busy 3.2 ms of the period, longer than the load would take for its bytes (32 B
   // per parameter, the update's 24 and the DMA's 8, at the CPU update's 20 GB/s plus the copies'
-  // 10 GB/s each way: 1.6 ms): P = Pa + (PL - Pa) * busy / P.
+  // 10 GB/s each way: 1.6 ms): P = Pa + (PL - Pa) * busy / P, whose positive root is
+  // P = (Pa + sqrt(Pa^2 + 4 (PL - Pa) busy)) / 2.
+  const auto loaded_period = [pa](double busy) {
+    return (pa + std::sqrt(pa * pa + 4 * (0.06 - pa) * busy)) / 2;
+  };
   r.period_under_load = 0.06;
   const Plan light = MustPlan(r, profile, o);
-  const double busy = light.prediction.cpu_time;
-  EXPECT_NEAR(busy, 2e6 * 32 / 20e9, 1e-15);
-  const double p = light.prediction.period;
+  const double busy = 2e6 * 32 / 20e9;
+  EXPECT_NEAR(light.prediction.cpu_time, busy, 1e-15);
+  const double p = loaded_period(busy);
   EXPECT_GT(p, pa);
   EXPECT_LT(p, 0.06);
-  EXPECT_NEAR(p, pa + (0.06 - pa) * busy / p, 1e-12);
-  EXPECT_NEAR(light.prediction.load_slowdown, p / pa, 1e-12);
+  EXPECT_NEAR(light.prediction.period, p, 1e-12);
+  EXPECT_NEAR(light.prediction.load_slowdown, p / pa, 1e-10);
 
   // The GPU updating all: no CPU path, the moments both ways (2 x 8 B per parameter) at the
   // load's rate, 0.8 ms: less than their 1.6 ms on the links (which load the host less).
@@ -677,8 +682,7 @@ TEST(PlanSchedule, LoadSlowdownStretchesTheHostTiersPeriod) {
   const Plan streamed = MustPlan(r, profile, o);
   ASSERT_EQ(streamed.prediction.cpu_time, 0.0);
   ASSERT_GT(streamed.prediction.h2d_time, 1.5e-3);
-  const double gpu_busy = 2e6 * 16 / 40e9, q = streamed.prediction.period;
-  EXPECT_NEAR(q, pa + (0.06 - pa) * gpu_busy / q, 1e-12);
+  EXPECT_NEAR(streamed.prediction.period, loaded_period(2e6 * 16 / 40e9), 1e-12);
   o.device_update_share = 0;
 
   // A host busier than the loaded period (64 MB at 0.5 + 2 x 0.25 GB/s): the whole period is
@@ -693,8 +697,9 @@ TEST(PlanSchedule, LoadSlowdownStretchesTheHostTiersPeriod) {
   EXPECT_DOUBLE_EQ(heavy.prediction.period, 0.06);
   EXPECT_DOUBLE_EQ(heavy.prediction.load_slowdown, 2.0);
   const double b_done = 0.03 + down + cpu + up, a_done = 0.03 + down + 2 * cpu + up;
-  EXPECT_NEAR(heavy.prediction.stall_time, std::max(a_done - 0.06, b_done - 0.07), 1e-12);
-  EXPECT_NEAR(heavy.prediction.step_time, 0.06 + heavy.prediction.stall_time, 1e-15);
+  const double heavy_stall = std::max(a_done - 0.06, b_done - 0.07);
+  EXPECT_NEAR(heavy.prediction.stall_time, heavy_stall, 1e-12);
+  EXPECT_NEAR(heavy.prediction.step_time, 0.06 + heavy_stall, 1e-12);
 
   // No host tier: the load is not there.
   o.force_all_host = false;

@@ -113,39 +113,20 @@ TEST(ProfileSimd, NamesRoundTripAndUnknownNamesAreRejected) {
   EXPECT_NE(bad.status().message().find("sse4"), std::string::npos);
 }
 
-// Debug and sanitizer builds run the measured loops several times slower; their timings say
-// nothing about the product, so only optimized, uninstrumented builds check speed.
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define EMSA_TEST_INSTRUMENTED 1
-#endif
-#endif
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__) || !defined(__OPTIMIZE__)
-#define EMSA_TEST_INSTRUMENTED 1
-#endif
-#ifdef EMSA_TEST_INSTRUMENTED
-constexpr bool kTimingMeaningful = false;
-#else
-constexpr bool kTimingMeaningful = true;
-#endif
-
-TEST(ProfileCpu, FieldsPlausibleAndMeasuredWellUnderASecond) {
-  const auto start = std::chrono::steady_clock::now();
+// Only plausibility: how long the measurement takes is a speed, reported by
+// bench/cpu_update_bench.cc, never asserted in a test.
+TEST(ProfileCpu, FieldsPlausible) {
   Result<CpuProfile> cpu = MeasureCpuProfile();
-  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
   ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
-  std::printf(
-      "[ profile  ] CPU profile in %.0f ms: %s, %d cores, %s, copy %.1f GB/s, update %.1f "
-      "GB/s\n",
-      took.count() * 1e3, cpu->model.c_str(), cpu->logical_cores, SimdLevelName(cpu->simd),
-      cpu->host_mem_bandwidth / 1e9, cpu->host_update_bandwidth / 1e9);
-  if (kTimingMeaningful) EXPECT_LT(took.count(), 1.0);
+  std::printf("[ profile  ] CPU profile: %s, %d cores, %s, copy %.1f GB/s, update %.1f GB/s\n",
+              cpu->model.c_str(), cpu->logical_cores, SimdLevelName(cpu->simd),
+              cpu->host_mem_bandwidth / 1e9, cpu->host_update_bandwidth / 1e9);
   EXPECT_FALSE(cpu->model.empty());
   EXPECT_GE(cpu->logical_cores, 1);
   EXPECT_LE(cpu->logical_cores, static_cast<int>(std::thread::hardware_concurrency()));
   EXPECT_EQ(cpu->simd, DetectSimdLevel());
   for (double bw : {cpu->host_mem_bandwidth, cpu->host_update_bandwidth}) {
-    EXPECT_GT(bw, kTimingMeaningful ? 1e9 : 1e7);
+    EXPECT_GT(bw, 0.0);
     EXPECT_LT(bw, 10e12);
   }
 }

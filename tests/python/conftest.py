@@ -20,3 +20,9 @@ if "EMSA_LIBRARY" not in os.environ:
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CPU_PROFILE = ROOT / "examples" / "profiles" / "h200.json"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "numerics: compares emsa's updates with torch.optim or a float64 reference; "
+        "scripts/test requires these to fail against a build whose update does nothing")

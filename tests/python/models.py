@@ -113,3 +113,23 @@ def warmup_cosine(warmup=5, total=50):
         return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
     return factor
+
+
+class LionReference(torch.optim.Optimizer):
+    """Lion as published (and as include/emsa/update.h states it), in plain torch ops."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                c = m.lerp(p.grad, 1 - b1)
+                p.mul_(1 - lr * wd)
+                p.add_(torch.sign(c), alpha=-lr)
+                m.lerp_(p.grad, 1 - b2)

@@ -1,5 +1,6 @@
 """Bad input gets a clear error (checked by its message) and changes nothing."""
 
+import copy
 import os
 import pickle
 import subprocess
@@ -9,6 +10,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.testing import assert_close
 
 import emsa
 from conftest import CPU_PROFILE, ROOT, requires_cuda
@@ -87,14 +89,20 @@ def test_parameter_reshaped_after_planning():
     assert_unchanged(model, opt, before)
 
 
+@pytest.mark.numerics
 def test_parameter_storage_replaced_is_followed():
+    torch.manual_seed(0)
     model = SmallCNN()
+    ref = copy.deepcopy(model)
     opt = emsa.AdamW(model.parameters())
-    stepped(model, opt)
+    ref_opt = torch.optim.AdamW(ref.parameters())
+    for m, o in ((model, opt), (ref, ref_opt)):
+        stepped(m, o)
     model.fc.weight.data = model.fc.weight.data.clone()  # same shape, new memory
-    before = model.fc.weight.detach().clone()
-    stepped(model, opt)
-    assert not torch.equal(model.fc.weight, before)  # updated in its new memory
+    for m, o in ((model, opt), (ref, ref_opt)):
+        stepped(m, o)
+    for p, q in zip(model.parameters(), ref.parameters()):  # updated in its new memory
+        assert_close(p, q, rtol=1e-5, atol=1e-7)
 
 
 def test_parameter_added_after_planning():
@@ -152,13 +160,18 @@ def test_nonfinite_gradients_skip_the_step_and_change_nothing():
     assert opt.state[model.fc.weight]["step"].item() == 3
 
 
+@pytest.mark.numerics
 def test_nonfinite_gradients_applied_when_asked_like_torch():
     p = nn.Parameter(torch.ones(4))
+    q = nn.Parameter(torch.ones(4))
     opt = emsa.AdamW([p], skip_nonfinite=False)
     p.grad = torch.tensor([1.0, float("nan"), 1.0, 1.0])
+    q.grad = p.grad.clone()
     opt.step()
+    torch.optim.AdamW([q]).step()
     assert not opt.last_step_skipped
     assert torch.isnan(p[1]) and torch.isfinite(p[0])
+    assert_close(p, q, rtol=1e-6, atol=0, equal_nan=True)
 
 
 def test_budget_that_cannot_fit():

@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.testing import assert_close
 
 import emsa
 from conftest import CPU_PROFILE
@@ -280,6 +281,7 @@ def test_measured_profile_is_embedded():
     emsa.make_plan(record)
 
 
+@pytest.mark.numerics
 def test_optimizer_with_probe_plans_at_construction_and_matches_unprobed():
     torch.manual_seed(0)
     model = TinyGPT()
@@ -289,13 +291,16 @@ def test_optimizer_with_probe_plans_at_construction_and_matches_unprobed():
     assert opt.plan is not None  # planned before any step
     assert "blocks.0.qkv.weight" in str(opt.plan)
     twin_opt = emsa.AdamW(twin.parameters(), lr=1e-3)
+    ref = copy.deepcopy(twin)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     for batch in gpt_batches(3):
-        for m, o in ((model, opt), (twin, twin_opt)):
+        for m, o in ((model, opt), (twin, twin_opt), (ref, ref_opt)):
             o.zero_grad()
             gpt_loss(m, batch).backward()
             o.step()
-    for p, q in zip(model.parameters(), twin.parameters()):
+    for p, q, r in zip(model.parameters(), twin.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+        assert_close(p, r, rtol=1e-5, atol=1e-7)
 
 
 def test_optimizer_matches_a_saved_record_by_name_or_position(tmp_path):

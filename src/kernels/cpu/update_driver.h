@@ -21,6 +21,11 @@ namespace {
 
 template <class Ops, class TailOps, OptimizerKind kOpt, ParamKind kP, int kS, bool kSr, bool kD>
 EMSA_CPU_INLINE void UpdateLoop(const UpdateArgs& a, int64_t begin, int64_t end) {
+#ifdef EMSA_MUTATE_NOOP_UPDATE
+  // A test-only build (CMake EMSA_MUTATE_NOOP_UPDATE): the update writes nothing, so every
+  // numerics test must fail against it (scripts/test checks that they do).
+  return;
+#endif
   constexpr int64_t kW = Ops::kWidth;
   const auto c = Broadcast<Ops>(a);
   const auto all = Ops::All();
