@@ -96,7 +96,8 @@ void Totals(const Plan& plan, std::string* out) {
   Append(out, "\n%-12s  %8s  %17s  %12s  %12s\n", "tier", "params", "numel", "state bytes",
          "arena bytes");
   const uint64_t arenas[2] = {pr.device_state_bytes, pr.host_state_bytes};
-  const char* names[2] = {"L1 (device)", "L2 (host)"};
+  // Without a GPU the first tier is host memory too: its name says so.
+  const char* names[2] = {plan.host_only ? "L1 (in RAM)" : "L1 (device)", "L2 (host)"};
   for (int t = 0; t < 2; ++t) {
     Append(out, "%-12s  %8zu  %17s  %12s  %12s\n", names[t], sums[t].params,
            Grouped(sums[t].numel).c_str(), FormatBytes(sums[t].state).c_str(),
@@ -114,10 +115,14 @@ void PredictionRows(const Plan& plan, std::string* out) {
   } else {
     Append(out, "  %-34s %10.3f ms\n", "forward + backward (P)", Ms(p.period));
   }
-  Append(out, "  %-34s %10.3f ms\n", "device update (HBM)", Ms(p.hbm_time));
-  Append(out, "  %-34s %10.3f ms\n", "gradients down (D2H)", Ms(p.d2h_time));
-  Append(out, "  %-34s %10.3f ms\n", "host update (CPU)", Ms(p.cpu_time));
-  Append(out, "  %-34s %10.3f ms\n", "parameters up (H2D)", Ms(p.h2d_time));
+  if (plan.host_only) {  // no GPU: one update, in host memory, and no copies
+    Append(out, "  %-34s %10.3f ms\n", "update (CPU, in RAM)", Ms(p.hbm_time));
+  } else {
+    Append(out, "  %-34s %10.3f ms\n", "device update (HBM)", Ms(p.hbm_time));
+    Append(out, "  %-34s %10.3f ms\n", "gradients down (D2H)", Ms(p.d2h_time));
+    Append(out, "  %-34s %10.3f ms\n", "host update (CPU)", Ms(p.cpu_time));
+    Append(out, "  %-34s %10.3f ms\n", "parameters up (H2D)", Ms(p.h2d_time));
+  }
   if (p.device_update_share > 0) {
     Append(out, "  %-34s %10.1f %%  (their moments through %s of device staging)\n",
            "host tier updated by the GPU", 100.0 * p.device_update_share,
@@ -125,9 +130,9 @@ void PredictionRows(const Plan& plan, std::string* out) {
   }
   Append(out, "  %-34s %10.3f ms\n", "stall before the next forward", Ms(p.stall_time));
   Append(out, "  %-34s %10.3f ms\n", "step", Ms(p.step_time));
-  const std::string budget = plan.budget_bytes == 0 ? std::string("no device limit")
+  const std::string budget = plan.budget_bytes == 0 ? std::string("no limit")
                                                     : "budget " + FormatBytes(plan.budget_bytes);
-  Append(out, "  %-34s %13s  (%s)\n", "peak device memory",
+  Append(out, "  %-34s %13s  (%s)\n", plan.host_only ? "peak host memory" : "peak device memory",
          FormatBytes(p.peak_device_bytes).c_str(), budget.c_str());
   Append(out, "  %-34s %13s\n", "smallest budget that works",
          FormatBytes(plan.min_budget_bytes).c_str());

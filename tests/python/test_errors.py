@@ -1,6 +1,5 @@
 """Bad input gets a clear error (checked by its message) and changes nothing."""
 
-import os
 import pickle
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import torch
 from torch import nn
 
 import emsa
-from conftest import CPU_PROFILE, ROOT, requires_cuda
+from conftest import CPU_PROFILE, ROOT, requires_cuda, subprocess_env
 from models import SmallCNN, cnn_batches, cnn_loss
 
 
@@ -230,8 +229,7 @@ def test_missing_library_is_a_clear_error_at_first_use():
             "        first_use()\n"
             "    except emsa.EmsaLibraryError as e:\n"
             "        print('ERR', e)\n")
-    env = dict(os.environ, EMSA_LIBRARY="/nonexistent/libemsa.so",
-               PYTHONPATH=str(ROOT / "python"))
+    env = subprocess_env(EMSA_LIBRARY="/nonexistent/libemsa.so")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout
     lines = out.splitlines()
