@@ -130,8 +130,8 @@ void PredictionRows(const Plan& plan, std::string* out) {
   }
   Append(out, "  %-34s %10.3f ms\n", "stall before the next forward", Ms(p.stall_time));
   Append(out, "  %-34s %10.3f ms\n", "step", Ms(p.step_time));
-  const std::string budget = plan.budget_bytes == 0 ? std::string("no limit")
-                                                    : "budget " + FormatBytes(plan.budget_bytes);
+  const std::string budget =
+      plan.budget_bytes == 0 ? std::string("no limit") : "budget " + FormatBytes(plan.budget_bytes);
   Append(out, "  %-34s %13s  (%s)\n", plan.host_only ? "peak host memory" : "peak device memory",
          FormatBytes(p.peak_device_bytes).c_str(), budget.c_str());
   Append(out, "  %-34s %13s\n", "smallest budget that works",

@@ -56,8 +56,8 @@ std::string StepLine(const Plan& plan, int64_t tokens_per_step) {
   const int decimals = seconds < 0.01 ? 3 : 1;
   char text[128];
   if (tokens_per_step > 0 && seconds > 0.0) {
-    std::snprintf(text, sizeof text, "%.*f ms predicted, %s tokens/s (%s tokens a step)",
-                  decimals, seconds * 1e3, Grouped(static_cast<uint64_t>(tokens_per_step / seconds)).c_str(),
+    std::snprintf(text, sizeof text, "%.*f ms predicted, %s tokens/s (%s tokens a step)", decimals,
+                  seconds * 1e3, Grouped(static_cast<uint64_t>(tokens_per_step / seconds)).c_str(),
                   Grouped(static_cast<uint64_t>(tokens_per_step)).c_str());
   } else {
     std::snprintf(text, sizeof text, "%.*f ms predicted", decimals, seconds * 1e3);
@@ -69,8 +69,10 @@ std::string HostLine(const Plan& plan, const DeviceProfile& profile) {
   const uint64_t ram = profile.cpu.host_memory;
   const std::string of = ram == 0 ? " (the profile does not give the host's memory)"
                                   : ", of the host's " + FormatBytes(ram);
-  if (plan.host_only) return Line("host memory", FormatBytes(HostMemoryNeeded(plan)) + " at the peak" + of);
-  if (plan.prediction.host_state_bytes == 0) return Line("host memory", "none pinned (no host tier)" + of);
+  if (plan.host_only)
+    return Line("host memory", FormatBytes(HostMemoryNeeded(plan)) + " at the peak" + of);
+  if (plan.prediction.host_state_bytes == 0)
+    return Line("host memory", "none pinned (no host tier)" + of);
   return Line("host memory",
               FormatBytes(plan.prediction.host_state_bytes) + " pinned for the host tier" + of);
 }

@@ -87,9 +87,9 @@ std::string Join(const std::vector<std::string>& names) {
 }
 
 std::string ListText() {
-  return "model presets:  " + Join(ModelPresetNames()) + "\ndevice presets: " +
-         Join(DevicePresetNames()) + ", this (measure this machine)\nmodel types:    " +
-         SupportedModelTypes() + "\n";
+  return "model presets:  " + Join(ModelPresetNames()) +
+         "\ndevice presets: " + Join(DevicePresetNames()) +
+         ", this (measure this machine)\nmodel types:    " + SupportedModelTypes() + "\n";
 }
 
 int Fail(Console* con, int code, const std::string& message) {
@@ -275,8 +275,7 @@ std::string ParsePlanArgs(Args* args, PlanArgs* out) {
   return "";
 }
 
-Result<DeviceProfile> ChooseProfile(const PlanArgs& args, const ProbeRecord& record,
-                                    Console* con) {
+Result<DeviceProfile> ChooseProfile(const PlanArgs& args, const ProbeRecord& record, Console* con) {
   if (!args.profile_path.empty()) {
     EMSA_ASSIGN_OR_RETURN(std::string text, json::ReadFile(args.profile_path));
     auto profile = DeviceProfileFromJson(text);
@@ -296,8 +295,8 @@ std::string CheckBudget(const PlanArgs& args, const DeviceProfile& profile,
   if (!profile.gpu.present || args.options.budget_bytes <= total) return "";
   const char* flag = args.gpu_mem_given ? "--gpu-mem" : "--budget";
   return std::string(flag) + " " + FormatBytes(args.options.budget_bytes) + " is more than the " +
-         FormatBytes(total) + " of the " + profile.gpu.name + " (" + device +
-         "); name at most " + FormatBytes(total) + ", or plan for another card with --device";
+         FormatBytes(total) + " of the " + profile.gpu.name + " (" + device + "); name at most " +
+         FormatBytes(total) + ", or plan for another card with --device";
 }
 
 // Prints the plan as the options ask: its JSON alone on stdout, or its verdict, `preamble` (the
@@ -309,8 +308,8 @@ int EmitPlan(const Plan& plan, const DeviceProfile& profile, const PlanArgs& arg
   const bool host_fits = PlanFitsHost(plan, profile);
   if (!host_fits) {
     con->err += "emsa: the plan needs " + FormatBytes(HostMemoryNeeded(plan)) +
-                " of host memory, more than the host's " +
-                FormatBytes(profile.cpu.host_memory) + "\n";
+                " of host memory, more than the host's " + FormatBytes(profile.cpu.host_memory) +
+                "\n";
   }
   const int code = host_fits ? kExitOk : kExitInfeasible;
   if (args.json_path == "-") {
@@ -336,11 +335,11 @@ int RunProbePlan(const PlanArgs& plan_args, Console* con) {
   auto record = LoadProbeRecord(plan_args.probe_path);
   if (!record.ok()) {
     const bool io = record.status().code() == StatusCode::kIoError;
-    return Fail(con, kExitUsage,
-                record.status().message() +
-                    (io ? ""
-                        : "\nthe probe record must come from emsa.probe() or "
-                          "AnalyticDecoderProbe"));
+    return Fail(
+        con, kExitUsage,
+        record.status().message() + (io ? ""
+                                        : "\nthe probe record must come from emsa.probe() or "
+                                          "AnalyticDecoderProbe"));
   }
   auto profile = ChooseProfile(plan_args, *record, con);
   if (!profile.ok()) {
@@ -356,9 +355,9 @@ int RunProbePlan(const PlanArgs& plan_args, Console* con) {
   auto plan = MakePlan(*record, *profile, plan_args.options, &min_budget);
   if (!plan.ok()) {
     if (plan.status().code() != StatusCode::kInfeasible) return PlanFailure(plan.status(), con);
-    return Fail(con, kExitInfeasible,
-                InfeasibleBudgetMessage(*record, *profile, plan_args.options, plan.status(),
-                                        min_budget));
+    return Fail(
+        con, kExitInfeasible,
+        InfeasibleBudgetMessage(*record, *profile, plan_args.options, plan.status(), min_budget));
   }
   return EmitPlan(*plan, *profile, plan_args, "", 0, con);
 }
@@ -408,8 +407,8 @@ std::string DeviceLine(const ChosenDevice& device) {
 }
 
 std::string OptimizerLine(const PlanOptions& o) {
-  return std::string("optimizer  ") + OptimizerName(o.optimizer) + ", " +
-         DTypeName(o.state_dtype) + " state, " +
+  return std::string("optimizer  ") + OptimizerName(o.optimizer) + ", " + DTypeName(o.state_dtype) +
+         " state, " +
          (o.release_grads ? "step in backward (each gradient freed once its update has it)"
                           : "step() after backward (every gradient held at once)") +
          "\n";

@@ -199,12 +199,13 @@ TEST_F(PlanModelCli, TheVerdictComesFirstAndTheDefaultIsShort) {
 TEST_F(PlanModelCli, ABudgetAboveTheCardIsRefusedNamingItsMemory) {
   Outcome r = Emsa("plan --model llama-3-8b --gpu-mem 30GiB --device rtx-4090 --checkpointing");
   EXPECT_EQ(r.code, 2) << r.out;
-  EXPECT_TRUE(Has(r.err, "--gpu-mem 30.00 GiB is more than the 23.99 GiB of the NVIDIA GeForce "
-                         "RTX 4090 (preset rtx-4090)"))
+  EXPECT_TRUE(Has(r.err,
+                  "--gpu-mem 30.00 GiB is more than the 23.99 GiB of the NVIDIA GeForce "
+                  "RTX 4090 (preset rtx-4090)"))
       << r.err;
   EXPECT_EQ(Emsa("plan --model llama-3-8b --gpu-mem 20GiB --device rtx-4090 --checkpointing "
                  "--state-dtype bf16 --param-dtype bf16 --json -")
-                .code == 2,
+                    .code == 2,
             false);
 }
 
@@ -232,14 +233,13 @@ TEST_F(PlanModelCli, WithoutAGpuThePlanSpeaksOfHostMemory) {
     // 1.1B parameters with fp32 state need about 20 GiB of host memory.
     const bool fits = gib == 64;
     EXPECT_EQ(r.code, fits ? 0 : 3) << r.err;
-    EXPECT_EQ(r.out.rfind(std::string("fits         ") + (fits ? "yes" : "no") +
-                              ": peak host memory ",
-                          0),
+    EXPECT_EQ(r.out.rfind(
+                  std::string("fits         ") + (fits ? "yes" : "no") + ": peak host memory ", 0),
               0u)
         << r.out;
     const std::string of = "of the host's " + std::to_string(gib) + ".00 GiB";
-    for (const std::string& part : {of, std::string("no GPU"), std::string("L1 (in RAM)"),
-                                    std::string("peak host memory")}) {
+    for (const std::string& part :
+         {of, std::string("no GPU"), std::string("L1 (in RAM)"), std::string("peak host memory")}) {
       EXPECT_TRUE(Has(r.out, part)) << part << "\n" << r.out;
     }
     for (const char* absent : {"HBM", "peak device memory", "L1 (device)", "on the device"}) {
