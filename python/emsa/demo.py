@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         with _deterministic(device):
             return _run(args, device, out)
-    except (EmsaLibraryError, EmsaError, OSError) as e:
+    except (EmsaLibraryError, EmsaError, OSError, ImportError) as e:  # ImportError: matplotlib
         print(f"emsa demo: {e}", file=sys.stderr)
         return 1
 
@@ -262,9 +262,9 @@ def _run(args, device: torch.device, out: Path) -> int:
     verdict = _compare(steps, mine, peer)
     summary = _summary(steps, mine, peer, device)
     summary["timing"] = _timing_note(device, threads, summary["timed_steps"])
+    print(_table(summary, verdict))
     path = _write_run(out, opt, record, steps, cfg, hyper, args, device, n_params, summary,
                       verdict)
-    print(_table(summary, verdict))
     print(f"report: {path}")
     if not verdict["ok"]:
         print(f"emsa demo: emsa.AdamW and torch.optim.AdamW differ: {verdict['why']}",
