@@ -126,6 +126,16 @@ EMSA_API emsa_status emsa_plan_arena_bytes(const emsa_plan* plan, uint64_t* devi
 
 /* The same table without the per-parameter rows and module ranges: totals and prediction. */
 EMSA_API emsa_status emsa_plan_to_summary(const emsa_plan* plan, char** table_out);
+/* The lines a plan opens with (fits or not, step time and tokens/s, host memory, tier split),
+ * against the profile it was made for (JSON text); tokens_per_step 0: no tokens/s. */
+EMSA_API emsa_status emsa_plan_verdict(const emsa_plan* plan, const char* profile_json,
+                                       int64_t tokens_per_step, char** verdict_out);
+
+/* The `emsa` command (`emsa --help`): runs it with argv[0..argc) (no program name) and returns
+ * what it prints, to stdout and stderr, in *out and *err (free both with emsa_free), and its exit
+ * code in *exit_code (0 ok, 2 usage or bad input, 3 the plan does not fit, 1 other errors). */
+EMSA_API emsa_status emsa_cli_run(int argc, const char* const* argv, int* exit_code, char** out,
+                                  char** err);
 
 /* ---- models: an analytic probe from a config (emsa/model_config.h) ------------------------- */
 typedef struct emsa_model_options {

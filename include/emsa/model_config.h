@@ -37,6 +37,8 @@ Result<DecoderConfig> DecoderConfigFromHfJson(const std::string& text, const std
 
 // The built-in presets, sorted by name: "llama-2-7b", ..., and "h200", "a100-40gb", ...
 std::vector<std::string> ModelPresetNames();
+// The config.json model types ResolveModel reads, by family, for a person (`emsa plan --list`).
+std::string SupportedModelTypes();
 std::vector<std::string> DevicePresetNames();
 // The preset file's exact text; kNotFound listing the names that exist.
 Result<std::string> ModelPresetText(const std::string& name);

@@ -151,6 +151,8 @@ struct Plan {
   uint64_t budget_bytes = 0;         // the budget actually applied (resolved); 0 = no device limit
   uint64_t min_budget_bytes = 0;     // the smallest budget this model could be planned under with
                                      // these options
+  bool host_only = false;            // planned for a machine without a GPU: the device tier's
+                                     // state, like everything else, lives in host memory
   std::vector<ParamPlan> params;     // same order as ProbeRecord::params
   std::vector<ModuleRange> modules;  // arena order
   std::vector<Bucket> buckets;       // grad-ready order
@@ -189,5 +191,16 @@ std::string PlanToJson(const Plan& plan);
 std::string PlanToTable(const Plan& plan);
 // The same table without the per-parameter rows and module ranges: totals and prediction only.
 std::string PlanSummaryToTable(const Plan& plan);
+
+// The host memory the plan needs: the host tier's arena, and on a machine without a GPU the whole
+// predicted peak as well.
+uint64_t HostMemoryNeeded(const Plan& plan);
+// Whether HostMemoryNeeded fits in the host's RAM (profile.cpu.host_memory; true when unknown).
+bool PlanFitsHost(const Plan& plan, const DeviceProfile& profile);
+// The plan's answer first, for a person, in four lines ending in '\n': whether it fits (the
+// peak against the budget and the card's memory, host memory against the host's RAM), the
+// predicted step time and tokens/s, the host memory needed, and the tier split.
+// `tokens_per_step` 0: no tokens/s (a probe record does not say how many tokens a step trains).
+std::string PlanVerdict(const Plan& plan, const DeviceProfile& profile, int64_t tokens_per_step);
 
 }  // namespace emsa

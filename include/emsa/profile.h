@@ -34,6 +34,7 @@ struct CpuProfile {
   double host_update_bandwidth = 0.0;  // B/s, the host tier's fp32 AdamW update (CpuUpdater,
                                        // 28 bytes per element), measured on one core fewer
                                        // than logical_cores, as the host tier's pool runs
+  uint64_t host_memory = 0;  // bytes of physical memory (RAM); 0: not known (older profiles)
 };
 
 struct GpuProfile {

@@ -1,13 +1,16 @@
 """The declared ctypes table for libemsa's C ABI (include/emsa/emsa.h).
 
 One built library serves any Python and any torch: nothing here links torch. The library is
-found at first use: $EMSA_LIBRARY, then next to this package, then the repo's build folders.
+found at first use: the one packaged with this module (`pip install .` puts it next to this file;
+an editable install keeps it in site-packages), then the repository's build folder; the
+EMSA_LIBRARY path (_tuning.library_path), when set, overrides both.
 A missing library or an ABI mismatch raises EmsaLibraryError with what to do.
 """
 
 from __future__ import annotations
 
 import ctypes
+from importlib import metadata
 from pathlib import Path
 
 from . import _tuning
@@ -256,6 +259,10 @@ _TABLE = {
     "emsa_plan_arena_bytes": (
         _S, [_P, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]),
     "emsa_plan_to_summary": (_S, [_P, ctypes.POINTER(_P)]),
+    "emsa_plan_verdict": (_S, [_P, ctypes.c_char_p, ctypes.c_int64, ctypes.POINTER(_P)]),
+    "emsa_cli_run": (
+        _S, [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int),
+             ctypes.POINTER(_P), ctypes.POINTER(_P)]),
     "emsa_model_options_init": (None, [ctypes.POINTER(ModelOptions)]),
     "emsa_model_probe": (
         _S, [ctypes.c_char_p, ctypes.POINTER(ModelOptions), ctypes.POINTER(_P),
@@ -345,13 +352,24 @@ _TABLE = {
 }
 
 
+def _installed() -> list[Path]:
+    """libemsa.so as the installed distribution lists it: an editable install keeps the built
+    library in site-packages while this module stays in the source tree."""
+    try:
+        files = metadata.files("emsa") or []
+    except metadata.PackageNotFoundError:
+        return []
+    return [Path(f.locate()) for f in files if f.name == "libemsa.so"]
+
+
 def _candidates() -> list[Path]:
     env = _tuning.library_path()
     if env:
         return [Path(env)]
     here = Path(__file__).resolve().parent
     repo = here.parent.parent
-    return [here / "libemsa.so", repo / "build" / "libemsa.so", repo / "build-asan" / "libemsa.so"]
+    return [here / "libemsa.so", *_installed(), repo / "build" / "libemsa.so",
+            repo / "build-asan" / "libemsa.so"]
 
 
 class _Lib:
@@ -372,9 +390,9 @@ class _Lib:
                 break
         else:
             raise EmsaLibraryError(
-                "libemsa.so not found (tried " + ", ".join(tried) + "). Build it with "
-                "`bash scripts/test` or `cmake -S . -B build && cmake --build build`, "
-                "or point EMSA_LIBRARY at it.")
+                "libemsa.so not found (tried " + ", ".join(tried) + "). Install the package "
+                "with `pip install .` at the repository's root, or build the library with "
+                "`cmake -S . -B build && cmake --build build`, or point EMSA_LIBRARY at it.")
         for name, (restype, argtypes) in _TABLE.items():
             try:
                 fn = getattr(dll, name)

@@ -1,17 +1,15 @@
-"""Models known by their config (`python -m emsa plan --model`): an analytic probe record and
-the built-in device presets, computed by libemsa (emsa/model_config.h); nothing here but
-argument passing and text for a person."""
+"""Models known by their config: an analytic probe record and the built-in device presets,
+computed by libemsa (emsa/model_config.h); nothing here but argument passing. (`emsa plan
+--model` is libemsa's own command: emsa.__main__.)"""
 
 from __future__ import annotations
 
 import ctypes
-import json
-from typing import Any
 
 from . import _capi
 from ._capi import ModelOptions, check, lib, take_string
 
-__all__ = ["model_probe", "model_options", "device_preset", "plan_summary", "format_bytes", "matmul_flops_of"]
+__all__ = ["model_probe", "model_options", "device_preset"]
 
 PARAM_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16",
                 "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
@@ -50,26 +48,3 @@ def device_preset(name: str) -> str:
     out = ctypes.c_void_p()
     check(lib.emsa_device_preset(name.encode(), ctypes.byref(out)))
     return take_string(out)
-
-
-def plan_summary(plan: Any) -> str:
-    """The plan's totals and prediction, without per-parameter rows (PlanSummaryToTable)."""
-    out = ctypes.c_void_p()
-    check(lib.emsa_plan_to_summary(plan._handle, ctypes.byref(out)))
-    return take_string(out)
-
-
-def format_bytes(n: int) -> str:
-    """As the C++ FormatBytes: "24.00 GiB", "512.00 MiB", "12 B"."""
-    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.2f} {unit}"
-    return f"{n} B"
-
-
-def matmul_flops_of(profile_text: str) -> float:
-    """The "matmul_flops" a preset (or a profile file written like one) carries; 0 if none."""
-    value = json.loads(profile_text).get("matmul_flops", 0.0)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"profile matmul_flops: expected a positive number, got {value!r}")
-    return float(value)

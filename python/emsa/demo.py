@@ -2,7 +2,9 @@
 torch.optim.AdamW, and show that they agree.
 
 The two copies see the same batches in lockstep, with the same hyperparameters, param groups
-(weight decay on matrices only) and warmup+cosine LambdaLR. emsa plans from a probe of its copy
+(weight decay on matrices only) and warmup+cosine LambdaLR. Their step times are measured the
+same way: in this process, interleaved step by step (which goes first alternates), with the
+same number of CPU threads, and compared as medians. emsa plans from a probe of its copy
 and prints the plan after the first step. On a GPU, emsa gets a budget halfway between the
 smallest that works and what keeping all state on the device would take, so part of its state
 goes to the host tier. The run directory (--out) gets the files emsa.report reads, and the
@@ -54,18 +56,18 @@ class Hyper:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="emsa demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    p.add_argument("--steps", type=int, default=120, help="training steps (default 120)")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto",
                    help="auto: cuda when torch sees a GPU, else cpu")
     p.add_argument("--out", default="emsa-demo-run", help="run directory (default ./%(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no plan table, no progress bar")
     size = p.add_argument_group("model and data size")
-    size.add_argument("--layers", type=int, default=4)
-    size.add_argument("--d-model", type=int, default=128)
+    size.add_argument("--layers", type=int, default=2)
+    size.add_argument("--d-model", type=int, default=96)
     size.add_argument("--heads", type=int, default=4)
     size.add_argument("--block-size", type=int, default=64, help="tokens per sequence")
-    size.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+    size.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     size.add_argument("--lr", type=float, default=Hyper.lr)
     return p
 
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         with _deterministic(device):
             return _run(args, device, out)
-    except (EmsaLibraryError, EmsaError, OSError) as e:
+    except (EmsaLibraryError, EmsaError, OSError, ImportError) as e:  # ImportError: matplotlib
         print(f"emsa demo: {e}", file=sys.stderr)
         return 1
 
@@ -228,6 +230,7 @@ def _run(args, device: torch.device, out: Path) -> int:
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     n_params = sum(p.numel() for p in model.parameters())
+    threads = _same_threads(device)
     if not args.quiet:
         print(f"emsa demo: GPT with {n_params:,} parameters ({cfg.n_layer} blocks, d_model "
               f"{cfg.d_model}), {args.steps} steps on {device}, batch {args.batch_size}x"
@@ -237,8 +240,14 @@ def _run(args, device: torch.device, out: Path) -> int:
     for step in range(1, args.steps + 1):
         x, y = (t.to(device) for t in batches.next())
         lr = opt.param_groups[0]["lr"]
-        loss, it_s, opt_s = mine.iterate(x, y, sync)
-        loss_p, it_p, opt_p = peer.iterate(x, y, sync)
+        # Interleaved, and which goes first alternates: neither side always gets the warm
+        # caches (or the cold ones) the other leaves.
+        if step % 2:
+            loss, it_s, opt_s = mine.iterate(x, y, sync)
+            loss_p, it_p, opt_p = peer.iterate(x, y, sync)
+        else:
+            loss_p, it_p, opt_p = peer.iterate(x, y, sync)
+            loss, it_s, opt_s = mine.iterate(x, y, sync)
         row = {"step": step, "time_s": it_s, "loss": loss, "loss_peer": loss_p,
                "time_peer_s": it_p, "opt_s": opt_s, "opt_peer_s": opt_p, "lr": lr}
         if device.type == "cuda":
@@ -246,21 +255,45 @@ def _run(args, device: torch.device, out: Path) -> int:
         steps.append(row)
         if step == 1 and not args.quiet:
             progress.close()
-            print(opt.plan, flush=True)
+            print(_short_plan(opt), flush=True)
         progress.update(step, loss=loss, peer=loss_p)
     progress.close()
 
     verdict = _compare(steps, mine, peer)
     summary = _summary(steps, mine, peer, device)
+    summary["timing"] = _timing_note(device, threads, summary["timed_steps"])
+    print(_table(summary, verdict))
     path = _write_run(out, opt, record, steps, cfg, hyper, args, device, n_params, summary,
                       verdict)
-    print(_table(summary, verdict))
     print(f"report: {path}")
     if not verdict["ok"]:
         print(f"emsa demo: emsa.AdamW and torch.optim.AdamW differ: {verdict['why']}",
               file=sys.stderr)
         return 1
     return 0
+
+
+def _same_threads(device: torch.device) -> int:
+    """The CPU threads both sides use. On the CPU emsa's engine runs on every CPU this process
+    may use (emsa's CpuUpdater with threads 0); torch's intra-op pool gets the same count, so
+    that neither optimizer's time is the other's thread count. Returns that count."""
+    if device.type != "cpu":
+        return torch.get_num_threads()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(cpus or 1, 1))
+    return torch.get_num_threads()
+
+
+def _timing_note(device: torch.device, threads: int, timed: int) -> str:
+    sync = ", after torch.cuda.synchronize()" if device.type == "cuda" else ""
+    return (f"times: wall clock{sync}, both in this process on {threads} CPU threads, "
+            f"interleaved step by step (alternating which goes first) on the same batches; "
+            f"medians of the last {timed} steps")
+
+
+def _short_plan(opt) -> str:
+    """The plan's verdict lines, as `emsa plan` opens with, rather than its whole table."""
+    return "emsa's plan (print(opt.plan) has one row per parameter):\n" + opt.plan.verdict()
 
 
 def _compare(steps, mine: _Side, peer: _Side) -> dict:
@@ -305,8 +338,10 @@ def _state_bytes(opt) -> int:
 def _summary(steps, mine: _Side, peer: _Side, device) -> dict:
     timed = steps[1:] or steps  # the first step plans and warms up: not typical
 
-    def mean_ms(key):
-        return 1e3 * sum(r[key] for r in timed) / len(timed)
+    def median_ms(key):  # a median: one step slowed by another process does not move it
+        values = sorted(r[key] for r in timed)
+        mid = len(values) // 2
+        return 1e3 * (values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2)
 
     if device.type == "cuda":
         memory = {"what": "peak device memory", "emsa": mine.peak, "peer": peer.peak}
@@ -314,8 +349,8 @@ def _summary(steps, mine: _Side, peer: _Side, device) -> dict:
         memory = {"what": "optimizer state", "emsa": _state_bytes(mine.opt),
                   "peer": _state_bytes(peer.opt)}
     return {"final_loss": [steps[-1]["loss"], steps[-1]["loss_peer"]],
-            "step_ms": [mean_ms("time_s"), mean_ms("time_peer_s")],
-            "opt_ms": [mean_ms("opt_s"), mean_ms("opt_peer_s")],
+            "step_ms": [median_ms("time_s"), median_ms("time_peer_s")],
+            "opt_ms": [median_ms("opt_s"), median_ms("opt_peer_s")],
             "timed_steps": len(timed), "memory": memory}
 
 
@@ -323,13 +358,13 @@ def _table(summary: dict, verdict: dict) -> str:
     mem = summary["memory"]
     rows = [("", "emsa.AdamW", "torch.optim.AdamW"),
             ("final loss", *(f"{v:.6f}" for v in summary["final_loss"])),
-            (f"mean step (of last {summary['timed_steps']})",
+            (f"median step (of last {summary['timed_steps']})",
              *(f"{v:.2f} ms" for v in summary["step_ms"])),
             ("  of which optimizer.step()", *(f"{v:.2f} ms" for v in summary["opt_ms"])),
             (mem["what"], report.fmt_bytes(mem["emsa"]), report.fmt_bytes(mem["peer"]))]
     lines = [f"{a:<32}{b:>20}{c:>20}" for a, b, c in rows]
     mark = "equal within tolerance" if verdict["ok"] else "DIFFERENT"
-    lines += ["",
+    lines += [summary["timing"], "",
               f"max |loss diff|     {verdict['max_loss_diff']:.3g} at step "
               f"{verdict['worst_step']} (bar {LOSS_ATOL:g})",
               f"max |param diff|    {verdict['max_param_diff']:.3g}, relative to its tensor's "
@@ -373,7 +408,7 @@ def _write_run(out: Path, opt, record, steps, cfg, hyper, args, device, n_params
                      f"{'tied' if cfg.tie_head else 'untied'} head, vocabulary {cfg.vocab_size}",
             "data": f"{CORPUS_CHARS:,} characters of generated sentences, batch "
                     f"{args.batch_size}x{cfg.block_size}, seed {args.seed}",
-            "hyperparameters": asdict(hyper), "steps": args.steps}
+            "hyperparameters": asdict(hyper), "steps": args.steps, "timing": summary["timing"]}
     return report.write_run(out, plan=opt.plan, record=record, steps=steps, meta=meta)
 
 

@@ -105,6 +105,17 @@ class Plan:
         check(lib.emsa_plan_to_table(self._handle, ctypes.byref(out)))
         return take_string(out)
 
+    def verdict(self, profile: Any = None, tokens_per_step: int = 0) -> str:
+        """The lines `emsa plan` opens with: fits or not (against the card's and the host's
+        memory in `profile`, a DeviceProfile as dict, JSON text or path; default: this machine,
+        unmeasured), the predicted step time (and tokens/s when tokens_per_step is given), the
+        host memory needed and the tier split."""
+        text = profile_json(profile) if profile is not None else quick_profile_json()
+        out = ctypes.c_void_p()
+        check(lib.emsa_plan_verdict(self._handle, text.encode(), int(tokens_per_step),
+                                    ctypes.byref(out)))
+        return take_string(out)
+
     def __str__(self) -> str:
         return self.table()
 

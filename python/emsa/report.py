@@ -7,6 +7,8 @@ A run directory holds (times in seconds, memory in bytes):
   steps.jsonl   required. One JSON object per line, one line per optimizer step:
                   "step"              int, 1-based                                  required
                   "time_s"            wall time of the whole training step            required
+                                      (but on the last of several: its end, the next
+                                      step's start, may not have come)
                   "loss"              the step's loss                                 optional
                   "loss_peer"         the reference optimizer's loss (torch AdamW)    optional
                   "hbm_s", "d2h_s", "h2d_s", "cpu_s", "stall_s"
@@ -97,7 +99,8 @@ def _read_steps(path: Path) -> list[dict[str, Any]]:
             raise RunDirError(f"{path} line {n}: not valid JSON ({e})") from None
         if not isinstance(row, dict):
             raise RunDirError(f"{path} line {n}: expected a JSON object per step")
-        for key in ("step", "time_s"):
+        last_of_several = n == len(lines) and len(steps) > 0
+        for key in ("step",) if last_of_several and "time_s" not in row else ("step", "time_s"):
             if not isinstance(row.get(key), (int, float)) or isinstance(row.get(key), bool):
                 raise RunDirError(f"{path} line {n}: {key!r} is missing or not a number; "
                                   "every step needs \"step\" and \"time_s\"")
@@ -481,25 +484,25 @@ def write_run(run_dir: str | Path, *, plan, record=None, steps: list[dict[str, A
               meta: dict[str, Any] | None = None) -> Path:
     """Writes a run directory in the format above (what opt.report() measured: the plan, the
     probe record, one line per step, optional losses) and then its report; returns
-    report.md's path. Steps without a measured time (the last one, whose end is the next
-    step's start) are left out."""
+    report.md's path. Every step is written, with its loss; the last has no time_s when its
+    end (the next step's start) has not come."""
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
     _files.write_text(out / "plan.json", plan.text)
     if record is not None:
         record.save(out / "probe.json")
+    rows = {row["step"]: dict(row) for row in steps}
+    for n in range(max(len(losses or []), len(peer_losses or []))):  # a loss makes a step too
+        rows.setdefault(n + 1, {"step": n + 1})
     lines = []
-    for k, row in enumerate(steps):
-        if "time_s" not in row:
-            continue
-        row = dict(row)
+    for step in sorted(rows):
+        row = rows[step]
         if "wait_s" in row and "stall_s" not in row:
             row["stall_s"] = row["wait_s"]
-        n = row["step"] - 1
-        if losses is not None and n < len(losses):
-            row["loss"] = float(losses[n])
-        if peer_losses is not None and n < len(peer_losses):
-            row["loss_peer"] = float(peer_losses[n])
+        if losses is not None and step - 1 < len(losses):
+            row["loss"] = float(losses[step - 1])
+        if peer_losses is not None and step - 1 < len(peer_losses):
+            row["loss_peer"] = float(peer_losses[step - 1])
         lines.append(json.dumps(row))
     _files.write_text(out / "steps.jsonl", "\n".join(lines) + ("\n" if lines else ""))
     _files.write_text(out / "meta.json", json.dumps(meta or {"title": "emsa run"}, indent=2))

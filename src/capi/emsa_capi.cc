@@ -22,6 +22,7 @@
 #include "emsa/profile.h"
 #include "emsa/types.h"
 #include "memory/dlpack_export.h"
+#include "tools/cli.h"
 
 struct emsa_plan {
   emsa::Plan plan;
@@ -506,6 +507,45 @@ emsa_status emsa_plan_to_summary(const emsa_plan* plan, char** table_out) {
   return Guard([&] {
     if (plan == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "plan is NULL");
     return ReturnString(emsa::PlanSummaryToTable(plan->plan), table_out);
+  });
+}
+
+emsa_status emsa_plan_verdict(const emsa_plan* plan, const char* profile_json,
+                              int64_t tokens_per_step, char** verdict_out) {
+  return Guard([&] {
+    if (plan == nullptr || profile_json == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "plan and profile_json must not be NULL");
+    }
+    auto profile = emsa::DeviceProfileFromJson(profile_json);
+    if (!profile.ok()) return Report(profile.status());
+    return ReturnString(emsa::PlanVerdict(plan->plan, *profile, tokens_per_step), verdict_out);
+  });
+}
+
+emsa_status emsa_cli_run(int argc, const char* const* argv, int* exit_code, char** out,
+                         char** err) {
+  return Guard([&] {
+    if (argc < 0 || (argc > 0 && argv == nullptr) || exit_code == nullptr || out == nullptr ||
+        err == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "emsa_cli_run: argv and the outputs must not be NULL");
+    }
+    std::vector<std::string> args;
+    for (int i = 0; i < argc; ++i) {
+      if (argv[i] == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "emsa_cli_run: argv[i] is NULL");
+      args.emplace_back(argv[i]);
+    }
+    emsa::Console console;
+    *exit_code = emsa::RunCli(args, &console);
+    char* out_copy = CopyString(console.out);
+    char* err_copy = CopyString(console.err);
+    if (out_copy == nullptr || err_copy == nullptr) {
+      std::free(out_copy);
+      std::free(err_copy);
+      return Fail(EMSA_OUT_OF_MEMORY, "cannot allocate the returned strings");
+    }
+    *out = out_copy;
+    *err = err_copy;
+    return Report(emsa::Status::Ok());
   });
 }
 

@@ -1,4 +1,6 @@
-// plan_table.cc — PlanToTable / PlanSummaryToTable: the plan as fixed-width text for a person.
+// plan_table.cc — PlanToTable / PlanSummaryToTable: the plan as fixed-width text for a person;
+// PlanVerdict: the lines it opens with, so that the answer comes first (does it fit, how fast,
+// how much host memory, how the state is split between the tiers).
 #include <cstdarg>
 #include <cstdio>
 #include <string>
@@ -96,7 +98,8 @@ void Totals(const Plan& plan, std::string* out) {
   Append(out, "\n%-12s  %8s  %17s  %12s  %12s\n", "tier", "params", "numel", "state bytes",
          "arena bytes");
   const uint64_t arenas[2] = {pr.device_state_bytes, pr.host_state_bytes};
-  const char* names[2] = {"L1 (device)", "L2 (host)"};
+  // Without a GPU the first tier is host memory too: its name says so.
+  const char* names[2] = {plan.host_only ? "L1 (in RAM)" : "L1 (device)", "L2 (host)"};
   for (int t = 0; t < 2; ++t) {
     Append(out, "%-12s  %8zu  %17s  %12s  %12s\n", names[t], sums[t].params,
            Grouped(sums[t].numel).c_str(), FormatBytes(sums[t].state).c_str(),
@@ -114,10 +117,14 @@ void PredictionRows(const Plan& plan, std::string* out) {
   } else {
     Append(out, "  %-34s %10.3f ms\n", "forward + backward (P)", Ms(p.period));
   }
-  Append(out, "  %-34s %10.3f ms\n", "device update (HBM)", Ms(p.hbm_time));
-  Append(out, "  %-34s %10.3f ms\n", "gradients down (D2H)", Ms(p.d2h_time));
-  Append(out, "  %-34s %10.3f ms\n", "host update (CPU)", Ms(p.cpu_time));
-  Append(out, "  %-34s %10.3f ms\n", "parameters up (H2D)", Ms(p.h2d_time));
+  if (plan.host_only) {  // no GPU: one update, in host memory, and no copies
+    Append(out, "  %-34s %10.3f ms\n", "update (CPU, in RAM)", Ms(p.hbm_time));
+  } else {
+    Append(out, "  %-34s %10.3f ms\n", "device update (HBM)", Ms(p.hbm_time));
+    Append(out, "  %-34s %10.3f ms\n", "gradients down (D2H)", Ms(p.d2h_time));
+    Append(out, "  %-34s %10.3f ms\n", "host update (CPU)", Ms(p.cpu_time));
+    Append(out, "  %-34s %10.3f ms\n", "parameters up (H2D)", Ms(p.h2d_time));
+  }
   if (p.device_update_share > 0) {
     Append(out, "  %-34s %10.1f %%  (their moments through %s of device staging)\n",
            "host tier updated by the GPU", 100.0 * p.device_update_share,
@@ -125,12 +132,91 @@ void PredictionRows(const Plan& plan, std::string* out) {
   }
   Append(out, "  %-34s %10.3f ms\n", "stall before the next forward", Ms(p.stall_time));
   Append(out, "  %-34s %10.3f ms\n", "step", Ms(p.step_time));
-  const std::string budget = plan.budget_bytes == 0 ? std::string("no device limit")
-                                                    : "budget " + FormatBytes(plan.budget_bytes);
-  Append(out, "  %-34s %13s  (%s)\n", "peak device memory",
+  const std::string budget =
+      plan.budget_bytes == 0 ? std::string("no limit") : "budget " + FormatBytes(plan.budget_bytes);
+  Append(out, "  %-34s %13s  (%s)\n", plan.host_only ? "peak host memory" : "peak device memory",
          FormatBytes(p.peak_device_bytes).c_str(), budget.c_str());
   Append(out, "  %-34s %13s\n", "smallest budget that works",
          FormatBytes(plan.min_budget_bytes).c_str());
+}
+
+// The column the verdict's values start in: "host memory" and two spaces.
+constexpr int kLabelWidth = 12;
+
+std::string Line(const char* label, const std::string& text) {
+  char head[32];
+  std::snprintf(head, sizeof head, "%-*s ", kLabelWidth, label);
+  return head + text + "\n";
+}
+
+std::string FitsLine(const Plan& plan, const DeviceProfile& profile) {
+  const Prediction& p = plan.prediction;
+  const uint64_t ram = profile.cpu.host_memory;
+  const uint64_t host = HostMemoryNeeded(plan);
+  const bool host_fits = PlanFitsHost(plan, profile);
+  const std::string budget =
+      plan.budget_bytes == 0 ? "no budget" : "budget " + FormatBytes(plan.budget_bytes);
+  if (plan.host_only) {
+    const std::string of = ram == 0 ? "" : " of the host's " + FormatBytes(ram);
+    return Line("fits", std::string(host_fits ? "yes" : "no") + ": peak host memory " +
+                            FormatBytes(host) + of + " (no GPU: everything in host memory, " +
+                            budget + ")");
+  }
+  if (!host_fits) {
+    return Line("fits", "no: the host tier needs " + FormatBytes(host) +
+                            " of pinned host memory, more than the host's " + FormatBytes(ram) +
+                            " (lower the host tier: a larger --gpu-mem, --state-dtype bf16)");
+  }
+  return Line("fits", "yes: peak device memory " + FormatBytes(p.peak_device_bytes) +
+                          " of the card's " + FormatBytes(profile.gpu.total_memory) + " (" +
+                          budget + ")");
+}
+
+std::string StepLine(const Plan& plan, int64_t tokens_per_step) {
+  const double seconds = plan.prediction.step_time;
+  // Three decimals below 10 ms, where one would round a small model's step to nothing.
+  const int decimals = seconds < 0.01 ? 3 : 1;
+  char text[128];
+  if (tokens_per_step > 0 && seconds > 0.0) {
+    std::snprintf(text, sizeof text, "%.*f ms predicted, %s tokens/s (%s tokens a step)", decimals,
+                  seconds * 1e3, Grouped(static_cast<uint64_t>(tokens_per_step / seconds)).c_str(),
+                  Grouped(static_cast<uint64_t>(tokens_per_step)).c_str());
+  } else {
+    std::snprintf(text, sizeof text, "%.*f ms predicted", decimals, seconds * 1e3);
+  }
+  return Line("step", text);
+}
+
+std::string HostLine(const Plan& plan, const DeviceProfile& profile) {
+  const uint64_t ram = profile.cpu.host_memory;
+  const std::string of = ram == 0 ? " (the profile does not give the host's memory)"
+                                  : ", of the host's " + FormatBytes(ram);
+  if (plan.host_only)
+    return Line("host memory", FormatBytes(HostMemoryNeeded(plan)) + " at the peak" + of);
+  if (plan.prediction.host_state_bytes == 0)
+    return Line("host memory", "none pinned (no host tier)" + of);
+  return Line("host memory",
+              FormatBytes(plan.prediction.host_state_bytes) + " pinned for the host tier" + of);
+}
+
+std::string TiersLine(const Plan& plan) {
+  size_t on[2] = {0, 0};
+  uint64_t bytes[2] = {0, 0};
+  for (const ParamPlan& p : plan.params) {
+    if (!p.trainable) continue;
+    const int t = p.tier == Tier::kL2 ? 1 : 0;
+    ++on[t];
+    bytes[t] += p.state_bytes;
+  }
+  const size_t all = on[0] + on[1];
+  if (plan.host_only) {
+    return Line("tiers", "the state of all " + std::to_string(all) + " trainable parameters (" +
+                             FormatBytes(bytes[0] + bytes[1]) + ") in host memory");
+  }
+  return Line("tiers", std::to_string(on[0]) + " of " + std::to_string(all) +
+                           " parameters' state on the device (" + FormatBytes(bytes[0]) + "), " +
+                           std::to_string(on[1]) + " in the host tier (" + FormatBytes(bytes[1]) +
+                           ")");
 }
 
 }  // namespace
@@ -151,6 +237,20 @@ std::string PlanSummaryToTable(const Plan& plan) {
   Totals(plan, &out);
   PredictionRows(plan, &out);
   return out;
+}
+
+uint64_t HostMemoryNeeded(const Plan& plan) {
+  const uint64_t host = plan.prediction.host_state_bytes;
+  return plan.host_only ? host + plan.prediction.peak_device_bytes : host;
+}
+
+bool PlanFitsHost(const Plan& plan, const DeviceProfile& profile) {
+  return profile.cpu.host_memory == 0 || HostMemoryNeeded(plan) <= profile.cpu.host_memory;
+}
+
+std::string PlanVerdict(const Plan& plan, const DeviceProfile& profile, int64_t tokens_per_step) {
+  return FitsLine(plan, profile) + StepLine(plan, tokens_per_step) + HostLine(plan, profile) +
+         TiersLine(plan);
 }
 
 }  // namespace emsa

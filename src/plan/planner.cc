@@ -233,6 +233,7 @@ Result<Plan> MakePlan(const ProbeRecord& record, const DeviceProfile& profile,
   if (Status s = ValidateProbeRecord(record); !s.ok()) return s.Annotate("probe record");
 
   Plan plan = StartPlan(record, options);
+  plan.host_only = !profile.gpu.present;
   const plan_internal::Bandwidths bw = plan_internal::ResolveBandwidths(profile);
   plan_internal::ComputeHeat(record, bw, options, &plan.params);
   const std::vector<int64_t> offload = plan_internal::OffloadOrder(options, bw, &plan.params);

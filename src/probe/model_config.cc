@@ -221,6 +221,8 @@ Result<DecoderConfig> DecoderConfigFromHfJson(const std::string& text, const std
   return config;
 }
 
+std::string SupportedModelTypes() { return kFamilies; }
+
 Result<DecoderConfig> ResolveModel(const std::string& spec) {
   if (LooksLikeJson(spec)) return DecoderConfigFromHfJson(spec, "config.json");
   if (auto preset = ModelPresetText(spec); preset.ok()) {
@@ -231,13 +233,15 @@ Result<DecoderConfig> ResolveModel(const std::string& spec) {
     }
     return config;
   }
+  // A bare name that is no preset may still be a folder here ("cfg-llama" for "./cfg-llama").
+  std::error_code ignored;
   const bool path_like = spec.find('/') != std::string::npos ||
-                         (spec.size() > 5 && spec.compare(spec.size() - 5, 5, ".json") == 0);
+                         (spec.size() > 5 && spec.compare(spec.size() - 5, 5, ".json") == 0) ||
+                         std::filesystem::exists(spec, ignored);
   if (!path_like) {
     return Status::NotFound("model '" + spec + "' is not a preset (" + Join(ModelPresetNames()) +
                             ") nor a path to a config.json");
   }
-  std::error_code ignored;
   if (!std::filesystem::is_directory(spec, ignored)) {
     EMSA_ASSIGN_OR_RETURN(const std::string text, json::ReadFile(spec));
     return DecoderConfigFromHfJson(text, NameFromPath(spec));
@@ -319,7 +323,7 @@ std::string ModelSummary(const DecoderConfig& c, const ProbeRecord& r) {
          ", bf16 autocast (16-bit activations)\n";
   out += "probe      analytic at " + std::string(flops) + ": forward " + Ms(r.forward_time) +
          ", backward " + Ms(r.backward_time) + "\n";
-  out += "           device peak without optimizer state, every gradient held: " +
+  out += "           peak memory without optimizer state, every gradient held: " +
          FormatBytes(r.peak_device_bytes) + "\n           = parameters " + FormatBytes(params) +
          " + gradients " + FormatBytes(grads) + " + activations " + FormatBytes(activations) + "\n";
   return out;

@@ -186,6 +186,8 @@ Result<CpuProfile> MeasureCpuProfile(const ProfileOptions& options) {
   cpu.model = CpuModel();
   cpu.logical_cores = LogicalCores();
   cpu.simd = DetectSimdLevel();
+  const long pages = sysconf(_SC_PHYS_PAGES), page_size = sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page_size > 0) cpu.host_memory = static_cast<uint64_t>(pages) * page_size;
   if (options.measure_bandwidth) {
     const int threads = options.threads > 0 ? options.threads : cpu.logical_cores;
     EMSA_ASSIGN_OR_RETURN(HostBandwidths bw, MeasureHostBandwidths(threads));

@@ -21,6 +21,7 @@ json::Value CpuToJson(const CpuProfile& cpu) {
   v.Set("simd", SimdLevelName(cpu.simd));
   v.Set("host_mem_bandwidth", cpu.host_mem_bandwidth);
   v.Set("host_update_bandwidth", cpu.host_update_bandwidth);
+  if (cpu.host_memory != 0) v.Set("host_memory", cpu.host_memory);
   return v;
 }
 
@@ -78,6 +79,7 @@ Result<CpuProfile> CpuFromJson(const json::Reader& r) {
   cpu.simd = *level;
   EMSA_ASSIGN_OR_RETURN(cpu.host_mem_bandwidth, ReadBandwidth(r, "host_mem_bandwidth"));
   EMSA_ASSIGN_OR_RETURN(cpu.host_update_bandwidth, ReadBandwidth(r, "host_update_bandwidth"));
+  EMSA_ASSIGN_OR_RETURN(cpu.host_memory, r.UInt("host_memory", 0));
   return cpu;
 }
 

@@ -530,8 +530,35 @@ static void test_host_tier(void) {
   emsa_cpu_updater_destroy(up);
 }
 
+/* The `emsa` command through the C ABI (what the Python package's `emsa` runs): its output and
+ * exit code as the binary's, the verdict first. */
+static void test_cli_run(void) {
+  const char* version[] = {"--version"};
+  int code = -1;
+  char* out = NULL;
+  char* err = NULL;
+  CHECK(emsa_cli_run(1, version, &code, &out, &err) == EMSA_OK);
+  CHECK(code == 0 && out != NULL && strncmp(out, "emsa ", 5) == 0 && err != NULL && !err[0]);
+  emsa_free(out);
+  emsa_free(err);
+  const char* plan[] = {"plan", "--model", "llama-2-7b", "--gpu-mem", "24GiB", "--checkpointing"};
+  CHECK(emsa_cli_run(6, plan, &code, &out, &err) == EMSA_OK);
+  CHECK(code == 0 && out != NULL && strncmp(out, "fits         yes", 16) == 0);
+  emsa_free(out);
+  emsa_free(err);
+  const char* refused[] = {"plan",  "--model",  "llama-2-7b", "--gpu-mem",
+                           "30GiB", "--device", "rtx-4090"};
+  CHECK(emsa_cli_run(7, refused, &code, &out, &err) == EMSA_OK);
+  CHECK(code == 2 && err != NULL && strstr(err, "23.99 GiB") != NULL);
+  emsa_free(out);
+  emsa_free(err);
+  CHECK(emsa_cli_run(1, NULL, &code, &out, &err) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_cli_run(1, version, &code, NULL, &err) == EMSA_INVALID_ARGUMENT);
+}
+
 int main(void) {
   test_library();
+  test_cli_run();
   test_cpu_step();
   test_plan_and_arena();
   test_dlpack_exports();

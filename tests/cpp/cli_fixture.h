@@ -43,10 +43,11 @@ class CliFixture : public ::testing::Test {
 
   std::string Path(const std::string& name) const { return dir_ + "/" + name; }
 
-  CliOutcome Emsa(const std::string& args) const {
+  // Runs `emsa ARGS` in the test's working directory, or in `cwd` when given.
+  CliOutcome Emsa(const std::string& args, const std::string& cwd = "") const {
     CliOutcome run;
-    const std::string cmd =
-        "'" + cli_ + "' " + args + " >'" + Path("out.txt") + "' 2>'" + Path("err.txt") + "'";
+    const std::string cmd = (cwd.empty() ? "" : "cd '" + cwd + "' && ") + "'" + cli_ + "' " + args +
+                            " >'" + Path("out.txt") + "' 2>'" + Path("err.txt") + "'";
     const int status = std::system(cmd.c_str());
     run.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
     run.out = json::ReadFile(Path("out.txt")).value();

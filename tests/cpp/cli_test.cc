@@ -109,13 +109,18 @@ TEST_F(CliTest, PlanWritesTheSameJsonAsTheLibrary) {
                      std::to_string(o.budget_bytes) + " --json '" + Path("plan.json") + "'");
   ASSERT_EQ(run.code, 0) << run.err;
   EXPECT_EQ(json::ReadFile(Path("plan.json")).value(), PlanToJson(*plan));
-  EXPECT_EQ(run.out, PlanToTable(*plan));
+  // The verdict first, then the totals and the prediction; the rows only with --verbose.
+  const std::string verdict = PlanVerdict(*plan, profile_, 0) + "\n";
+  EXPECT_EQ(run.out, verdict + PlanSummaryToTable(*plan) +
+                         "\n(emsa plan --verbose adds one row per parameter)\n");
 
-  Outcome summary = Emsa(
-      "plan '" + Path("probe.json") + "' --profile='" + Path("profile.json") +
-      "' --optimizer=lion --state-dtype=bf16 --summary --budget=" + std::to_string(o.budget_bytes));
-  ASSERT_EQ(summary.code, 0) << summary.err;
-  EXPECT_EQ(summary.out, PlanSummaryToTable(*plan));
+  for (const char* flag : {"--verbose", "--table"}) {
+    Outcome verbose = Emsa("plan '" + Path("probe.json") + "' --profile='" + Path("profile.json") +
+                           "' --optimizer=lion --state-dtype=bf16 " + flag +
+                           " --budget=" + std::to_string(o.budget_bytes));
+    ASSERT_EQ(verbose.code, 0) << verbose.err;
+    EXPECT_EQ(verbose.out, verdict + PlanToTable(*plan)) << flag;
+  }
 }
 
 TEST_F(CliTest, EmbeddedProfileIsUsedWithoutMeasuring) {

@@ -3,12 +3,15 @@
 // binary sits next to the tests directory (build/emsa); skipped when it has not been built.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "cli_fixture.h"
 #include "common/json.h"
 #include "emsa/model_config.h"
 #include "emsa/plan.h"
+#include "emsa/profile.h"
 
 namespace emsa {
 namespace {
@@ -35,9 +38,12 @@ TEST_F(PlanModelCli, FitsAndPrintsTheModelAndThePlan) {
                            "L2 (host)", "peak device memory", "step  ", "(budget 80.00 GiB)"}) {
     EXPECT_NE(r.out.find(part), std::string::npos) << part << "\n" << r.out;
   }
-  // --summary leaves out the per-parameter rows; without it they are there.
+  // --summary (the default) leaves out the per-parameter rows; --verbose has them.
   EXPECT_EQ(r.out.find("model.layers.0.mlp.up_proj.weight"), std::string::npos);
-  Outcome full = Emsa("plan --model tinyllama-1.1b --gpu-mem 80GiB --seq 1024");
+  Outcome plain = Emsa("plan --model tinyllama-1.1b --gpu-mem 80GiB --seq 1024");
+  ASSERT_EQ(plain.code, 0) << plain.err;
+  EXPECT_EQ(plain.out, r.out);
+  Outcome full = Emsa("plan --model tinyllama-1.1b --gpu-mem 80GiB --seq 1024 --verbose");
   ASSERT_EQ(full.code, 0) << full.err;
   EXPECT_NE(full.out.find("model.layers.0.mlp.up_proj.weight"), std::string::npos);
 }
@@ -155,6 +161,114 @@ TEST_F(PlanModelCli, BadInputExitsTwoWithAMessage) {
     EXPECT_EQ(r.code, 2) << r.err;
     EXPECT_NE(r.err.find(k.says), std::string::npos) << r.err;
   }
+}
+
+// Splits text into lines (without their '\n').
+std::vector<std::string> Lines(const std::string& text) {
+  std::vector<std::string> out;
+  size_t begin = 0;
+  while (begin < text.size()) {
+    const size_t end = text.find('\n', begin);
+    out.push_back(text.substr(begin, end - begin));
+    if (end == std::string::npos) break;
+    begin = end + 1;
+  }
+  return out;
+}
+
+bool Has(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+TEST_F(PlanModelCli, TheVerdictComesFirstAndTheDefaultIsShort) {
+  Outcome r = Emsa("plan --model llama-2-7b --gpu-mem 24GiB --batch 1 --seq 2048 --checkpointing");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::vector<std::string> lines = Lines(r.out);
+  EXPECT_LE(lines.size(), 40u) << r.out;
+  ASSERT_GE(lines.size(), 5u);
+  std::string head;
+  for (size_t i = 0; i < 5; ++i) head += lines[i] + "\n";
+  EXPECT_EQ(lines[0].rfind("fits         yes: peak device memory ", 0), 0u) << head;
+  for (const char* part : {"of the card's 140.40 GiB", "(budget 24.00 GiB)", "ms predicted",
+                           "tokens/s (2,048 tokens a step)", "pinned for the host tier",
+                           "of the host's 128.00 GiB", "parameters' state on the device"}) {
+    EXPECT_TRUE(Has(head, part)) << part << "\n" << head;
+  }
+}
+
+TEST_F(PlanModelCli, ABudgetAboveTheCardIsRefusedNamingItsMemory) {
+  Outcome r = Emsa("plan --model llama-3-8b --gpu-mem 30GiB --device rtx-4090 --checkpointing");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(Has(r.err,
+                  "--gpu-mem 30.00 GiB is more than the 23.99 GiB of the NVIDIA GeForce "
+                  "RTX 4090 (preset rtx-4090)"))
+      << r.err;
+  EXPECT_EQ(Emsa("plan --model llama-3-8b --gpu-mem 20GiB --device rtx-4090 --checkpointing "
+                 "--state-dtype bf16 --param-dtype bf16 --json -")
+                    .code == 2,
+            false);
+}
+
+TEST_F(PlanModelCli, HostMemoryAboveTheHostsDoesNotFit) {
+  // 8B parameters' fp32 state and masters in the host tier need about 120 GiB; the RTX 4090
+  // preset's desktop has 64 GiB.
+  Outcome r = Emsa("plan --model llama-3-8b --gpu-mem 20GiB --device rtx-4090 --checkpointing");
+  EXPECT_EQ(r.code, 3) << r.err;
+  EXPECT_EQ(r.out.rfind("fits         no: the host tier needs ", 0), 0u) << r.out;
+  EXPECT_TRUE(Has(Lines(r.out)[0], "more than the host's 64.00 GiB")) << r.out;
+  EXPECT_TRUE(Has(r.err, "more than the host's 64.00 GiB")) << r.err;
+}
+
+TEST_F(PlanModelCli, WithoutAGpuThePlanSpeaksOfHostMemory) {
+  DeviceProfile cpu_only;
+  cpu_only.cpu.model = "test CPU";
+  cpu_only.cpu.logical_cores = 2;
+  cpu_only.cpu.host_mem_bandwidth = 10e9;
+  cpu_only.cpu.host_update_bandwidth = 9e9;
+  for (const int gib : {64, 8}) {
+    SCOPED_TRACE(gib);
+    cpu_only.cpu.host_memory = uint64_t(gib) << 30;
+    ASSERT_TRUE(json::WriteFile(Path("cpu.json"), DeviceProfileToJson(cpu_only)).ok());
+    Outcome r = Emsa("plan --model tinyllama-1.1b --seq 256 --profile '" + Path("cpu.json") + "'");
+    // 1.1B parameters with fp32 state need about 20 GiB of host memory.
+    const bool fits = gib == 64;
+    EXPECT_EQ(r.code, fits ? 0 : 3) << r.err;
+    EXPECT_EQ(r.out.rfind(
+                  std::string("fits         ") + (fits ? "yes" : "no") + ": peak host memory ", 0),
+              0u)
+        << r.out;
+    const std::string of = "of the host's " + std::to_string(gib) + ".00 GiB";
+    for (const std::string& part :
+         {of, std::string("no GPU"), std::string("L1 (in RAM)"), std::string("peak host memory")}) {
+      EXPECT_TRUE(Has(r.out, part)) << part << "\n" << r.out;
+    }
+    for (const char* absent : {"HBM", "peak device memory", "L1 (device)", "on the device"}) {
+      EXPECT_FALSE(Has(r.out, absent)) << absent << "\n" << r.out;
+    }
+  }
+}
+
+TEST_F(PlanModelCli, ListNamesThePresetsAndTheModelTypes) {
+  Outcome r = Emsa("plan --list");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(Has(r.out, "model presets:  gpt2-xl, llama-2-7b")) << r.out;
+  EXPECT_TRUE(Has(r.out, "device presets: a100-40gb, h200, rtx-4090, this")) << r.out;
+  EXPECT_TRUE(Has(r.out, "model_type llama, mistral, qwen2")) << r.out;
+}
+
+TEST_F(PlanModelCli, ABareFolderNameIsAModel) {
+  ASSERT_EQ(std::system(("mkdir -p '" + Path("cfg-llama") + "'").c_str()), 0);
+  ASSERT_TRUE(
+      json::WriteFile(Path("cfg-llama/config.json"), ModelPresetText("tinyllama-1.1b").value())
+          .ok());
+  Outcome bare = Emsa("plan --model cfg-llama --seq 256 --json -", dir_);
+  ASSERT_EQ(bare.code, 0) << bare.err;
+  Outcome dotted = Emsa("plan --model ./cfg-llama --seq 256 --json -", dir_);
+  ASSERT_EQ(dotted.code, 0) << dotted.err;
+  EXPECT_EQ(bare.out, dotted.out);
+  Outcome missing = Emsa("plan --model no-such-model");
+  EXPECT_EQ(missing.code, 2);
+  EXPECT_TRUE(Has(missing.err, "is not a preset")) << missing.err;
 }
 
 TEST_F(PlanModelCli, HelpListsThePresets) {

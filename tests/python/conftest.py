@@ -1,4 +1,6 @@
-"""pytest setup: import emsa from python/ and find the library in the repo's build folders."""
+"""pytest setup: import emsa from python/ and find the library in the repo's build folders; or,
+with --installed, test the installed package (`pip install .`) as a user has it: nothing added
+to the path, no library named."""
 
 import os
 import sys
@@ -8,15 +10,37 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+INSTALLED = False  # set by pytest_configure from --installed
 
-if "EMSA_LIBRARY" not in os.environ:
-    for build in ("build-py", "build"):
-        candidate = ROOT / build / "libemsa.so"
-        if candidate.exists():
-            os.environ["EMSA_LIBRARY"] = str(candidate)
-            break
+
+def pytest_addoption(parser):
+    parser.addoption("--installed", action="store_true",
+                     help="test the installed emsa package: no python/ on sys.path, no "
+                          "EMSA_LIBRARY set (run from outside the source tree)")
+
+
+def pytest_configure(config):
+    global INSTALLED
+    INSTALLED = config.getoption("--installed")
+    if INSTALLED:
+        return
+    sys.path.insert(0, str(ROOT / "python"))
+    if "EMSA_LIBRARY" not in os.environ:
+        for build in ("build-py", "build"):
+            candidate = ROOT / build / "libemsa.so"
+            if candidate.exists():
+                os.environ["EMSA_LIBRARY"] = str(candidate)
+                break
+
+
+def subprocess_env(**extra) -> dict:
+    """The environment for a child Python that should import the emsa these tests import."""
+    env = dict(os.environ, **extra)
+    if not INSTALLED:
+        env["PYTHONPATH"] = str(ROOT / "python")
+    return env
+
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CPU_PROFILE = ROOT / "examples" / "profiles" / "h200.json"

@@ -13,7 +13,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import emsa
-from conftest import CPU_PROFILE, ROOT, requires_cuda
+from conftest import CPU_PROFILE, ROOT, requires_cuda, subprocess_env
 from models import SmallCNN, cnn_batches, cnn_loss
 
 
@@ -243,8 +243,7 @@ def test_missing_library_is_a_clear_error_at_first_use():
             "        first_use()\n"
             "    except emsa.EmsaLibraryError as e:\n"
             "        print('ERR', e)\n")
-    env = dict(os.environ, EMSA_LIBRARY="/nonexistent/libemsa.so",
-               PYTHONPATH=str(ROOT / "python"))
+    env = subprocess_env(EMSA_LIBRARY="/nonexistent/libemsa.so")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout
     lines = out.splitlines()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, subprocess_env
 
 from emsa._model import device_preset, model_options, model_probe
 from emsa.plan import infeasible_message
@@ -20,7 +20,7 @@ SEVEN_B_ON_24 = ["--model", "llama-2-7b", "--gpu-mem", "24GiB", "--batch", "1", 
 
 
 def emsa_cli(*args):
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    env = subprocess_env()
     return subprocess.run([sys.executable, "-m", "emsa", "plan", *map(str, args)], env=env,
                           capture_output=True, text=True)
 
@@ -112,7 +112,7 @@ def test_infeasible_message_comes_from_libemsa():
 @pytest.mark.parametrize("args,says", [
     (["--model", "llama-9"], "not a preset (gpt2-xl, llama-2-7b"),
     (["--model", "gpt2-xl", "--seq", "4096"], "exceeds gpt2-xl's n_positions 1024"),
-    (["--model", "llama-2-7b", "--batch", "0"], "--batch 0 is not a positive whole number"),
+    (["--model", "llama-2-7b", "--batch", "0"], "--batch '0' is not a positive whole number"),
     (["--model", "llama-2-7b", "--device", "tpu"], "a100-40gb, h200, rtx-4090"),
     (["--model", "llama-2-7b", "--gpu-mem", "lots"], "lots"),
     (["--model", "llama-2-7b", "--gpu-mem", "2GiB", "--budget", "2GiB"], "give one"),
@@ -141,7 +141,8 @@ def test_config_files_name_the_missing_field(tmp_path):
                                   "vocab_size": 100, "num_hidden_layers": 2}))
     r = emsa_cli("--model", config, "--gpu-mem", "1GiB", "--seq", "64", "--summary")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("model      my-model: llama family")
+    assert r.stdout.startswith("fits         yes")  # the verdict, then the model
+    assert "\nmodel      my-model: llama family" in r.stdout
 
 
 @pytest.mark.parametrize("args", [

@@ -177,6 +177,7 @@ def test_main_prints_the_path(tmp_path, capsys):
     ("not_a_plan", 'expected {"format": "emsa.plan"'),
     ("bad_line", "steps.jsonl line 2: not valid JSON"),
     ("no_time", "steps.jsonl line 1: 'time_s' is missing"),
+    ("no_time_before_the_last", "steps.jsonl line 1: 'time_s' is missing"),
     ("empty_steps", "holds no steps"),
     ("bad_probe", "not a probe record"),
     ("bad_param", "params[1] lacks"),
@@ -199,6 +200,8 @@ def test_bad_run_dir_exits_2_saying_what_is_wrong(tmp_path, capsys, setup, expec
             (run / "steps.jsonl").write_text('{"step": 1, "time_s": 0.1}\n{oops\n')
         elif setup == "no_time":
             (run / "steps.jsonl").write_text('{"step": 1}\n')
+        elif setup == "no_time_before_the_last":
+            (run / "steps.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
         elif setup == "empty_steps":
             (run / "steps.jsonl").write_text("\n")
         elif setup == "bad_param":
@@ -244,7 +247,8 @@ def test_optimizer_report_writes_a_run_directory_and_its_report(tmp_path):
     assert json.loads((run / "plan.json").read_text())["params"]
     assert (run / "probe.json").exists()
     rows = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # the last has no time yet
-    assert [r["loss"] for r in rows] == pytest.approx(losses[:4])
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # every step, the last one too
+    assert [r["loss"] for r in rows] == pytest.approx(losses)
+    assert "time_s" not in rows[-1]  # its end, the next step's start, has not come
     for png in ("tier_map.png", "loss.png", "step_time.png"):
         assert (run / png).read_bytes()[:8] == PNG_MAGIC, png
