@@ -413,8 +413,8 @@ Status HostTier::WaitGradsCopied(cudaStream_t stream) {
   }
   for (TierBucket& b : m.buckets) {
     if (b.submitted == s && s > 0) {  // device_update: the kernels are what read them
-      EMSA_RETURN_IF_ERROR(m.engine->StreamWait(
-          stream, b.device_update ? b.upload.done() : b.grads.all_landed()));
+      EMSA_RETURN_IF_ERROR(
+          m.engine->StreamWait(stream, b.device_update ? b.upload.done() : b.grads.all_landed()));
     }
   }
   return Status::Ok();

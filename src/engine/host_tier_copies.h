@@ -22,8 +22,8 @@ class GradCopies {
  public:
   // piece_elements: where to cut (0: one piece for the bucket). timed: each piece's copy gets
   // its own start event (paced copies wait between pieces, and that wait is not copy time).
-  Status Init(CopyEngine* engine, const std::vector<TensorUpdate>& updates,
-              int64_t piece_elements, bool timed);
+  Status Init(CopyEngine* engine, const std::vector<TensorUpdate>& updates, int64_t piece_elements,
+              bool timed);
 
   // Paced: Submit's device pointers, read when the pieces are enqueued; the next piece is the
   // first.
@@ -79,9 +79,8 @@ class Uploads {
   // staging: device, staging_elements floats (null without deltas). copies: false for a bucket
   // the GPU updates, whose done() event its own path records.
   Status Init(CopyEngine* engine, const std::vector<TensorUpdate>& updates,
-              const std::vector<void*>& device_params,
-              const std::vector<int32_t>& groups, float* staging, int64_t staging_elements,
-              bool copies);
+              const std::vector<void*>& device_params, const std::vector<int32_t>& groups,
+              float* staging, int64_t staging_elements, bool copies);
   // Enqueues the copies (and kernels) on h2d between its start and done events; decays: per
   // group, this step's 1 - lr*wd as the CPU kernels round it.
   Status Enqueue(const std::vector<float>& decays, cudaStream_t h2d);

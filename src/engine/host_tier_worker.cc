@@ -120,7 +120,8 @@ Status HostTier::Impl::Process(size_t index, int64_t s) {
   EMSA_RETURN_IF_ERROR(UpdateAsLanded(b, landed, s, &cpu_seconds, &wait_seconds));
   EMSA_RETURN_IF_ERROR(b.upload.Enqueue(decays, h2d));
   b.t_end = shared.Since();
-  EMSA_RETURN_IF_ERROR(engine->Synchronize(b.grads.all_landed(), "the gradient copy"));  // done
+  // Done long since (the update read every piece).
+  EMSA_RETURN_IF_ERROR(engine->Synchronize(b.grads.all_landed(), "the gradient copy"));
   double d2h_seconds = 0.0;
   EMSA_RETURN_IF_ERROR(b.grads.Seconds(&d2h_seconds));
   std::lock_guard<std::mutex> lock(shared.mu);

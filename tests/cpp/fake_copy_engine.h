@@ -51,9 +51,7 @@ class FakeCopyEngine final : public CopyEngine {
     return reinterpret_cast<cudaStream_t>(s);
   }
   // The test's own work (a "kernel"), in the stream's order.
-  void Enqueue(cudaStream_t stream, std::function<void()> op) {
-    Of(stream)->Push(std::move(op));
-  }
+  void Enqueue(cudaStream_t stream, std::function<void()> op) { Of(stream)->Push(std::move(op)); }
   // Work enqueued on `stream` after this waits until the Release() that opens it (holds open
   // in the order they were made).
   void Hold(cudaStream_t stream) {
@@ -92,6 +90,12 @@ class FakeCopyEngine final : public CopyEngine {
       if (w.stream == stream) most = std::max(most, w.enqueued - w.copies_before);
     }
     return most;
+  }
+
+  // Blocks until some thread waits in Synchronize on an event last recorded on `stream`.
+  void AwaitBlockedOn(cudaStream_t stream) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return std::count(blocked_.begin(), blocked_.end(), stream) > 0; });
   }
 
   Status SetDevice(int) override { return Status::Ok(); }
@@ -141,7 +145,11 @@ class FakeCopyEngine final : public CopyEngine {
     Event* e = Of(event);
     const int64_t g = e->recorded;
     waits_.push_back({e->stream, e->copies_before, calls_[kCopyToHost]});
+    if (e->completed >= g) return Status::Ok();
+    blocked_.push_back(e->stream);
+    cv_.notify_all();
     cv_.wait(lock, [&] { return e->completed >= g; });
+    blocked_.erase(std::find(blocked_.begin(), blocked_.end(), e->stream));
     return Status::Ok();
   }
   Status ElapsedSeconds(cudaEvent_t start, cudaEvent_t end, double* out) override {
@@ -245,6 +253,7 @@ class FakeCopyEngine final : public CopyEngine {
   int64_t calls_[kCalls] = {};
   int64_t fail_at_[kCalls] = {};
   std::vector<Waited> waits_;
+  std::vector<cudaStream_t> blocked_;  // of the threads in Synchronize, the event's stream
   std::vector<std::unique_ptr<Event>> events_;
   std::vector<std::unique_ptr<Stream>> streams_;
 };
