@@ -42,6 +42,7 @@ class FakeCopyEngine final : public CopyEngine {
       s->cv.notify_all();
       s->thread.join();
     }
+    for (void* p : allocations_) std::free(p);
   }
 
   cudaStream_t NewStream() {
@@ -183,7 +184,11 @@ class FakeCopyEngine final : public CopyEngine {
     *out = std::malloc(bytes);
     return *out != nullptr ? Status::Ok() : Status::OutOfMemory("malloc failed");
   }
-  void FreeDevice(void* ptr) override { std::free(ptr); }
+  // As cudaFree, after every stream's work (which may still read it): here, with the engine.
+  void FreeDevice(void* ptr) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    allocations_.push_back(ptr);
+  }
 
  private:
   struct Stream {
@@ -255,6 +260,7 @@ class FakeCopyEngine final : public CopyEngine {
   std::vector<Waited> waits_;
   std::vector<cudaStream_t> blocked_;  // of the threads in Synchronize, the event's stream
   std::vector<std::unique_ptr<Event>> events_;
+  std::vector<void*> allocations_;  // freed by the tier, released with the engine
   std::vector<std::unique_ptr<Stream>> streams_;
 };
 
