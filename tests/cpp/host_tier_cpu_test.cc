@@ -255,8 +255,9 @@ class HostTierCpu : public ::testing::Test {
       EXPECT_TRUE(device_params_[i] == RefParam(i)) << "device parameter " << i;
       EXPECT_TRUE(tier_.m[i] == ref_.m[i]) << "exp_avg " << i;
       EXPECT_TRUE(tier_.v[i] == ref_.v[i]) << "exp_avg_sq " << i;
-      if (cases_[i].dtype == DType::kBFloat16)
+      if (cases_[i].dtype == DType::kBFloat16) {
         EXPECT_TRUE(tier_.master[i] == ref_.master[i]) << "master " << i;
+      }
     }
   }
 
