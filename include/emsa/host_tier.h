@@ -46,6 +46,7 @@ typedef struct CUstream_st* cudaStream_t;
 
 namespace emsa {
 
+class CopyEngine;
 class CpuUpdater;
 
 struct HostTierTensor {
@@ -163,6 +164,13 @@ class HostTier {
                                                   size_t bucket_count, size_t group_count,
                                                   cudaStream_t d2h_stream, cudaStream_t h2d_stream,
                                                   const HostTierOptions& options);
+  // Create with another copy engine than CUDA's (engine/copy_engine.h, private to the engine):
+  // tests run the tier on the CPU with a fake one. The engine must outlive the tier; without
+  // CUDA's, no tensor may be device-updated (kUnsupported).
+  static Result<std::unique_ptr<HostTier>> CreateWithEngine(
+      CopyEngine* engine, CpuUpdater* updater, const HostTierTensor* tensors, size_t count,
+      size_t bucket_count, size_t group_count, cudaStream_t d2h_stream, cudaStream_t h2d_stream,
+      const HostTierOptions& options);
   ~HostTier();  // waits for the worker's queue, then stops it
   HostTier(const HostTier&) = delete;
   HostTier& operator=(const HostTier&) = delete;

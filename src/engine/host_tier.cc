@@ -9,6 +9,13 @@
 // mutex (engine/host_tier_state.h).
 #include "emsa/host_tier.h"
 
+#include <algorithm>
+#include <string>
+
+#include "engine/copy_engine.h"
+#include "engine/host_tier_impl.h"
+#include "kernels/cpu/kernels.h"
+
 namespace emsa {
 
 int64_t HostTier::StreamStagingBytes(const HostTierOptions& options, DType state_dtype,
@@ -16,18 +23,6 @@ int64_t HostTier::StreamStagingBytes(const HostTierOptions& options, DType state
   return HostTierStreamStagingBytes(options.optimizer, state_dtype, options.stream_piece_elements,
                                     options.stream_slots, largest);
 }
-
-}  // namespace emsa
-
-#if EMSA_HAVE_CUDA
-
-#include <algorithm>
-#include <string>
-
-#include "engine/host_tier_impl.h"
-#include "kernels/cpu/kernels.h"
-
-namespace emsa {
 
 namespace {
 
@@ -87,7 +82,7 @@ HostTier::Impl::~Impl() {
   shared.cv.notify_all();
   if (worker.joinable()) worker.join();
   device.reset();  // joins the streamer, waits for its last copies
-  if (delta_staging != nullptr) (void)cudaFree(delta_staging);
+  if (delta_staging != nullptr) engine->FreeDevice(delta_staging);
 }
 
 // ---- Create's steps -----------------------------------------------------------------------------
@@ -153,11 +148,10 @@ Status HostTier::Impl::AddTensors(const HostTierTensor* tensors, size_t count,
 Status HostTier::Impl::MakeDeltaStaging() {
   void* staging = nullptr;
   const size_t bytes = static_cast<size_t>(options.delta_staging_elements) * sizeof(float);
-  const cudaError_t err = cudaMalloc(&staging, bytes);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
+  const Status st = engine->AllocateDevice(bytes, &staging);
+  if (!st.ok()) {
     return Status::OutOfMemory("the host tier's device staging buffer for deltas (" +
-                               std::to_string(bytes) + " bytes): " + cudaGetErrorString(err) +
+                               std::to_string(bytes) + " bytes): " + st.message() +
                                "; lower options.delta_staging_elements or turn device_delta off");
   }
   delta_staging = static_cast<float*>(staging);
@@ -168,15 +162,16 @@ Status HostTier::Impl::MakeDeltaStaging() {
 // its upload (for a GPU-updated bucket only the event its kernels record).
 Status HostTier::Impl::InitBucket(TierBucket& b) {
   // Blocking sync: under pacing the worker may wait on it.
-  EMSA_RETURN_IF_ERROR(b.ready.Create(cudaEventDisableTiming | cudaEventBlockingSync));
+  EMSA_RETURN_IF_ERROR(b.ready.Create(engine, /*timed=*/false, /*blocking=*/true));
   for (const TensorUpdate& u : b.updates) {
     b.grad_bytes += u.numel * static_cast<int64_t>(DTypeSize(u.grad_dtype));
   }
   const bool paced = options.paced();
   if (!b.device_update) {
-    EMSA_RETURN_IF_ERROR(b.grads.Init(b.updates, paced ? options.pace_piece_elements : 0, paced));
+    EMSA_RETURN_IF_ERROR(
+        b.grads.Init(engine, b.updates, paced ? options.pace_piece_elements : 0, paced));
   }
-  return b.upload.Init(b.updates, b.device_params, b.groups, delta_staging,
+  return b.upload.Init(engine, b.updates, b.device_params, b.groups, delta_staging,
                        options.delta_staging_elements, !b.device_update);
 }
 
@@ -233,8 +228,8 @@ bool HostTier::Impl::HoldForPacing(TierBucket& b) {
 // overwrite; the forward's wait on it usually orders them already).
 Status HostTier::Impl::CopyAtSubmit(size_t index, const void* const* grads, bool after_upload) {
   TierBucket& b = buckets[index];
-  EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d2h, b.ready.get(), 0));
-  if (after_upload) EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d2h, b.upload.done(), 0));
+  EMSA_RETURN_IF_ERROR(engine->StreamWait(d2h, b.ready.get()));
+  if (after_upload) EMSA_RETURN_IF_ERROR(engine->StreamWait(d2h, b.upload.done()));
   EMSA_RETURN_IF_ERROR(b.grads.EnqueueAll(grads, d2h));
   {
     std::lock_guard<std::mutex> lock(shared.mu);
@@ -264,6 +259,20 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
                                                    size_t bucket_count, size_t group_count,
                                                    cudaStream_t d2h_stream, cudaStream_t h2d_stream,
                                                    const HostTierOptions& options) {
+  if (CudaCopyEngine() == nullptr) {
+    return Status::Unsupported(
+        "the host tier for CUDA parameters needs a CUDA build of emsa (nvcc was not found when "
+        "it was built)");
+  }
+  return CreateWithEngine(CudaCopyEngine(), updater, tensors, count, bucket_count, group_count,
+                          d2h_stream, h2d_stream, options);
+}
+
+Result<std::unique_ptr<HostTier>> HostTier::CreateWithEngine(
+    CopyEngine* engine, CpuUpdater* updater, const HostTierTensor* tensors, size_t count,
+    size_t bucket_count, size_t group_count, cudaStream_t d2h_stream, cudaStream_t h2d_stream,
+    const HostTierOptions& options) {
+  if (engine == nullptr) return Status::InvalidArgument("engine is null");
   if (updater == nullptr) return Status::InvalidArgument("updater is null");
   if (tensors == nullptr && count > 0) return Status::InvalidArgument("tensors is null");
   if (bucket_count == 0 || group_count == 0) {
@@ -272,6 +281,7 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
   EMSA_RETURN_IF_ERROR(ValidateOptions(options));
   auto impl = std::make_unique<Impl>(bucket_count);
   impl->updater = updater;
+  impl->engine = engine;
   impl->options = options;
   impl->step_options.optimizer = options.optimizer;
   impl->step_options.rounding = options.rounding;
@@ -282,7 +292,10 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
   impl->decays.assign(group_count, 1.0f);
   TensorSummary summary;
   EMSA_RETURN_IF_ERROR(impl->AddTensors(tensors, count, &summary));
-  EMSA_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  if (summary.any_device_update && engine != CudaCopyEngine()) {
+    return Status::Unsupported("device-updated tensors (HostTierTensor::device_update) need CUDA");
+  }
+  EMSA_RETURN_IF_ERROR(engine->SetDevice(options.device));
   if (summary.any_delta) EMSA_RETURN_IF_ERROR(impl->MakeDeltaStaging());
   for (TierBucket& b : impl->buckets) EMSA_RETURN_IF_ERROR(impl->InitBucket(b));
   impl->waiting.reserve(bucket_count);
@@ -347,7 +360,7 @@ Status HostTier::Submit(size_t bucket, const void* const* grads, size_t count,
   bool after_upload = false;
   EMSA_RETURN_IF_ERROR(m.CheckSubmit(bucket, grads, count, &after_upload));
   TierBucket& b = m.buckets[bucket];
-  EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ready.get(), compute));
+  EMSA_RETURN_IF_ERROR(m.engine->Record(b.ready.get(), compute));
   if (b.device_update) return m.device->Submit(bucket, grads, count);
   if (m.options.paced() && m.HoldForPacing(b)) {  // the worker copies them, a few pieces ahead
     b.grads.Hold(grads, count);
@@ -378,8 +391,7 @@ Status HostTier::Wait(size_t bucket, cudaStream_t stream) {
     EMSA_RETURN_IF_ERROR(m.shared.error);
     if (b.uploaded == 0) return Status::Ok();
   }
-  EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, b.upload.done(), 0));
-  return Status::Ok();
+  return m.engine->StreamWait(stream, b.upload.done());
 }
 
 Status HostTier::WaitGradsCopied(cudaStream_t stream) {
@@ -401,8 +413,8 @@ Status HostTier::WaitGradsCopied(cudaStream_t stream) {
   }
   for (TierBucket& b : m.buckets) {
     if (b.submitted == s && s > 0) {  // device_update: the kernels are what read them
-      EMSA_CUDA_RETURN_IF_ERROR(
-          cudaStreamWaitEvent(stream, b.device_update ? b.upload.done() : b.grads.all_landed(), 0));
+      EMSA_RETURN_IF_ERROR(
+          m.engine->StreamWait(stream, b.device_update ? b.upload.done() : b.grads.all_landed()));
     }
   }
   return Status::Ok();
@@ -455,39 +467,3 @@ size_t HostTier::Stats(int64_t first, HostTierStepStats* out, size_t capacity) c
 }
 
 }  // namespace emsa
-
-#else  // !EMSA_HAVE_CUDA
-
-namespace emsa {
-
-struct HostTier::Impl {};
-
-Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater*, const HostTierTensor*, size_t,
-                                                   size_t, size_t, cudaStream_t, cudaStream_t,
-                                                   const HostTierOptions&) {
-  return Status::Unsupported(
-      "the host tier for CUDA parameters needs a CUDA build of emsa (nvcc was not found when "
-      "it was built)");
-}
-HostTier::HostTier(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-HostTier::~HostTier() = default;
-Status HostTier::BeginStep(const HyperParams*, const int64_t*, size_t) {
-  return Status::Unsupported("no CUDA");
-}
-Status HostTier::Submit(size_t, const void* const*, size_t, cudaStream_t) {
-  return Status::Unsupported("no CUDA");
-}
-Status HostTier::Wait(size_t, cudaStream_t) { return Status::Unsupported("no CUDA"); }
-Status HostTier::WaitGradsCopied(cudaStream_t) { return Status::Unsupported("no CUDA"); }
-Status HostTier::Synchronize() { return Status::Unsupported("no CUDA"); }
-size_t HostTier::Stats(int64_t, HostTierStepStats*, size_t) const { return 0; }
-bool HostTier::BucketCopiesEnqueued(size_t) const { return false; }
-int64_t HostTier::copies_enqueued() const { return 0; }
-size_t HostTier::Trace(double*, double*, double*, size_t) const { return 0; }
-size_t HostTier::bucket_count() const { return 0; }
-size_t HostTier::bucket_size(size_t) const { return 0; }
-cudaStream_t HostTier::update_stream() const { return nullptr; }
-
-}  // namespace emsa
-
-#endif  // EMSA_HAVE_CUDA

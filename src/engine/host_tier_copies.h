@@ -3,19 +3,15 @@
 //
 // Each object belongs to one bucket and is touched by one thread at a time (the host tier's
 // Submit caller or its worker, ordered by the tier's queue). Built at Create: nothing is
-// allocated per step. CUDA builds only.
+// allocated per step. Every copy and event goes through the tier's CopyEngine.
 #pragma once
-
-#include "common/cuda_util.h"
-
-#if EMSA_HAVE_CUDA
 
 #include <cstddef>
 #include <cstdint>
 #include <vector>
 
 #include "emsa/update.h"
-#include "engine/cuda_event.h"
+#include "engine/copy_engine.h"
 
 namespace emsa {
 
@@ -26,7 +22,8 @@ class GradCopies {
  public:
   // piece_elements: where to cut (0: one piece for the bucket). timed: each piece's copy gets
   // its own start event (paced copies wait between pieces, and that wait is not copy time).
-  Status Init(const std::vector<TensorUpdate>& updates, int64_t piece_elements, bool timed);
+  Status Init(CopyEngine* engine, const std::vector<TensorUpdate>& updates, int64_t piece_elements,
+              bool timed);
 
   // Paced: Submit's device pointers, read when the pieces are enqueued; the next piece is the
   // first.
@@ -59,15 +56,16 @@ class GradCopies {
   struct Piece {
     int64_t first = 0, last = 0;
     size_t copy_begin = 0, copy_end = 0;
-    OwnedEvent landed;  // recorded on the D2H stream after the piece's copies
-    OwnedEvent start;   // timed only: recorded before them
+    EngineEvent landed;  // recorded on the D2H stream after the piece's copies
+    EngineEvent start;   // timed only: recorded before them
   };
   Status EnqueuePiece(const Piece& piece, const void* const* grads, cudaStream_t d2h);
 
+  CopyEngine* engine_ = nullptr;
   std::vector<char*> staging_;  // per tensor: its host staging buffer
   std::vector<Copy> copies_;
   std::vector<Piece> pieces_;
-  OwnedEvent start_;  // not timed: before the first piece, for the copies' span
+  EngineEvent start_;  // not timed: before the first piece, for the copies' span
   bool timed_ = false;
   std::vector<const void*> held_;  // paced: Submit's device pointers
   size_t enqueued_ = 0;            // paced: pieces enqueued this step
@@ -80,9 +78,9 @@ class Uploads {
  public:
   // staging: device, staging_elements floats (null without deltas). copies: false for a bucket
   // the GPU updates, whose done() event its own path records.
-  Status Init(const std::vector<TensorUpdate>& updates, const std::vector<void*>& device_params,
-              const std::vector<int32_t>& groups, float* staging, int64_t staging_elements,
-              bool copies);
+  Status Init(CopyEngine* engine, const std::vector<TensorUpdate>& updates,
+              const std::vector<void*>& device_params, const std::vector<int32_t>& groups,
+              float* staging, int64_t staging_elements, bool copies);
   // Enqueues the copies (and kernels) on h2d between its start and done events; decays: per
   // group, this step's 1 - lr*wd as the CPU kernels round it.
   Status Enqueue(const std::vector<float>& decays, cudaStream_t h2d);
@@ -99,10 +97,9 @@ class Uploads {
     float* apply = nullptr;  // device parameters p = p * decay + dst, bytes / 4 of them
     int32_t group = 0;
   };
+  CopyEngine* engine_ = nullptr;
   std::vector<Copy> copies_;
-  OwnedEvent start_, done_;
+  EngineEvent start_, done_;
 };
 
 }  // namespace emsa
-
-#endif  // EMSA_HAVE_CUDA

@@ -96,4 +96,25 @@ class DeviceUpdatePath {
 
 }  // namespace emsa
 
+#else  // !EMSA_HAVE_CUDA
+
+#include "emsa/host_tier.h"
+#include "engine/host_tier_state.h"
+
+namespace emsa {
+
+// Without CUDA no bucket is updated on the device: Create refuses such tensors before making
+// one, so that the tier's other files need no guards of their own.
+class DeviceUpdatePath {
+ public:
+  DeviceUpdatePath(const HostTierOptions&, const StepOptions&, std::vector<TierBucket>*,
+                   TierShared*) {}
+  Status Init(DType, int64_t) { return Status::Unsupported("device-updated tensors need CUDA"); }
+  Status Submit(size_t, const void* const*, size_t) { return Init(DType::kFloat32, 0); }
+  Status Synchronize() { return Status::Ok(); }
+  cudaStream_t kernels() const { return nullptr; }
+};
+
+}  // namespace emsa
+
 #endif  // EMSA_HAVE_CUDA

@@ -1,12 +1,9 @@
 // host_tier_impl.h — HostTier's state (HostTier::Impl), shared by the coordinator's two files:
 // host_tier.cc (Create and the caller's side: Submit, Wait, BeginStep, ...) and
 // host_tier_worker.cc (the worker that takes buckets from the queue and updates them on the
-// CPU). Private to the engine; CUDA builds only.
+// CPU). Private to the engine. Every copy and event goes through `engine` (CUDA's in the
+// product), so that all of it but the GPU-updated path builds and runs without CUDA.
 #pragma once
-
-#include "common/cuda_util.h"
-
-#if EMSA_HAVE_CUDA
 
 #include <chrono>
 #include <cstddef>
@@ -42,6 +39,7 @@ struct HostTier::Impl {
   ~Impl();
 
   CpuUpdater* updater = nullptr;
+  CopyEngine* engine = nullptr;
   HostTierOptions options;
   StepOptions step_options;
   cudaStream_t d2h = nullptr, h2d = nullptr;
@@ -94,5 +92,3 @@ struct HostTier::Impl {
 };
 
 }  // namespace emsa
-
-#endif  // EMSA_HAVE_CUDA

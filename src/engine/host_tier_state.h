@@ -4,12 +4,8 @@
 // Every field marked "under mu" is read and written with TierShared::mu held; the rest of a
 // bucket is touched by one side at a time, ordered by the queue (the caller records its events
 // in Submit, then the worker or the streamer reads them; BeginStep waits for both to drain
-// before a bucket can be submitted again). CUDA builds only.
+// before a bucket can be submitted again).
 #pragma once
-
-#include "common/cuda_util.h"
-
-#if EMSA_HAVE_CUDA
 
 #include <atomic>
 #include <chrono>
@@ -19,7 +15,7 @@
 #include <vector>
 
 #include "emsa/update.h"
-#include "engine/cuda_event.h"
+#include "engine/copy_engine.h"
 #include "engine/host_tier_copies.h"
 #include "engine/host_tier_stats.h"
 
@@ -30,7 +26,7 @@ struct TierBucket {
   std::vector<void*> device_params;
   std::vector<int32_t> groups;
   bool device_update = false;  // the GPU updates it (HostTierTensor::device_update)
-  OwnedEvent ready;            // on the compute stream: the gradients are final
+  EngineEvent ready;           // on the compute stream: the gradients are final
   int64_t grad_bytes = 0;      // its gradients, on the device
   GradCopies grads;            // CPU-updated buckets: gradients down
   Uploads upload;              // parameters up; for every bucket, done() when they are there
@@ -64,5 +60,3 @@ struct TierShared {
 };
 
 }  // namespace emsa
-
-#endif  // EMSA_HAVE_CUDA

@@ -2,10 +2,6 @@
 // takes, of the submitted buckets whose gradients have landed, the one the next forward needs
 // first, updates it on the CPU pool as its gradients land (under pacing copying them down a few
 // pieces ahead), and enqueues its upload.
-#include "common/cuda_util.h"
-
-#if EMSA_HAVE_CUDA
-
 #include <algorithm>
 #include <functional>
 
@@ -21,7 +17,7 @@ Status HostTier::Impl::TimeUpload(TierBucket& b) {
     if (b.h2d_timed || b.uploaded == 0) return Status::Ok();
     s = b.uploaded;
   }
-  EMSA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(b.upload.done()));
+  EMSA_RETURN_IF_ERROR(engine->Synchronize(b.upload.done(), "the last upload"));
   double seconds = 0.0;
   EMSA_RETURN_IF_ERROR(b.upload.Seconds(&seconds));
   std::lock_guard<std::mutex> lock(shared.mu);
@@ -37,9 +33,9 @@ Status HostTier::Impl::TimeUpload(TierBucket& b) {
 // buffer the copy overwrites).
 Status HostTier::Impl::EnqueuePiece(TierBucket& b, int64_t s) {
   if (b.grads.enqueued() == 0) {
-    EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d2h, b.ready.get(), 0));
+    EMSA_RETURN_IF_ERROR(engine->StreamWait(d2h, b.ready.get()));
     if (delta_staging != nullptr && b.uploaded > 0) {
-      EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d2h, b.upload.done(), 0));
+      EMSA_RETURN_IF_ERROR(engine->StreamWait(d2h, b.upload.done()));
     }
   }
   EMSA_RETURN_IF_ERROR(b.grads.EnqueueNext(d2h));
@@ -92,7 +88,7 @@ Status HostTier::Impl::UpdateAsLanded(TierBucket& b, bool landed, int64_t s, dou
     if (!landed) {
       while (b.grads.last(g) <= first) ++g;
       const auto w0 = std::chrono::steady_clock::now();
-      EMSA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(b.grads.landed(g)));
+      EMSA_RETURN_IF_ERROR(engine->Synchronize(b.grads.landed(g), "a gradient piece"));
       *wait_seconds += Seconds(std::chrono::steady_clock::now() - w0);
       last = std::min(last, b.grads.last(g));
     }
@@ -112,11 +108,7 @@ Status HostTier::Impl::Process(size_t index, int64_t s) {
   const bool paced = options.paced();
   bool landed = false;  // paced: follow the pieces, copying more as each is updated
   if (!paced) {
-    const cudaError_t q = cudaEventQuery(b.grads.all_landed());
-    if (q != cudaSuccess && q != cudaErrorNotReady) {
-      return CudaStatus(q, "cudaEventQuery (gradient copy)");
-    }
-    landed = q == cudaSuccess;
+    EMSA_RETURN_IF_ERROR(engine->Query(b.grads.all_landed(), "the gradient copy", &landed));
   }
   // The previous upload reads what the update is about to write: it must be done.
   EMSA_RETURN_IF_ERROR(TimeUpload(b));
@@ -128,7 +120,8 @@ Status HostTier::Impl::Process(size_t index, int64_t s) {
   EMSA_RETURN_IF_ERROR(UpdateAsLanded(b, landed, s, &cpu_seconds, &wait_seconds));
   EMSA_RETURN_IF_ERROR(b.upload.Enqueue(decays, h2d));
   b.t_end = shared.Since();
-  EMSA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(b.grads.all_landed()));  // done long since
+  // Done long since (the update read every piece).
+  EMSA_RETURN_IF_ERROR(engine->Synchronize(b.grads.all_landed(), "the gradient copy"));
   double d2h_seconds = 0.0;
   EMSA_RETURN_IF_ERROR(b.grads.Seconds(&d2h_seconds));
   std::lock_guard<std::mutex> lock(shared.mu);
@@ -161,9 +154,9 @@ Result<size_t> HostTier::Impl::TakeReady(size_t* oldest) {
   if (oldest != nullptr) *oldest = candidates.empty() ? kNoBucket : candidates.front();
   std::sort(candidates.begin(), candidates.end(), std::greater<size_t>());
   for (size_t c : candidates) {
-    const cudaError_t q = cudaEventQuery(Gate(buckets[c]));
-    if (q == cudaErrorNotReady) continue;
-    if (q != cudaSuccess) return CudaStatus(q, "cudaEventQuery (bucket gate)");
+    bool passed = false;
+    EMSA_RETURN_IF_ERROR(engine->Query(Gate(buckets[c]), "cudaEventQuery (bucket gate)", &passed));
+    if (!passed) continue;
     std::lock_guard<std::mutex> lock(shared.mu);
     waiting.erase(std::find(waiting.begin(), waiting.end(), c));
     return c;
@@ -185,8 +178,8 @@ Result<size_t> HostTier::Impl::Choose(std::unique_lock<std::mutex>& lock) {
       return taken;
     }
     const auto w0 = std::chrono::steady_clock::now();
-    const Status st = CudaStatus(cudaEventSynchronize(Gate(buckets[oldest])),
-                                 "cudaEventSynchronize (bucket gate)");
+    const Status st =
+        engine->Synchronize(Gate(buckets[oldest]), "cudaEventSynchronize (bucket gate)");
     choose_wait_seconds += Seconds(std::chrono::steady_clock::now() - w0);
     if (!st.ok()) {
       lock.lock();
@@ -198,7 +191,7 @@ Result<size_t> HostTier::Impl::Choose(std::unique_lock<std::mutex>& lock) {
 // The worker: takes buckets as Choose says until the tier stops; after a failure it only marks
 // the buckets it takes done, so that no Wait blocks on them forever.
 void HostTier::Impl::Run() {
-  Status set = CudaStatus(cudaSetDevice(options.device), "cudaSetDevice (host tier worker)");
+  Status set = engine->SetDevice(options.device);
   std::unique_lock<std::mutex> lock(shared.mu);
   shared.Fail(set);
   for (;;) {
@@ -234,5 +227,3 @@ void HostTier::Impl::Run() {
 }
 
 }  // namespace emsa
-
-#endif  // EMSA_HAVE_CUDA
