@@ -45,9 +45,7 @@ emsa_status emsa_host_arena_info(const emsa_host_arena* arena, void** data_out, 
 
 void emsa_hyperparams_init(emsa_hyperparams* h) {
   if (h == nullptr) return;
-  emsa::HyperParams d;
-  *h = emsa_hyperparams{sizeof(emsa_hyperparams), d.lr, d.beta1, d.beta2, d.eps, d.weight_decay,
-                        d.maximize ? 1 : 0};
+  InitFields(h);
 }
 
 void emsa_tensor_update_init(emsa_tensor_update* t) {
@@ -59,10 +57,7 @@ void emsa_tensor_update_init(emsa_tensor_update* t) {
 
 void emsa_step_options_init(emsa_step_options* o) {
   if (o == nullptr) return;
-  emsa::StepOptions d;
-  *o = emsa_step_options{
-      sizeof(emsa_step_options), static_cast<int32_t>(d.optimizer), d.grad_multiplier,
-      d.check_finite ? 1 : 0,    static_cast<int32_t>(d.rounding),  d.seed};
+  InitFields(o);
 }
 
 void emsa_step_report_init(emsa_step_report* r) {

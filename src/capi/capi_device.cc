@@ -28,10 +28,7 @@ extern "C" {
 
 void emsa_device_table_options_init(emsa_device_table_options* o) {
   if (o == nullptr) return;
-  emsa::DeviceTableOptions d;
-  *o = emsa_device_table_options{sizeof(emsa_device_table_options),
-                                 static_cast<int32_t>(d.optimizer),
-                                 static_cast<int32_t>(d.rounding), d.bulk_copy ? 1 : 0};
+  InitFields(o);
 }
 
 void emsa_device_step_report_init(emsa_device_step_report* r) {
@@ -151,16 +148,12 @@ emsa_status emsa_device_table_create(const emsa_tensor_update* tensors, const in
       }
       auto opt = ToOptimizer(options->optimizer);
       if (!opt.ok()) return Report(opt.status());
-      o.optimizer = *opt;
-      if (options->rounding != EMSA_ROUNDING_NEAREST &&
-          options->rounding != EMSA_ROUNDING_STOCHASTIC) {
+      if (!IsRounding(options->rounding)) {
         return Fail(EMSA_INVALID_ARGUMENT, "rounding must be an EMSA_ROUNDING_* value");
       }
-      o.rounding = static_cast<emsa::Rounding>(options->rounding);
-      if (options->bulk_copy != 0 && options->bulk_copy != 1) {
+      if (!IsFlag(options->bulk_copy))
         return Fail(EMSA_INVALID_ARGUMENT, "bulk_copy must be 0 or 1");
-      }
-      o.bulk_copy = options->bulk_copy != 0;
+      CopyFields(*options, &o);
     }
     std::vector<emsa::TensorUpdate> updates(count);  // bind time: allocation is fine here
     for (size_t i = 0; i < count; ++i) {

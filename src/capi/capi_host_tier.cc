@@ -13,26 +13,10 @@ void emsa_host_tier_tensor_init(emsa_host_tier_tensor* tensor) {
   emsa_tensor_update_init(&tensor->update);
 }
 
-// The C options' defaults are HostTierOptions' (the optimizer, rounding and seed as every
-// options struct of the C ABI starts them).
+// The C options' defaults are HostTierOptions'.
 void emsa_host_tier_options_init(emsa_host_tier_options* options) {
   if (options == nullptr) return;
-  const emsa::HostTierOptions d;
-  std::memset(options, 0, sizeof(*options));
-  options->struct_size = sizeof(emsa_host_tier_options);
-  options->optimizer = EMSA_OPTIMIZER_ADAMW;
-  options->rounding = EMSA_ROUNDING_STOCHASTIC;
-  options->seed = d.seed;
-  options->device = d.device;
-  options->submit_in_backward = d.submit_in_backward ? 1 : 0;
-  options->device_delta = d.device_delta ? 1 : 0;
-  options->delta_staging_elements = d.delta_staging_elements;
-  options->paced_copies = d.paced_copies;
-  options->pace_piece_elements = d.pace_piece_elements;
-  options->paced_hold_bytes = d.paced_hold_bytes;
-  options->stream_piece_elements = d.stream_piece_elements;
-  options->stream_slots = d.stream_slots;
-  options->device_update_stream = d.device_update_stream;
+  InitFields(options);
 }
 
 void emsa_host_tier_step_stats_init(emsa_host_tier_step_stats* stats) {
@@ -60,29 +44,16 @@ emsa_status emsa_host_tier_create(emsa_cpu_updater* updater, const emsa_host_tie
     emsa::HostTierOptions o;
     auto kind = ToOptimizer(options->optimizer);
     if (!kind.ok()) return Report(kind.status());
-    o.optimizer = *kind;
-    if (options->rounding != EMSA_ROUNDING_NEAREST &&
-        options->rounding != EMSA_ROUNDING_STOCHASTIC) {
+    if (!IsRounding(options->rounding)) {
       return Fail(EMSA_INVALID_ARGUMENT, "rounding must be EMSA_ROUNDING_NEAREST or _STOCHASTIC");
     }
-    o.rounding = static_cast<emsa::Rounding>(options->rounding);
-    o.seed = options->seed;
-    o.device = options->device;
-    if (options->submit_in_backward != 0 && options->submit_in_backward != 1) {
+    if (!IsFlag(options->submit_in_backward)) {
       return Fail(EMSA_INVALID_ARGUMENT, "submit_in_backward must be 0 or 1");
     }
-    o.submit_in_backward = options->submit_in_backward == 1;
-    if (options->device_delta != 0 && options->device_delta != 1) {
+    if (!IsFlag(options->device_delta)) {
       return Fail(EMSA_INVALID_ARGUMENT, "device_delta must be 0 or 1");
     }
-    o.device_delta = options->device_delta == 1;
-    o.delta_staging_elements = options->delta_staging_elements;
-    o.paced_copies = options->paced_copies;
-    o.pace_piece_elements = options->pace_piece_elements;
-    o.paced_hold_bytes = options->paced_hold_bytes;
-    o.stream_piece_elements = options->stream_piece_elements;
-    o.stream_slots = options->stream_slots;
-    o.device_update_stream = static_cast<cudaStream_t>(options->device_update_stream);
+    CopyFields(*options, &o);
     std::vector<emsa::HostTierTensor> converted(count);
     for (size_t i = 0; i < count; ++i) {
       const emsa_host_tier_tensor& t = tensors[i];

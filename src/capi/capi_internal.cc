@@ -79,9 +79,14 @@ emsa::Status ToHyper(const emsa_hyperparams* h, const std::string& where, emsa::
     return emsa::Status::InvalidArgument(
         where + "->struct_size mismatch; call emsa_hyperparams_init() first");
   }
-  *out = emsa::HyperParams{h->lr, h->beta1, h->beta2, h->eps, h->weight_decay, h->maximize != 0};
+  *out = emsa::HyperParams{};
+  CopyFields(*h, out);
   return emsa::Status::Ok();
 }
+
+bool IsRounding(int32_t v) { return v == EMSA_ROUNDING_NEAREST || v == EMSA_ROUNDING_STOCHASTIC; }
+
+bool IsFlag(int32_t v) { return v == 0 || v == 1; }
 
 emsa::Result<emsa::StepOptions> ToStepOptions(const emsa_step_options* o) {
   emsa::StepOptions out;
@@ -90,14 +95,11 @@ emsa::Result<emsa::StepOptions> ToStepOptions(const emsa_step_options* o) {
     return emsa::Status::InvalidArgument(
         "emsa_step_options.struct_size mismatch; call emsa_step_options_init() first");
   }
-  EMSA_ASSIGN_OR_RETURN(out.optimizer, ToOptimizer(o->optimizer));
-  out.grad_multiplier = o->grad_multiplier;
-  out.check_finite = o->check_finite != 0;
-  if (o->rounding != EMSA_ROUNDING_NEAREST && o->rounding != EMSA_ROUNDING_STOCHASTIC) {
+  EMSA_RETURN_IF_ERROR(ToOptimizer(o->optimizer).status());
+  if (!IsRounding(o->rounding)) {
     return emsa::Status::InvalidArgument("rounding must be EMSA_ROUNDING_NEAREST or _STOCHASTIC");
   }
-  out.rounding = static_cast<emsa::Rounding>(o->rounding);
-  out.seed = o->seed;
+  CopyFields(*o, &out);
   return out;
 }
 

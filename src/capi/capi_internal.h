@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "capi/capi_fields.h"
 #include "emsa/cpu_update.h"
 #include "emsa/cuda_update.h"
 #include "emsa/device_arena.h"
@@ -108,6 +109,9 @@ emsa::Result<emsa::DType> ToDType(int32_t v, const char* field);
 emsa::Result<emsa::OptimizerKind> ToOptimizer(int32_t v);
 emsa::Status ToHyper(const emsa_hyperparams* h, const std::string& where, emsa::HyperParams* out);
 emsa::Result<emsa::StepOptions> ToStepOptions(const emsa_step_options* o);
+// An EMSA_ROUNDING_* value; a 0/1 flag of a C struct.
+bool IsRounding(int32_t v);
+bool IsFlag(int32_t v);
 
 // The C tensors are converted in fixed-size chunks on the stack: no heap allocation per step,
 // whatever the tensor count.

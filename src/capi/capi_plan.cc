@@ -95,15 +95,7 @@ emsa_status ReadPlanInputs(const char* probe_json, const char* profile_json,
     if (!opt.ok()) return Report(opt.status());
     auto sd = ToDType(options->state_dtype, "state_dtype");
     if (!sd.ok()) return Report(sd.status());
-    po.optimizer = *opt;
-    po.state_dtype = *sd;
-    po.allow_host_tier = options->allow_host_tier != 0;
-    po.force_all_host = options->force_all_host != 0;
-    po.budget_bytes = options->budget_bytes;
-    po.safety_margin_bytes = options->safety_margin_bytes;
-    po.bucket_bytes = options->bucket_bytes;
-    po.release_grads = options->release_grads != 0;
-    po.device_update_share = options->device_update_share;
+    CopyFields(*options, &po);
   }
   auto record = emsa::ProbeRecordFromJson(probe_json);
   if (!record.ok()) return Report(record.status().Annotate("probe record"));
@@ -129,12 +121,7 @@ emsa_status ReadModelOptions(const emsa_model_options* options, emsa::ModelProbe
   }
   auto dtype = ToDType(options->param_dtype, "param_dtype");
   if (!dtype.ok()) return Report(dtype.status());
-  mo->activation_checkpointing = options->activation_checkpointing != 0;
-  mo->batch = options->batch;
-  mo->seq_len = options->seq_len;
-  mo->param_dtype = *dtype;
-  mo->matmul_flops = options->matmul_flops;
-  mo->eager_attention = options->eager_attention != 0;
+  CopyFields(*options, mo);
   return EMSA_OK;
 }
 
@@ -144,18 +131,7 @@ extern "C" {
 
 void emsa_plan_options_init(emsa_plan_options* o) {
   if (o == nullptr) return;
-  emsa::PlanOptions d;
-  *o = emsa_plan_options{};
-  o->struct_size = sizeof(emsa_plan_options);
-  o->optimizer = static_cast<int32_t>(d.optimizer);
-  o->state_dtype = static_cast<int32_t>(d.state_dtype);
-  o->allow_host_tier = d.allow_host_tier ? 1 : 0;
-  o->force_all_host = d.force_all_host ? 1 : 0;
-  o->budget_bytes = d.budget_bytes;
-  o->safety_margin_bytes = d.safety_margin_bytes;
-  o->bucket_bytes = d.bucket_bytes;
-  o->release_grads = d.release_grads ? 1 : 0;
-  o->device_update_share = d.device_update_share;
+  InitFields(o);
 }
 
 emsa_status emsa_plan_create(const char* probe_json, const char* profile_json,
@@ -277,15 +253,7 @@ emsa_status emsa_cli_run(int argc, const char* const* argv, int* exit_code, char
 
 void emsa_model_options_init(emsa_model_options* o) {
   if (o == nullptr) return;
-  const emsa::ModelProbeOptions d;
-  *o = emsa_model_options{};
-  o->struct_size = sizeof(emsa_model_options);
-  o->activation_checkpointing = d.activation_checkpointing ? 1 : 0;
-  o->batch = d.batch;
-  o->seq_len = d.seq_len;
-  o->param_dtype = static_cast<int32_t>(d.param_dtype);
-  o->matmul_flops = d.matmul_flops;
-  o->eager_attention = d.eager_attention ? 1 : 0;
+  InitFields(o);
 }
 
 emsa_status emsa_model_probe(const char* model, const emsa_model_options* options,
