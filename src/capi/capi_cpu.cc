@@ -115,6 +115,44 @@ emsa_status emsa_cpu_grad_stats(emsa_cpu_updater* updater, const emsa_tensor_upd
   });
 }
 
+}  // extern "C"
+
+namespace {
+
+// The finite check over a whole batch, chunk by chunk, before any update: the non-finite count
+// and the first tensor holding one go into *result, which is marked skipped if there are any.
+emsa::Status ScanFinite(emsa::CpuUpdater& updater, const emsa_tensor_update* tensors, size_t count,
+                        emsa::StepReport* result) {
+  int64_t bad = 0, first_bad = -1;
+  emsa::Status s =
+      ForEachChunk(tensors, count, [&](const emsa::TensorUpdate* u, size_t n, size_t base) {
+        double sq = 0.0;
+        int64_t nf = 0;
+        EMSA_RETURN_IF_ERROR(updater.GradStats(u, n, &sq, &nf));
+        if (nf > 0 && first_bad < 0) {
+          for (size_t i = 0; i < n && first_bad < 0; ++i) {
+            double sqi = 0.0;
+            int64_t nfi = 0;
+            EMSA_RETURN_IF_ERROR(updater.GradStats(u + i, 1, &sqi, &nfi));
+            if (nfi > 0) first_bad = static_cast<int64_t>(base + i);
+          }
+        }
+        bad += nf;
+        return emsa::Status::Ok();
+      });
+  EMSA_RETURN_IF_ERROR(s);
+  if (bad > 0) {
+    result->skipped = true;
+    result->nonfinite_count = bad;
+    result->first_nonfinite_tensor = first_bad;
+  }
+  return emsa::Status::Ok();
+}
+
+}  // namespace
+
+extern "C" {
+
 emsa_status emsa_cpu_step(emsa_cpu_updater* updater, const emsa_tensor_update* tensors,
                           size_t count, const emsa_step_options* options,
                           emsa_step_report* report) {
@@ -132,29 +170,8 @@ emsa_status emsa_cpu_step(emsa_cpu_updater* updater, const emsa_tensor_update* t
     // Batches larger than one chunk: the finite check must see every tensor before any update,
     // so it runs over all chunks first and the chunked updates then run without it.
     if (count > kChunk && step.check_finite) {
-      int64_t bad = 0, first_bad = -1;
-      emsa::Status s =
-          ForEachChunk(tensors, count, [&](const emsa::TensorUpdate* u, size_t n, size_t base) {
-            double sq = 0.0;
-            int64_t nf = 0;
-            EMSA_RETURN_IF_ERROR(updater->updater->GradStats(u, n, &sq, &nf));
-            if (nf > 0 && first_bad < 0) {
-              for (size_t i = 0; i < n && first_bad < 0; ++i) {
-                double sqi = 0.0;
-                int64_t nfi = 0;
-                EMSA_RETURN_IF_ERROR(updater->updater->GradStats(u + i, 1, &sqi, &nfi));
-                if (nfi > 0) first_bad = static_cast<int64_t>(base + i);
-              }
-            }
-            bad += nf;
-            return emsa::Status::Ok();
-          });
+      emsa::Status s = ScanFinite(*updater->updater, tensors, count, &result);
       if (!s.ok()) return Report(s);
-      if (bad > 0) {
-        result.skipped = true;
-        result.nonfinite_count = bad;
-        result.first_nonfinite_tensor = first_bad;
-      }
       step.check_finite = false;
     }
     if (!result.skipped) {
