@@ -81,8 +81,41 @@ CopyEngine* CudaCopyEngine() {
 #else  // !EMSA_HAVE_CUDA
 
 namespace emsa {
+namespace {
 
-CopyEngine* CudaCopyEngine() { return nullptr; }
+// Without CUDA every call is refused, so the host tier still checks its arguments first and then
+// answers kUnsupported from its first CUDA call.
+Status NoCuda() {
+  return Status::Unsupported(
+      "the host tier for CUDA parameters needs a CUDA build of emsa (nvcc was not found when it "
+      "was built)");
+}
+
+class NoCudaEngine final : public CopyEngine {
+ public:
+  Status SetDevice(int) override { return NoCuda(); }
+  Status CreateEvent(bool, bool, cudaEvent_t*) override { return NoCuda(); }
+  void DestroyEvent(cudaEvent_t) override {}
+  Status Record(cudaEvent_t, cudaStream_t) override { return NoCuda(); }
+  Status StreamWait(cudaStream_t, cudaEvent_t) override { return NoCuda(); }
+  Status Query(cudaEvent_t, const char*, bool*) override { return NoCuda(); }
+  Status Synchronize(cudaEvent_t, const char*) override { return NoCuda(); }
+  Status ElapsedSeconds(cudaEvent_t, cudaEvent_t, double*) override { return NoCuda(); }
+  Status CopyToHost(void*, const void*, size_t, cudaStream_t) override { return NoCuda(); }
+  Status CopyToDevice(void*, const void*, size_t, cudaStream_t) override { return NoCuda(); }
+  Status ApplyDelta(float*, const float*, int64_t, float, cudaStream_t) override {
+    return NoCuda();
+  }
+  Status AllocateDevice(size_t, void**) override { return NoCuda(); }
+  void FreeDevice(void*) override {}
+};
+
+}  // namespace
+
+CopyEngine* CudaCopyEngine() {
+  static NoCudaEngine engine;
+  return &engine;
+}
 
 }  // namespace emsa
 

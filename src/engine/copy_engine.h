@@ -51,7 +51,8 @@ class CopyEngine {
   virtual void FreeDevice(void* ptr) = 0;
 };
 
-// CUDA's engine (one for the process); null without CUDA.
+// CUDA's engine (one for the process); without CUDA, one that refuses every call with
+// kUnsupported (so callers check their arguments first and fail at the first CUDA call).
 CopyEngine* CudaCopyEngine();
 
 // An event of `engine` owned by the object holding it: made once at Create, destroyed with its

@@ -259,11 +259,6 @@ Result<std::unique_ptr<HostTier>> HostTier::Create(CpuUpdater* updater,
                                                    size_t bucket_count, size_t group_count,
                                                    cudaStream_t d2h_stream, cudaStream_t h2d_stream,
                                                    const HostTierOptions& options) {
-  if (CudaCopyEngine() == nullptr) {
-    return Status::Unsupported(
-        "the host tier for CUDA parameters needs a CUDA build of emsa (nvcc was not found when "
-        "it was built)");
-  }
   return CreateWithEngine(CudaCopyEngine(), updater, tensors, count, bucket_count, group_count,
                           d2h_stream, h2d_stream, options);
 }
