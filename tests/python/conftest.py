@@ -21,6 +21,9 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "numerics: compares emsa's updates with torch.optim or a float64 reference; "
+        "scripts/test requires these to fail against a build whose update does nothing")
     global INSTALLED
     INSTALLED = config.getoption("--installed")
     if INSTALLED:
@@ -44,9 +47,3 @@ def subprocess_env(**extra) -> dict:
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CPU_PROFILE = ROOT / "examples" / "profiles" / "h200.json"
-
-
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "numerics: compares emsa's updates with torch.optim or a float64 reference; "
-        "scripts/test requires these to fail against a build whose update does nothing")
