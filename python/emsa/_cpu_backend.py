@@ -146,12 +146,12 @@ class CpuBackend(Backend):
                 f"parameter {name} changed from {tuple(self.shapes[i])} to {tuple(p.shape)} "
                 f"({p.dtype}) after emsa planned it; emsa lays optimizer state out once: build "
                 "a new optimizer over the changed model")
+        self._check_layout(i, p)
         if p.device.type != "cpu":
             raise ValueError(f"parameter {name} moved to {p.device} after emsa planned it on "
                              "the CPU; build the optimizer after moving the model")
         check_param(name, p)  # its storage was replaced; the new one must still be dense
         self.ptrs[i] = p.data_ptr()
-        self.strides[i] = p.stride()
         self.mv[i * _W + _PARAM] = self.ptrs[i]
         if "master" in self.views[i]:
             self.refresh_master(i)
@@ -208,7 +208,8 @@ class CpuBackend(Backend):
 
     def step_bucket(self, i: int) -> None:
         p = self.params[i]
-        if p.data_ptr() != self.ptrs[i] or p.shape != self.shapes[i]:
+        if (p.data_ptr() != self.ptrs[i] or p.shape != self.shapes[i]
+                or p.stride() != self.strides[i]):
             self._param_changed(i, p)
         g = p.grad
         if g is None:

@@ -330,6 +330,9 @@ class CudaBackend(Backend):
                 f"parameter {name} changed from {tuple(self.shapes[i])} to {tuple(p.shape)} "
                 "after emsa planned it; emsa lays optimizer state out once: build a new "
                 "optimizer over the changed model")
+        self._check_layout(i, p)
+        if p.data_ptr() == self.ptrs[i]:
+            return  # only strides of size-1 dimensions changed: nothing to re-lay
         raise ValueError(
             f"parameter {name} no longer lives where emsa planned it (its storage was replaced: "
             "p.data = ..., or the model moved); emsa's CUDA tables record parameter addresses: "
@@ -646,7 +649,8 @@ class CudaBackend(Backend):
         grads = []
         for i in members:
             p = self.params[i]
-            if p.data_ptr() != self.ptrs[i] or p.shape != self.shapes[i]:
+            if (p.data_ptr() != self.ptrs[i] or p.shape != self.shapes[i]
+                    or p.stride() != self.strides[i]):
                 self._moved(i, p)
             if p.grad is None:
                 raise RuntimeError(f"emsa internal error: {self.names[i]} has no gradient in "
