@@ -361,11 +361,15 @@ class _EmsaOptimizer(Optimizer):
         self._hooks = []
 
     # ---- the step -------------------------------------------------------------------------
+    # Under torch.compile the step is a graph break: Dynamo must never trace planning, the
+    # arenas or the ctypes calls (traced, they are replayed with stale pointers and counts).
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every parameter whose .grad is not None; returns closure()'s loss.
         With step_in_backward=True the updates were made during backward: this only calls
-        the closure (if given) and returns its loss."""
+        the closure (if given) and returns its loss. Under torch.compile it runs eagerly, as
+        one graph break."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
