@@ -187,6 +187,14 @@ def dense(t: torch.Tensor) -> bool:
     return True
 
 
+def state_view(arena, offset: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """arena.view(offset, like, dtype); a parameter with no elements has no planned bytes (the
+    plan may have no arena at all), so its state is an empty tensor of its shape."""
+    if like.numel() == 0:
+        return torch.empty_strided(like.shape, like.stride(), dtype=dtype, device=like.device)
+    return arena.view(offset, like, dtype)
+
+
 def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Elementwise-compatible memory layout: equal strides wherever the size is > 1."""
     return all(sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n > 1)

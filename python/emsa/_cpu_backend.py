@@ -21,7 +21,8 @@ import torch
 
 from . import _capi
 from ._arena import HostArena
-from ._backend import DTYPE_NAMES, Backend, StepResult, check_param, kernel_grad
+from ._backend import (DTYPE_NAMES, Backend, StepResult, check_param, kernel_grad,
+                       state_view)
 from ._binding import Slot
 from ._capi import Hyperparams, StepOptions, StepReport, TensorUpdate, check, lib
 from .plan import Plan
@@ -90,13 +91,13 @@ class CpuBackend(Backend):
 
     def _bind(self, i: int, s: Slot, pp: dict, state_dtype, state_code) -> dict:
         p = s.param
-        arena = self.arenas["L2" if pp["tier"] == "L2" else "L1"]
+        arena = self.arenas.get("L2" if pp["tier"] == "L2" else "L1")
         views = {"step": self.steps[i],
-                 "exp_avg": arena.view(pp["exp_avg_offset"], p, state_dtype)}
+                 "exp_avg": state_view(arena, pp["exp_avg_offset"], p, state_dtype)}
         if self.kind != "lion":
-            views["exp_avg_sq"] = arena.view(pp["exp_avg_sq_offset"], p, state_dtype)
+            views["exp_avg_sq"] = state_view(arena, pp["exp_avg_sq_offset"], p, state_dtype)
         if p.dtype != torch.float32:
-            views["master"] = arena.view(pp["master_offset"], p, torch.float32)
+            views["master"] = state_view(arena, pp["master_offset"], p, torch.float32)
             views["master"].copy_(p.detach())
         t = self.table[i]
         lib.emsa_tensor_update_init(ctypes.byref(t))
