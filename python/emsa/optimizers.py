@@ -174,8 +174,19 @@ class _EmsaOptimizer(Optimizer):
             if key in group and group[key] != default and group[key] is not False:
                 raise ValueError(f"{key}={group[key]!r} {why}")
         names = group.get("param_names")
+        first: dict[int, int] = {}
         for j, p in enumerate(group["params"]):
-            check_param(names[j] if names else f"param_groups[{g}].params[{j}]", p)
+            name = names[j] if names else f"param_groups[{g}].params[{j}]"
+            check_param(name, p)
+            k = first.setdefault(id(p), j)
+            if k != j:
+                # torch.optim warns that this "will cause an error" and updates the tensor
+                # once per listing; emsa holds one state per parameter, so it refuses now.
+                times = sum(q is p for q in group["params"])
+                raise ValueError(
+                    f"{name} is the same tensor as param_groups[{g}].params[{k}]: it appears "
+                    f"{times} times in param_groups[{g}]; list each parameter once (for tied "
+                    "weights, pass the shared tensor once, e.g. model.parameters() does)")
         devices = {p.device for p in self._all_params()}
         if len(devices) > 1:
             raise ValueError(
