@@ -73,6 +73,7 @@ are views into emsa's arenas, as torch's are its live tensors.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -101,6 +102,11 @@ _TORCH_IMPL_OPTIONS = {
     "differentiable": (False, "makes the update differentiable; emsa's update is not: use "
                               "torch.optim with differentiable=True"),
 }
+
+
+# A loaded step count must be a whole number the engines' int64 counters and torch's float
+# "step" both hold exactly: at most the largest integer a float64 holds exactly.
+_MAX_STEP = 2**53
 
 
 class _EmsaOptimizer(Optimizer):
@@ -518,8 +524,11 @@ class _EmsaOptimizer(Optimizer):
                                      f"{tuple(s.param.shape)}; load a state_dict saved for "
                                      "this model")
             step = float(st.get("step", 0))
-            if not (step >= 0 and step == int(step)):
-                raise ValueError(f"state for {s.name}: step {step} is not a count of steps")
+            if not (math.isfinite(step) and 0 <= step <= _MAX_STEP and step == int(step)):
+                raise ValueError(
+                    f"state for {s.name}: step {step!r} is not a count of steps (a whole "
+                    "number from 0 to 2**53); fix or drop that entry's 'step' (0 restarts the "
+                    "bias correction), or load a state_dict saved by training")
         return sources
 
     def __getstate__(self):
