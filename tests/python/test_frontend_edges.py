@@ -163,3 +163,24 @@ def test_a_loaded_step_out_of_range_is_refused_and_changes_nothing(step):
         for n, t in v.items():
             assert torch.equal(after[k][n], t), (k, n)
     opt.step()  # still usable
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_a_size_1_stride_change_is_taken_and_matches_torch(device):
+    """Strides of size-1 dimensions do not place any element: the same memory, nothing to
+    re-lay, and the steps stay with torch.optim's."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 1, device=device)
+    p, q = w.clone().requires_grad_(), w.clone().requires_grad_()
+    opt, ref = emsa.AdamW([p], lr=1e-2), torch.optim.AdamW([q], lr=1e-2)
+    g = torch.Generator().manual_seed(5)
+    for k in range(4):
+        if k == 2:
+            p.data = p.data.as_strided((4, 1), (1, 7))
+            assert p.stride() == (1, 7)
+        grad = torch.randn(4, 1, generator=g).to(device)
+        p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
