@@ -34,7 +34,9 @@ def test_layout_change_after_planning_is_refused_and_changes_nothing(device):
     model.to(memory_format=torch.channels_last)
     x = torch.randn(2, 8, 6, 6).to(device)
     model(x).square().mean().backward()
-    with pytest.raises(ValueError, match=r"params\[0\] changed memory layout.*strides \(72, 9, 3, 1\) -> \(72, 1, 24, 8\).*new optimizer"):
+    refused = (r"params\[0\] changed memory layout.*"
+               r"strides \(72, 9, 3, 1\) -> \(72, 1, 24, 8\).*new optimizer")
+    with pytest.raises(ValueError, match=refused):
         opt.step()
     assert torch.equal(model.weight.detach(), weight)
     for k, v in opt.state[model.weight].items():
