@@ -21,8 +21,9 @@ class _Owner:
         self.handle = handle
 
     def __del__(self):
-        handle, self.handle = self.handle, None
-        if handle:
+        # Safe on a partly built object and at interpreter exit (lib may be gone by then).
+        handle, self.handle = getattr(self, "handle", None), None
+        if handle and lib is not None:
             lib.emsa_host_arena_destroy(handle)
 
 

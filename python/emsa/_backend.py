@@ -57,12 +57,13 @@ class Backend:
                 f"{self.counts}: parameters added or removed after planning are not "
                 "optimized; build a new optimizer over the new parameter set")
 
-    # Also held by both: names, ptrs, shapes (each slot's parameter as planned).
+    # Also held by both: names, ptrs, shapes, strides (each slot's parameter as planned).
     def _planned_params(self, param_groups: list[dict], moved):
         """Each parameter of param_groups with its slot, in slot order, as (i, p), checked
-        first: another tensor than the planned one raises; one whose storage or shape changed
-        since planning goes to moved(i, p), which raises or takes the new storage."""
+        first: another tensor than the planned one raises; one whose storage, shape or strides
+        changed since planning goes to moved(i, p), which raises or takes the new storage."""
         expected, ptrs, shapes, names = self.params, self.ptrs, self.shapes, self.names
+        strides = self.strides
         i = 0
         for group in param_groups:
             for p in group["params"]:
@@ -70,10 +71,25 @@ class Backend:
                     raise ValueError(
                         f"{names[i]} was replaced by another tensor after emsa planned it; "
                         "build a new optimizer over the new parameter set")
-                if p.data_ptr() != ptrs[i] or p.shape != shapes[i]:
+                if p.data_ptr() != ptrs[i] or p.shape != shapes[i] or p.stride() != strides[i]:
                     moved(i, p)
                 yield i, p
                 i += 1
+
+    def _check_layout(self, i: int, p: torch.Tensor) -> None:
+        """Raises if p's memory layout is not the planned one: the state tensors keep the
+        planned strides and are updated elementwise beside the parameter's memory, so a
+        permuted parameter would meet its moments in another order. Strides of size-1
+        dimensions do not matter and are taken."""
+        old = self.strides[i]
+        if not all(a == b for a, b, n in zip(old, p.stride(), p.shape) if n > 1):
+            raise ValueError(
+                f"parameter {self.names[i]} changed memory layout after emsa planned it "
+                f"(strides {tuple(old)} -> {tuple(p.stride())} for shape {tuple(p.shape)}, e.g. "
+                "model.to(memory_format=...) or a transposed .data); emsa keeps the optimizer "
+                "state in the planned layout: restore the parameter's layout, or build a new "
+                "optimizer after the change and load this one's state_dict into it")
+        self.strides[i] = p.stride()
 
     def refresh_master(self, i: int) -> None:
         """Someone else wrote the parameter (emsa's raw writes leave _version alone): the
@@ -157,7 +173,10 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 def dense(t: torch.Tensor) -> bool:
     """Non-overlapping and dense: its numel elements fill one span of memory (contiguous,
-    channels_last, any permutation), so an elementwise update may treat it as flat."""
+    channels_last, any permutation), so an elementwise update may treat it as flat. A tensor
+    with no elements is dense (there is nothing to lay out)."""
+    if t.numel() == 0:
+        return True
     expected = 1
     for stride, size in sorted(zip(t.stride(), t.shape)):
         if size == 1:
@@ -166,6 +185,14 @@ def dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def state_view(arena, offset: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """arena.view(offset, like, dtype); a parameter with no elements has no planned bytes (the
+    plan may have no arena at all), so its state is an empty tensor of its shape."""
+    if like.numel() == 0:
+        return torch.empty_strided(like.shape, like.stride(), dtype=dtype, device=like.device)
+    return arena.view(offset, like, dtype)
 
 
 def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -21,7 +21,8 @@ import torch
 
 from . import _capi
 from ._arena import HostArena
-from ._backend import DTYPE_NAMES, Backend, StepResult, check_param, kernel_grad
+from ._backend import (DTYPE_NAMES, Backend, StepResult, check_param, kernel_grad,
+                       state_view)
 from ._binding import Slot
 from ._capi import Hyperparams, StepOptions, StepReport, TensorUpdate, check, lib
 from .plan import Plan
@@ -90,13 +91,13 @@ class CpuBackend(Backend):
 
     def _bind(self, i: int, s: Slot, pp: dict, state_dtype, state_code) -> dict:
         p = s.param
-        arena = self.arenas["L2" if pp["tier"] == "L2" else "L1"]
+        arena = self.arenas.get("L2" if pp["tier"] == "L2" else "L1")
         views = {"step": self.steps[i],
-                 "exp_avg": arena.view(pp["exp_avg_offset"], p, state_dtype)}
+                 "exp_avg": state_view(arena, pp["exp_avg_offset"], p, state_dtype)}
         if self.kind != "lion":
-            views["exp_avg_sq"] = arena.view(pp["exp_avg_sq_offset"], p, state_dtype)
+            views["exp_avg_sq"] = state_view(arena, pp["exp_avg_sq_offset"], p, state_dtype)
         if p.dtype != torch.float32:
-            views["master"] = arena.view(pp["master_offset"], p, torch.float32)
+            views["master"] = state_view(arena, pp["master_offset"], p, torch.float32)
             views["master"].copy_(p.detach())
         t = self.table[i]
         lib.emsa_tensor_update_init(ctypes.byref(t))
@@ -146,12 +147,14 @@ class CpuBackend(Backend):
                 f"parameter {name} changed from {tuple(self.shapes[i])} to {tuple(p.shape)} "
                 f"({p.dtype}) after emsa planned it; emsa lays optimizer state out once: build "
                 "a new optimizer over the changed model")
+        self._check_layout(i, p)
+        if p.data_ptr() == self.ptrs[i]:
+            return  # only strides of size-1 dimensions changed: same memory, same master
         if p.device.type != "cpu":
             raise ValueError(f"parameter {name} moved to {p.device} after emsa planned it on "
                              "the CPU; build the optimizer after moving the model")
         check_param(name, p)  # its storage was replaced; the new one must still be dense
         self.ptrs[i] = p.data_ptr()
-        self.strides[i] = p.stride()
         self.mv[i * _W + _PARAM] = self.ptrs[i]
         if "master" in self.views[i]:
             self.refresh_master(i)
@@ -208,7 +211,8 @@ class CpuBackend(Backend):
 
     def step_bucket(self, i: int) -> None:
         p = self.params[i]
-        if p.data_ptr() != self.ptrs[i] or p.shape != self.shapes[i]:
+        if (p.data_ptr() != self.ptrs[i] or p.shape != self.shapes[i]
+                or p.stride() != self.strides[i]):
             self._param_changed(i, p)
         g = p.grad
         if g is None:

@@ -65,7 +65,7 @@ import warnings
 import torch
 
 from . import _capi, _tuning
-from ._backend import DTYPE_NAMES, Backend, StepResult, kernel_grad
+from ._backend import DTYPE_NAMES, Backend, StepResult, kernel_grad, state_view
 from ._binding import Slot
 from ._capi import (DeviceStepHeader, DeviceTableOptions, EmsaError, HostTierTensor, Hyperparams,
                     TensorUpdate, check, lib)
@@ -179,11 +179,11 @@ class CudaBackend(Backend):
         p = s.param
         arena = self.host_arena if self.on_host[i] else self.arena
         views = {"step": self.steps[i],  # torch.optim's key order: step first
-                 "exp_avg": arena.view(pp["exp_avg_offset"], p, state_dtype)}
+                 "exp_avg": state_view(arena, pp["exp_avg_offset"], p, state_dtype)}
         if self.kind != "lion":
-            views["exp_avg_sq"] = arena.view(pp["exp_avg_sq_offset"], p, state_dtype)
+            views["exp_avg_sq"] = state_view(arena, pp["exp_avg_sq_offset"], p, state_dtype)
         if p.dtype != torch.float32 or self.on_host[i]:
-            master = arena.view(pp["master_offset"], p, torch.float32)
+            master = state_view(arena, pp["master_offset"], p, torch.float32)
             with torch.no_grad():
                 master.copy_(p)
             if p.dtype != torch.float32:
@@ -191,9 +191,9 @@ class CudaBackend(Backend):
             else:
                 self.hidden[i]["master"] = master
         if self.on_host[i]:
-            self.hidden[i]["grad"] = arena.view(pp["grad_offset"], p, p.dtype)
+            self.hidden[i]["grad"] = state_view(arena, pp["grad_offset"], p, p.dtype)
             if p.dtype != torch.float32:
-                self.hidden[i]["param_out"] = arena.view(pp["param_out_offset"], p, p.dtype)
+                self.hidden[i]["param_out"] = state_view(arena, pp["param_out_offset"], p, p.dtype)
         return views
 
     def _master(self, i: int) -> torch.Tensor | None:
@@ -330,6 +330,9 @@ class CudaBackend(Backend):
                 f"parameter {name} changed from {tuple(self.shapes[i])} to {tuple(p.shape)} "
                 "after emsa planned it; emsa lays optimizer state out once: build a new "
                 "optimizer over the changed model")
+        self._check_layout(i, p)
+        if p.data_ptr() == self.ptrs[i]:
+            return  # only strides of size-1 dimensions changed: nothing to re-lay
         raise ValueError(
             f"parameter {name} no longer lives where emsa planned it (its storage was replaced: "
             "p.data = ..., or the model moved); emsa's CUDA tables record parameter addresses: "
@@ -646,7 +649,8 @@ class CudaBackend(Backend):
         grads = []
         for i in members:
             p = self.params[i]
-            if p.data_ptr() != self.ptrs[i] or p.shape != self.shapes[i]:
+            if (p.data_ptr() != self.ptrs[i] or p.shape != self.shapes[i]
+                    or p.stride() != self.strides[i]):
                 self._moved(i, p)
             if p.grad is None:
                 raise RuntimeError(f"emsa internal error: {self.names[i]} has no gradient in "

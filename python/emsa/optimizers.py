@@ -73,6 +73,7 @@ are views into emsa's arenas, as torch's are its live tensors.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -101,6 +102,11 @@ _TORCH_IMPL_OPTIONS = {
     "differentiable": (False, "makes the update differentiable; emsa's update is not: use "
                               "torch.optim with differentiable=True"),
 }
+
+
+# A loaded step count must be a whole number the engines' int64 counters and torch's float
+# "step" both hold exactly: at most the largest integer a float64 holds exactly.
+_MAX_STEP = 2**53
 
 
 class _EmsaOptimizer(Optimizer):
@@ -174,8 +180,19 @@ class _EmsaOptimizer(Optimizer):
             if key in group and group[key] != default and group[key] is not False:
                 raise ValueError(f"{key}={group[key]!r} {why}")
         names = group.get("param_names")
+        first: dict[int, int] = {}
         for j, p in enumerate(group["params"]):
-            check_param(names[j] if names else f"param_groups[{g}].params[{j}]", p)
+            name = names[j] if names else f"param_groups[{g}].params[{j}]"
+            check_param(name, p)
+            k = first.setdefault(id(p), j)
+            if k != j:
+                # torch.optim warns that this "will cause an error" and updates the tensor
+                # once per listing; emsa holds one state per parameter, so it refuses now.
+                times = sum(q is p for q in group["params"])
+                raise ValueError(
+                    f"{name} is the same tensor as param_groups[{g}].params[{k}]: it appears "
+                    f"{times} times in param_groups[{g}]; list each parameter once (for tied "
+                    "weights, pass the shared tensor once, e.g. model.parameters() does)")
         devices = {p.device for p in self._all_params()}
         if len(devices) > 1:
             raise ValueError(
@@ -361,11 +378,15 @@ class _EmsaOptimizer(Optimizer):
         self._hooks = []
 
     # ---- the step -------------------------------------------------------------------------
+    # Under torch.compile the step is a graph break: Dynamo must never trace planning, the
+    # arenas or the ctypes calls (traced, they are replayed with stale pointers and counts).
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every parameter whose .grad is not None; returns closure()'s loss.
         With step_in_backward=True the updates were made during backward: this only calls
-        the closure (if given) and returns its loss."""
+        the closure (if given) and returns its loss. Under torch.compile it runs eagerly, as
+        one graph break."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -503,8 +524,11 @@ class _EmsaOptimizer(Optimizer):
                                      f"{tuple(s.param.shape)}; load a state_dict saved for "
                                      "this model")
             step = float(st.get("step", 0))
-            if not (step >= 0 and step == int(step)):
-                raise ValueError(f"state for {s.name}: step {step} is not a count of steps")
+            if not (math.isfinite(step) and 0 <= step <= _MAX_STEP and step == int(step)):
+                raise ValueError(
+                    f"state for {s.name}: step {step!r} is not a count of steps (a whole "
+                    "number from 0 to 2**53); fix or drop that entry's 'step' (0 restarts the "
+                    "bias correction), or load a state_dict saved by training")
         return sources
 
     def __getstate__(self):

@@ -1,0 +1,188 @@
+"""Front-end edge cases: a parameter re-laid after planning, torch.compile around step(), and
+the corner cases torch.optim takes (empty parameters, duplicates, huge loaded step counts)."""
+
+import warnings
+
+import pytest
+import torch
+
+import emsa
+from conftest import requires_cuda
+
+
+def _conv(device):
+    torch.manual_seed(0)
+    return torch.nn.Conv2d(8, 16, 3).to(device)
+
+
+def _steps(model, opt, n, device, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randn(2, 8, 6, 6, generator=g).to(device)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_layout_change_after_planning_is_refused_and_changes_nothing(device):
+    model = _conv(device)
+    opt = emsa.AdamW(model.parameters(), lr=1e-2)
+    _steps(model, opt, 1, device)
+    before = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    weight = model.weight.detach().clone()
+    model.to(memory_format=torch.channels_last)
+    x = torch.randn(2, 8, 6, 6).to(device)
+    model(x).square().mean().backward()
+    refused = (r"params\[0\] changed memory layout.*"
+               r"strides \(72, 9, 3, 1\) -> \(72, 1, 24, 8\).*new optimizer")
+    with pytest.raises(ValueError, match=refused):
+        opt.step()
+    assert torch.equal(model.weight.detach(), weight)
+    for k, v in opt.state[model.weight].items():
+        assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_transposed_data_in_place_is_refused(device):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8, bias=False).to(device)  # square: .t() keeps shape and pointer
+    opt = emsa.AdamW(lin.parameters(), lr=1e-2)
+    lin(torch.randn(4, 8, device=device)).sum().backward()
+    opt.step()
+    lin.weight.data = lin.weight.data.t()
+    lin(torch.randn(4, 8, device=device)).sum().backward()
+    with pytest.raises(ValueError, match=r"memory layout.*\(8, 1\) -> \(1, 8\)"):
+        opt.step()
+
+
+@pytest.mark.numerics
+def test_new_optimizer_with_loaded_state_follows_the_layout_change_exactly():
+    """The remedy the message names: a new optimizer after the change, this one's state
+    loaded into it, stays with torch.optim.AdamW run through the same change."""
+    model, ref_model = _conv("cpu"), _conv("cpu")
+    opt = emsa.AdamW(model.parameters(), lr=1e-2)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    _steps(model, opt, 2, "cpu")
+    _steps(ref_model, ref, 2, "cpu")
+    model.to(memory_format=torch.channels_last)
+    ref_model.to(memory_format=torch.channels_last)
+    opt2 = emsa.AdamW(model.parameters(), lr=1e-2)
+    opt2.load_state_dict(opt.state_dict())
+    _steps(model, opt2, 5, "cpu", seed=2)
+    _steps(ref_model, ref, 5, "cpu", seed=2)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)  # one update moves ~1e-2
+
+
+def _linear_pair(device):
+    torch.manual_seed(0)
+    ours = torch.nn.Linear(64, 64).to(device)
+    ref = torch.nn.Linear(64, 64).to(device)
+    ref.load_state_dict(ours.state_dict())
+    return ours, ref
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("eager_first", [0, 2])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_step_under_torch_compile_matches_torch(eager_first, device):
+    """Compiled from the first step (planning included) and after eager steps."""
+    ours, ref = _linear_pair(device)
+    opt = emsa.AdamW(ours.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    compiled = torch.compile(lambda: opt.step())
+    g = torch.Generator().manual_seed(3)
+    for k in range(5):
+        x = torch.randn(16, 64, generator=g).to(device)
+        for m, o in ((ours, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+        compiled() if k >= eager_first else opt.step()
+        ref_opt.step()
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        assert torch.isfinite(p).all()
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+    assert all((s["exp_avg_sq"] >= 0).all() for s in opt.state.values())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_only_empty_parameters_step_as_torch_does(device):
+    p = torch.zeros(0, device=device, requires_grad=True)
+    q = torch.zeros(0, device=device, requires_grad=True)
+    opt, ref = emsa.AdamW([p], lr=1e-2), torch.optim.AdamW([q], lr=1e-2)
+    for _ in range(3):
+        p.grad, q.grad = torch.zeros_like(p), torch.zeros_like(q)
+        opt.step()
+        ref.step()
+    assert float(opt.state[p]["step"]) == float(ref.state[q]["step"]) == 3.0
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_a_2_by_0_parameter_beside_a_real_one_matches_torch(device):
+    torch.manual_seed(0)
+    w = torch.randn(4, 3, device=device)
+    ps = [torch.zeros(2, 0, device=device, requires_grad=True), w.clone().requires_grad_()]
+    qs = [torch.zeros(2, 0, device=device, requires_grad=True), w.clone().requires_grad_()]
+    opt, ref = emsa.AdamW(ps, lr=1e-2), torch.optim.AdamW(qs, lr=1e-2)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(4):
+        grad = torch.randn(4, 3, generator=g).to(device)
+        ps[0].grad, qs[0].grad = torch.zeros_like(ps[0]), torch.zeros_like(qs[0])
+        ps[1].grad, qs[1].grad = grad.clone(), grad.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(ps[1], qs[1], rtol=1e-5, atol=1e-7)
+    assert ps[0].shape == (2, 0)
+
+
+def test_the_same_parameter_twice_in_a_group_fails_saying_what_to_do():
+    p = torch.randn(3, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.optim's own duplicate warning
+        with pytest.raises(ValueError, match=r"appears 2 times.*list each parameter once"):
+            emsa.AdamW([p, p], lr=1e-2)
+
+
+@pytest.mark.parametrize("step", [2.0**63, 1e30, float("inf"), float("nan"), -1.0])
+def test_a_loaded_step_out_of_range_is_refused_and_changes_nothing(step):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    opt = emsa.AdamW(lin.parameters(), lr=1e-2)
+    lin(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    bad = {"state": {k: dict(v) for k, v in sd["state"].items()},
+           "param_groups": sd["param_groups"]}
+    for v in bad["state"].values():
+        v["step"] = torch.tensor(step)
+    before = {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state_dict()["state"].items()}
+    with pytest.raises(ValueError, match=r"step .* is not a count of steps.*2\*\*53"):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()["state"]
+    for k, v in before.items():
+        for n, t in v.items():
+            assert torch.equal(after[k][n], t), (k, n)
+    opt.step()  # still usable
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_a_size_1_stride_change_is_taken_and_matches_torch(device):
+    """Strides of size-1 dimensions do not place any element: the same memory, nothing to
+    re-lay, and the steps stay with torch.optim's."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 1, device=device)
+    p, q = w.clone().requires_grad_(), w.clone().requires_grad_()
+    opt, ref = emsa.AdamW([p], lr=1e-2), torch.optim.AdamW([q], lr=1e-2)
+    g = torch.Generator().manual_seed(5)
+    for k in range(4):
+        if k == 2:
+            p.data = p.data.as_strided((4, 1), (1, 7))
+            assert p.stride() == (1, 7)
+        grad = torch.randn(4, 1, generator=g).to(device)
+        p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
