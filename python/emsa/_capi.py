@@ -424,8 +424,9 @@ def check(status: int) -> None:
 
 
 def take_string(ptr: ctypes.c_void_p) -> str:
-    """Copies a string returned by emsa and frees it."""
+    """Copies a string returned by emsa and frees it. Bytes that are not UTF-8 (an input's own,
+    quoted in a message) become U+FFFD rather than an exception."""
     try:
-        return ctypes.string_at(ptr).decode("utf-8")
+        return ctypes.string_at(ptr).decode("utf-8", errors="replace")
     finally:
         lib.emsa_free(ptr)
