@@ -21,6 +21,24 @@ EMSA_SAME_OFFSET(grad_norm);
 EMSA_SAME_OFFSET(clip_coef);
 #undef EMSA_SAME_OFFSET
 
+namespace {
+
+// The scalars handle and one group's hyperparameters checked and converted, then fn(h)'s status.
+template <class Fn>
+emsa_status WithHyper(emsa_device_scalars* scalars, const emsa_hyperparams* hyper, Fn&& fn) {
+  return Guard([&] {
+    if (scalars == nullptr || hyper == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "scalars and hyper must not be NULL");
+    }
+    emsa::HyperParams h;
+    emsa::Status st = ToHyper(hyper, "hyper", &h);
+    if (!st.ok()) return Report(st);
+    return Report(fn(h));
+  });
+}
+
+}  // namespace
+
 extern "C" {
 
 // ---- device tier
@@ -60,14 +78,8 @@ void emsa_device_scalars_destroy(emsa_device_scalars* scalars) { delete scalars;
 emsa_status emsa_device_scalars_set_group(emsa_device_scalars* scalars, size_t group,
                                           const emsa_hyperparams* hyper, int64_t step,
                                           void* stream) {
-  return Guard([&] {
-    if (scalars == nullptr || hyper == nullptr) {
-      return Fail(EMSA_INVALID_ARGUMENT, "scalars and hyper must not be NULL");
-    }
-    emsa::HyperParams h;
-    emsa::Status st = ToHyper(hyper, "hyper", &h);
-    if (!st.ok()) return Report(st);
-    return Report(scalars->scalars->SetGroup(group, h, step, static_cast<cudaStream_t>(stream)));
+  return WithHyper(scalars, hyper, [&](const emsa::HyperParams& h) {
+    return scalars->scalars->SetGroup(group, h, step, static_cast<cudaStream_t>(stream));
   });
 }
 
@@ -171,14 +183,8 @@ void emsa_device_table_destroy(emsa_device_table* table) { delete table; }
 
 emsa_status emsa_device_scalars_set_hyper(emsa_device_scalars* scalars, size_t group,
                                           const emsa_hyperparams* hyper, void* stream) {
-  return Guard([&] {
-    if (scalars == nullptr || hyper == nullptr) {
-      return Fail(EMSA_INVALID_ARGUMENT, "scalars and hyper must not be NULL");
-    }
-    emsa::HyperParams h;
-    emsa::Status st = ToHyper(hyper, "hyper", &h);
-    if (!st.ok()) return Report(st);
-    return Report(scalars->scalars->SetGroupHyper(group, h, static_cast<cudaStream_t>(stream)));
+  return WithHyper(scalars, hyper, [&](const emsa::HyperParams& h) {
+    return scalars->scalars->SetGroupHyper(group, h, static_cast<cudaStream_t>(stream));
   });
 }
 
