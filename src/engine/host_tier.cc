@@ -346,8 +346,9 @@ size_t HostTier::bucket_size(size_t bucket) const {
 
 Status HostTier::BeginStep(const HyperParams* hypers, const int64_t* steps, size_t group_count) {
   Impl& m = *impl_;
-  if (group_count != m.hypers.size())
-    return m.Begin(hypers, group_count, false, nullptr);  // names it
+  if (group_count != m.hypers.size()) {  // Begin's message names the count
+    return m.Begin(hypers, group_count, false, nullptr);
+  }
   if (steps == nullptr) return Status::InvalidArgument("BeginStep: steps is null");
   for (size_t g = 0; g < group_count; ++g) {
     if (steps[g] < 1) {
@@ -370,10 +371,9 @@ Status HostTier::Submit(size_t bucket, const void* const* grads, size_t count,
   TierBucket& b = m.buckets[bucket];
   EMSA_RETURN_IF_ERROR(m.engine->Record(b.ready.get(), compute));
   if (b.device_update) return m.device->Submit(bucket, grads, count);
-  // Gated: no pacing, the CPU cannot consume the copies before the release anyway, and the
-  // device gradients are freed as soon as they are copied.
-  if (m.options.paced() && !gated &&
-      m.HoldForPacing(b)) {  // the worker copies them, a few pieces ahead
+  // Paced, the worker copies them, a few pieces ahead. Gated, not: the CPU cannot consume them
+  // before the release anyway, and the device gradients are freed once copied.
+  if (m.options.paced() && !gated && m.HoldForPacing(b)) {
     b.grads.Hold(grads, count);
     {
       std::lock_guard<std::mutex> lock(m.shared.mu);
