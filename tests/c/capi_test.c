@@ -526,6 +526,30 @@ static void test_host_tier(void) {
   size_t n = 7;
   CHECK(emsa_host_tier_stats(NULL, 1, NULL, 0, &n) == EMSA_INVALID_ARGUMENT);
   CHECK(n == 7);
+  /* Gated steps, their release, per-tensor counts: the checks before any device. */
+  emsa_host_tier_options_init(&o);
+  CHECK(o.gated == 0);
+  o.gated = 2;
+  CHECK(emsa_host_tier_create(up, &t, 1, 1, 1, NULL, NULL, &o, &tier) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "gated must be 0 or 1") != NULL && tier == NULL);
+  emsa_hyperparams hp;
+  emsa_hyperparams_init(&hp);
+  CHECK(emsa_host_tier_begin_step_gated(NULL, &hp, 1, 1) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "tier is NULL") != NULL);
+  CHECK(emsa_host_tier_release(NULL, NULL, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_host_tier_release_values(NULL, 1.0f, 0) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "tier is NULL") != NULL);
+  CHECK(emsa_host_tier_release_values(NULL, 1.0f, 2) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "found_inf must be 0 or 1") != NULL);
+  int64_t counts[2] = {7, 7};
+  CHECK(emsa_host_tier_read_steps(NULL, counts, 2) == EMSA_INVALID_ARGUMENT);
+  CHECK(counts[0] == 7 && counts[1] == 7); /* out-parameters untouched on failure */
+  CHECK(emsa_host_tier_set_steps(NULL, counts, 2) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_host_tier_set_steps(NULL, NULL, 2) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_host_tier_last_skipped(NULL) == -1);
+  emsa_host_tier_step_stats stats;
+  emsa_host_tier_step_stats_init(&stats);
+  CHECK(stats.struct_size == sizeof stats && stats.gated == 0 && stats.skipped == 0);
   emsa_host_tier_destroy(NULL); /* a no-op */
   emsa_cpu_updater_destroy(up);
 }
