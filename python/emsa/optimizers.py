@@ -440,12 +440,25 @@ class _EmsaOptimizer(Optimizer):
         self._pass_token += 1
         token, ref = self._pass_token, weakref.ref(self)
 
+        engine = torch.autograd.Variable._execution_engine
+
         def end_of_backward():
+            node = torch._C._current_autograd_node()
+            if node is not None:
+                # A reentrant backward (checkpoint(use_reentrant=True)) ended inside the node
+                # `node` of an outer one: the pass ends with the outer backward. A post hook of
+                # that node runs in the outer backward and queues this callback there.
+                def outer(grad_inputs, grad_outputs):
+                    handle.remove()
+                    engine.queue_callback(end_of_backward)
+
+                handle = node.register_hook(outer)
+                return
             opt = ref()
             if opt is not None:
                 opt._close_pass(token)
 
-        torch.autograd.Variable._execution_engine.queue_callback(end_of_backward)
+        engine.queue_callback(end_of_backward)
         self._pass_open = True
 
     def _abandon_pass(self) -> None:
