@@ -290,10 +290,11 @@ class _EmsaOptimizer(Optimizer):
         if self._in_backward or backend.wants_grads_final:
             self._install_hooks(slots, backend_cls)
 
-    def _engine_groups(self) -> list[dict]:
+    def _engine_groups(self, unfrozen: bool = False) -> list[dict]:
         """param_groups as the engine planned them (frozen parameters left out), after checking
-        that no parameter was added or removed and that no frozen one has a gradient; raises
-        before anything changes."""
+        that no parameter was added or removed and that no frozen one has a gradient (or,
+        with unfrozen=True, requires one: at a pass's first hook, before anything of the pass
+        is updated); raises before anything changes."""
         groups = self.param_groups
         if [len(g["params"]) for g in groups] != self._sizes:
             raise ValueError(
@@ -305,9 +306,10 @@ class _EmsaOptimizer(Optimizer):
             if p is not f.param:
                 raise ValueError(f"{f.name} was replaced by another tensor after emsa planned "
                                  "it; build a new optimizer over the new parameter set")
-            if p.grad is not None:
+            if p.grad is not None or (unfrozen and p.requires_grad):
+                now = "has a gradient" if p.grad is not None else "requires a gradient now"
                 raise RuntimeError(
-                    f"{f.name} has a gradient, but it did not require one (requires_grad=False) "
+                    f"{f.name} {now}, but it did not require one (requires_grad=False) "
                     "when emsa planned this optimizer, so emsa keeps no state for it and cannot "
                     "update it; nothing was changed. To train it, build a new optimizer after "
                     "unfreezing (load this one's state_dict into it to keep the others' state); "
@@ -428,8 +430,8 @@ class _EmsaOptimizer(Optimizer):
         backend = self._backend
         if self._in_backward:
             self._updating = (self._passes + 1) % self._accumulate == 0
+            groups = self._engine_groups(unfrozen=True)
             if self._updating:  # the pass's first gradient: its lr and hyperparameters
-                groups = self._engine_groups()
                 self._configure(backend, **self._pass_scaling())
                 with torch.no_grad():
                     backend.begin_pass(groups)
