@@ -191,3 +191,40 @@ def test_no_warning_when_clipping_does_not_fire():
         warnings.simplefilter("error")
         opt.step()
     assert opt.clip_count == 0 and opt.last_grad_norm > 0
+
+
+def test_trainer_callback_moves_clipping_into_emsa(tmp_path):
+    """emsa.hf.EmsaTrainerCallback: Trainer's max_grad_norm goes to emsa and Trainer's is 0
+    while training (restored after); an in-backward optimizer gets Accelerate's scaler; the
+    logged grad_norm is emsa's. (tests/python/test_recipes.py trains a real Trainer.)"""
+    transformers = pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from emsa.hf import EmsaTrainerCallback
+
+    assert emsa.EmsaTrainerCallback is EmsaTrainerCallback
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_grad_norm=0.7,
+                                          report_to=[], use_cpu=True)
+    state = transformers.TrainerState()
+    control = transformers.TrainerControl()
+    model = mlp()
+    opt = emsa.AdamW(model.parameters(), step_in_backward=True, profile=str(CPU_PROFILE))
+    s = torch.amp.GradScaler("cpu")
+    wrapped = SimpleNamespace(optimizer=opt, scaler=s)  # what Accelerate hands callbacks
+    cb = EmsaTrainerCallback()
+    cb.on_train_begin(args, state, control, optimizer=wrapped)
+    assert opt.max_grad_norm == 0.7 and args.max_grad_norm == 0.0
+    assert opt.grad_scaler is s
+    x, y = data(1)[0]
+    s.scale(loss_of(model, x, y) * 100).backward()
+    logs = {"loss": 1.0, "grad_norm": 0.0}  # Trainer's norm of the released gradients
+    state.log_history.append(dict(logs))
+    cb.on_log(args, state, control, logs=logs)
+    assert logs["grad_norm"] == opt.last_grad_norm == state.log_history[-1]["grad_norm"] > 0.7
+    cb.on_train_end(args, state, control)
+    assert args.max_grad_norm == 0.7
+
+    with pytest.warns(RuntimeWarning, match="not an emsa optimizer"):
+        EmsaTrainerCallback().on_train_begin(args, state, control,
+                                             optimizer=torch.optim.SGD(mlp().parameters()))
+    assert args.max_grad_norm == 0.7
