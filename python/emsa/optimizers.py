@@ -130,6 +130,10 @@ _TORCH_IMPL_OPTIONS = {
 }
 
 
+# The autograd node being run on this thread (None outside backward, and at the end of a
+# top-level backward); torch versions without it run no reentrant check.
+_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
 # A loaded step count must be a whole number the engines' int64 counters and torch's float
 # "step" both hold exactly: at most the largest integer a float64 holds exactly.
 _MAX_STEP = 2**53
@@ -471,7 +475,7 @@ class _EmsaOptimizer(Optimizer):
         engine = torch.autograd.Variable._execution_engine
 
         def end_of_backward():
-            node = torch._C._current_autograd_node()
+            node = _current_node()
             if node is not None:
                 # A reentrant backward (checkpoint(use_reentrant=True)) ended inside the node
                 # `node` of an outer one: the pass ends with the outer backward. A post hook of
@@ -512,11 +516,11 @@ class _EmsaOptimizer(Optimizer):
             backend.end_pass()
         for p in backend.params:
             p.grad = None
+        skips = backend.finished_skips()  # deferred engines: those known by now
         if not backend.deferred:
-            skips = backend.finished_skips()
             self._last_skipped = bool(skips)
-            if self._grad_scaler is None:
-                self._warn_skipped(skips, stacklevel=3)
+        if self._grad_scaler is None:  # a scaler's skips are routine: no warning
+            self._warn_skipped(skips, stacklevel=3)
 
     def _pass_scaling(self) -> dict:
         """The in-backward pass's loss scale and found_inf output, from grad_scaler=."""
