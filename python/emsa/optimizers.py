@@ -429,11 +429,16 @@ class _EmsaOptimizer(Optimizer):
                 self._open_pass()
             fired = self._fired
             if i in fired:
+                if not self._in_backward:
+                    # step() mode: the backend checks at step() that the gradient it gathered
+                    # statistics of is unchanged (its _version), and rescans it if not.
+                    return
                 raise RuntimeError(
-                    f"emsa: {self._names[i]} got a second gradient within one backward pass "
-                    "(reentrant backward calls reaching the same parameter); emsa updates each "
-                    "parameter once per backward() call: call backward once per micro-batch, "
-                    "or use step_in_backward=False")
+                    f"emsa: {self._names[i]} got a second gradient within one backward() call "
+                    "(a parameter used in several segments of checkpoint(use_reentrant=True) "
+                    "gets one per segment), after emsa had updated from the first; emsa updates "
+                    "each parameter once per backward: use checkpoint(use_reentrant=False), or "
+                    "step_in_backward=False")
             fired.add(i)
             if not self._updating:
                 return
