@@ -178,6 +178,7 @@ class _EmsaOptimizer(Optimizer):
         self._warned: set[str] = set()
         self._norms: list[tuple[float | None, bool]] = []  # (grad_norm, clipped) per step()
         self._frozen: list[_binding.Slot] = []
+        self._slots: list[_binding.Slot] = []
         self._picks: list[list[int] | None] = []  # planned positions of each group
         self._sizes: list[int] = []  # each group's length when planned
         self._pass_open = False
@@ -308,7 +309,7 @@ class _EmsaOptimizer(Optimizer):
         for i, s in enumerate(slots):
             self.state[s.param] = backend.state(i)
         self._plan, self._backend, self._record = plan, backend, planned
-        self._frozen = frozen
+        self._frozen, self._slots = frozen, slots
         self._sizes = [len(g["params"]) for g in self.param_groups]
         held = [[] for _ in self.param_groups]
         for s in slots:
@@ -700,8 +701,7 @@ class _EmsaOptimizer(Optimizer):
         state, converting dtypes as needed. Everything is checked before anything changes."""
         if self._backend is None:
             self._bind(None)
-        slots = _binding.slots_of(self.param_groups)
-        self._engine_groups()  # the groups are still the planned ones
+        slots = self._slots  # as planned: requires_grad may have changed since
         sources = self._check_state_dict(state_dict, slots)
         self._backend.check_loadable_steps(
             [float(sources.get(i, {}).get("step", 0)) for i in range(len(slots))])
