@@ -305,6 +305,7 @@ def test_parameter_reached_twice_in_one_backward_is_refused():
     opt = emsa.AdamW([w], step_in_backward=True, profile=str(CPU_PROFILE))
     with pytest.raises(RuntimeError, match="use_reentrant=False"):
         loss_of().backward()
+    assert int(opt.state[w]["step"]) == 1  # the update from the first gradient, as the error says
     w.grad = None
     ref = w.detach().clone().requires_grad_()
     step_opt = emsa.AdamW([ref], profile=str(CPU_PROFILE))
