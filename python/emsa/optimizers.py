@@ -13,15 +13,28 @@ options of emsa's own:
   budget=          device memory for the whole training process, bytes or "20GiB"; default: free
                    device memory minus a margin (no GPU: unlimited).
   state_dtype=     torch.float32 (default; matches torch.optim) or torch.bfloat16.
-  skip_nonfinite=  True (default; False with step_in_backward): a step whose gradients hold
-                   inf/nan changes nothing (no parameter, state or step count), warns, and
-                   sets opt.last_step_skipped.
+  skip_nonfinite=  True (default in step() mode; False with step_in_backward): a step whose
+                   gradients hold inf/nan changes nothing (no parameter, state or step count),
+                   warns, and sets opt.last_step_skipped. Accepted in every mode and tier.
                    torch.optim applies such a step and the weights become NaN for good, a
-                   loss that no speed-up repays. The check is one extra pass over every
-                   gradient before the update; under a GradScaler, which finds inf/nan and
-                   skips those steps itself, pass False to save it. On CUDA the GPU decides
-                   and step() does not wait for it: the warning comes at a later step() (or
-                   when last_step_skipped or state_dict() is read, which wait for the GPU).
+                   loss that no speed-up repays. The verdict comes from the same pass over the
+                   gradients as the clipping norm (on CUDA, gathered per bucket in backward).
+                   On CUDA the GPU decides and step() does not wait for it: the warning comes
+                   at a later step() (or when last_step_skipped or state_dict() is read, which
+                   wait for the GPU). With step_in_backward the check makes every update of a
+                   pass wait for the end of backward (the verdict needs every gradient), which
+                   is what that mode exists to avoid: hence off by default there.
+  max_grad_norm=   None (default): no clipping. A number > 0: clip by the global L2 norm of
+                   every gradient the optimizer holds, exactly as
+                   torch.nn.utils.clip_grad_norm_(params, max_grad_norm) before torch's step
+                   (coef = min(1, max_grad_norm / (norm + 1e-6))), applied inside the update: no
+                   separate clipping pass, and exact in every mode (in backward the updates of
+                   a pass wait for its norm). opt.max_grad_norm is settable (None or 0: off)
+                   and read at each step / pass. opt.last_grad_norm is the last step's norm
+                   before clipping (unscaled), opt.clip_count the steps where clipping fired;
+                   step_stats() rows gain "grad_norm" and "clipped". The norm is the float64
+                   sum of squares' root rounded to float32; torch's (float32 per-tensor norms)
+                   agrees to float32 rounding.
   profile=         a DeviceProfile (dict, JSON text or path) to plan against instead of this
                    machine's; for planning ahead and for tests.
   step_in_backward= False (default). True: each parameter is updated from a gradient hook
@@ -31,44 +44,57 @@ options of emsa's own:
                    nothing (it only calls the closure, if given, and returns its loss) and
                    zero_grad() is harmless. The unit of update is a bucket: one parameter on
                    the CPU; on CUDA one of the plan's buckets (one fused launch on the current
-                   stream once all its gradients are final; the step counts advance once per
-                   pass, at its first gradient, which is also when lr and the other
-                   hyperparameters are read). Without probe= the optimizer plans at
-                   construction, from the parameters' shapes. What it rules out, because
-                   updates happen before all gradients exist:
-                   - gradient accumulation over micro-batches, unless accumulate=N is given:
-                     then only every Nth backward updates (and releases the gradients); the
-                     others leave .grad to accumulate as usual;
-                   - anything that needs every gradient before any update: clipping by global
-                     norm, GradScaler.unscale_/its inf skip, and the non-finite skip, so
-                     skip_nonfinite must be False (its default in this mode; True raises
-                     ValueError);
+                   stream once all its gradients are final). A pass is one backward() call: it
+                   begins at its first gradient (when lr and the other hyperparameters are
+                   read) and ends when that backward returns (autograd's end-of-backward
+                   callback; a reentrant backward inside it, as checkpoint(use_reentrant=True)
+                   runs, belongs to the outer one). Parameters that got no gradient in a pass
+                   are not updated and keep their step count (per parameter, as torch). Without
+                   probe= the optimizer plans at construction, from the parameters' shapes.
+                   - gradient accumulation: accumulate=N updates every Nth backward (and then
+                     releases the gradients); the others leave .grad to accumulate as usual;
+                   - "gated" passes, that need every gradient before any update (max_grad_norm,
+                     skip_nonfinite=True, grad_scaler=): the updates wait for the end of
+                     backward (on the CPU the whole step runs then; on CUDA the statistics are
+                     gathered per bucket in backward and host-tier copies still overlap it).
+                     Clipping by hand after backward cannot work (the gradients are gone):
+                     use max_grad_norm=; emsa warns where it can see it being tried
+                     (scaler.unscale_(opt); emsa.hf.EmsaTrainerCallback for Trainer);
                    - DDP/FSDP: their gradient reduction would need a comm hook that calls
                      emsa; not supported;
-                   - a pass is one backward per micro-batch in which every trainable
-                     parameter gets a gradient. A parameter whose gradient never arrives leaves
-                     its update pending; the next backward then raises RuntimeError naming it
-                     (mark it requires_grad=False before building the optimizer, or use
-                     step() mode; on CUDA, frozen parameters are refused at construction:
-                     give the optimizer only trainable ones). Several backward calls over
-                     disjoint parameters within a pass are fine; two that reach the same
-                     parameter are not. opt.remove_hooks() ends the mode's updates.
+                   - opt.remove_hooks() ends the mode's updates.
+  grad_scaler=     with step_in_backward: the torch.amp.GradScaler that scales the loss. emsa
+                   divides the gradients by its current scale in backward (read as its scale
+                   tensor, no host sync), skips a pass with inf/nan (nothing changes), and when
+                   scaler.step(opt) runs, hands the scaler that verdict so that scaler.update()
+                   backs off as after a skipped torch step. A GradScaler stepping an in-backward
+                   optimizer not given grad_scaler= raises (its updates in backward used scaled
+                   gradients). In step() mode no keyword is needed: emsa sets
+                   _step_supports_amp_scaling, so scaler.step(opt) hands emsa its scale
+                   (opt.grad_scale) and emsa unscales inside the update, skipping the steps
+                   the scaler found inf in (the scaler's own inf check still runs: that pass is
+                   torch's); scaler.unscale_(opt) before step() also works.
   accumulate=      with step_in_backward: update every Nth backward (default 1).
   tier=            None (default): the planner decides what state leaves the device, coldest
                    first, as much as budget= requires. "device": all state on the device (a
                    budget too small fails with the smallest that works). "host": all state
                    (and an fp32 master of every parameter) in pinned host memory, updated by
                    the CPU while the GPU runs, parameters copied back per bucket.
-                   On CUDA, state on the host turns skip_nonfinite off (a host-tier bucket
-                   updates before later gradients exist; GradScaler still skips bad steps
-                   before step() is called); an explicit skip_nonfinite=True then raises.
                    step_in_backward=True is what hides the host tier's copies under backward
                    and frees each gradient once copied: use it with tier="host" when nothing
                    between backward and step() needs the gradients.
 
+Frozen parameters: those with requires_grad=False when the optimizer plans (at construction
+with probe= or step_in_backward, else at the first step()) get no state, no arena bytes and no
+state_dict entry, as torch.optim keeps none for them. One that later gets a gradient (or, in
+backward, requires one) is refused before anything changes: build a new optimizer after
+unfreezing and load this one's state_dict into it. Parameters whose .grad is None at a step are
+skipped with their own step count.
+
 state_dict() has torch.optim's layout ("step" float32 scalar, "exp_avg", "exp_avg_sq"), so a
-checkpoint moves between emsa.AdamW and torch.optim.AdamW in both directions. The state tensors
-are views into emsa's arenas, as torch's are its live tensors.
+checkpoint moves between emsa.AdamW and torch.optim.AdamW in both directions (frozen
+parameters keep their index, with no state, as in torch's). The state tensors are views into
+emsa's arenas, as torch's are its live tensors.
 """
 
 from __future__ import annotations
@@ -104,6 +130,10 @@ _TORCH_IMPL_OPTIONS = {
 }
 
 
+# The autograd node being run on this thread (None outside backward, and at the end of a
+# top-level backward); torch versions without it run no reentrant check.
+_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
 # A loaded step count must be a whole number the engines' int64 counters and torch's float
 # "step" both hold exactly: at most the largest integer a float64 holds exactly.
 _MAX_STEP = 2**53
@@ -112,8 +142,13 @@ _MAX_STEP = 2**53
 class _EmsaOptimizer(Optimizer):
     _kind = "adamw"
 
+    # GradScaler.step(opt) hands emsa its scale and inf verdict (opt.grad_scale, opt.found_inf)
+    # instead of unscaling the gradients itself: emsa unscales inside the update.
+    _step_supports_amp_scaling = True
+
     def __init__(self, params, defaults: dict[str, Any], *, probe, budget, state_dtype,
-                 skip_nonfinite, profile, step_in_backward=False, accumulate=1, tier=None):
+                 skip_nonfinite, profile, step_in_backward=False, accumulate=1, tier=None,
+                 max_grad_norm=None, grad_scaler=None):
         require_library()
         if tier not in (None, "device", "host"):
             raise ValueError(f"tier={tier!r}; use None (the planner decides under budget=), "
@@ -134,6 +169,20 @@ class _EmsaOptimizer(Optimizer):
         self._profile = profile_json(profile)
         self.skip_nonfinite = bool(skip_nonfinite)
         self._last_skipped = False
+        self._max_grad_norm = _check_max_norm(max_grad_norm)
+        if grad_scaler is not None and not step_in_backward:
+            raise ValueError("grad_scaler= applies with step_in_backward=True; in step() mode "
+                             "scaler.step(opt) hands its scale to emsa by itself: drop it")
+        self._grad_scaler = grad_scaler
+        self._found_inf: torch.Tensor | None = None  # in-backward skips, for the GradScaler
+        self._warned: set[str] = set()
+        self._norms: list[tuple[float | None, bool]] = []  # (grad_norm, clipped) per step()
+        self._frozen: list[_binding.Slot] = []
+        self._slots: list[_binding.Slot] = []
+        self._picks: list[list[int] | None] = []  # planned positions of each group
+        self._sizes: list[int] = []  # each group's length when planned
+        self._pass_open = False
+        self._pass_token = 0
         self._backend: Backend | None = None
         self._plan: Plan | None = None
         self._record: ProbeRecord | None = None
@@ -233,10 +282,12 @@ class _EmsaOptimizer(Optimizer):
     def _bind(self, record: ProbeRecord | None) -> None:
         slots = _binding.slots_of(self.param_groups)
         if not slots:
-            raise ValueError("the optimizer holds no parameters")
+            raise ValueError("the optimizer holds no parameters that require a gradient"
+                             if self._all_params() else "the optimizer holds no parameters")
+        frozen = _binding.frozen_of(self.param_groups)
         backend_cls = select(slots[0].param.device)
         if record is None:
-            planned = _binding.unprobed_record(slots, self._recorder)
+            planned = _binding.unprobed_record(slots, self._recorder, frozen)
             for i, s in enumerate(slots):
                 s.record_index = i
         else:
@@ -253,86 +304,272 @@ class _EmsaOptimizer(Optimizer):
                          allow_host_tier=backend_cls.host_tier and self._tier != "device",
                          force_all_host=self._tier == "host", release_grads=self._in_backward,
                          device_update_share=_tuning.host_device_share())
-        if backend_cls.name == "cuda" and any(pp["tier"] == "L2" for pp in plan.json["params"]):
-            if self._skip_explicit:
-                raise ValueError(
-                    "skip_nonfinite=True cannot hold with state on the host tier: a host-tier "
-                    "bucket is updated before later gradients exist. Pass skip_nonfinite=False "
-                    "(a GradScaler still skips inf/nan steps), or keep all state on the device "
-                    "(tier='device', a larger budget)")
-            self.skip_nonfinite = False
         backend = backend_cls(slots, plan, self._kind, self._state_dtype,
                               len(self.param_groups), in_backward=self._in_backward)
         for i, s in enumerate(slots):
             self.state[s.param] = backend.state(i)
         self._plan, self._backend, self._record = plan, backend, planned
+        self._frozen, self._slots = frozen, slots
+        self._sizes = [len(g["params"]) for g in self.param_groups]
+        held = [[] for _ in self.param_groups]
+        for s in slots:
+            held[s.group].append(s.index)
+        self._picks = [None if len(h) == n else h for h, n in zip(held, self._sizes)]
         if self._recorder is not None:
             self._recorder.remove()
             self._recorder = None
-        if self._in_backward:
+        if self._in_backward or backend.wants_grads_final:
             self._install_hooks(slots, backend_cls)
 
-    # ---- step in backward -----------------------------------------------------------------
+    def _engine_groups(self, unfrozen: bool = False) -> list[dict]:
+        """param_groups as the engine planned them (frozen parameters left out), after checking
+        that no parameter was added or removed and that no frozen one has a gradient (or,
+        with unfrozen=True, requires one: at a pass's first hook, before anything of the pass
+        is updated); raises before anything changes."""
+        groups = self.param_groups
+        if [len(g["params"]) for g in groups] != self._sizes:
+            raise ValueError(
+                f"the optimizer's parameter groups hold {[len(g['params']) for g in groups]} "
+                f"parameters but emsa planned {self._sizes}: parameters added or removed after "
+                "planning are not optimized; build a new optimizer over the new parameter set")
+        for f in self._frozen:
+            p = groups[f.group]["params"][f.index]
+            if p is not f.param:
+                raise ValueError(f"{f.name} was replaced by another tensor after emsa planned "
+                                 "it; build a new optimizer over the new parameter set")
+            if p.grad is not None or (unfrozen and p.requires_grad):
+                now = "has a gradient" if p.grad is not None else "requires a gradient now"
+                raise RuntimeError(
+                    f"{f.name} {now}, but it did not require one (requires_grad=False) "
+                    "when emsa planned this optimizer, so emsa keeps no state for it and cannot "
+                    "update it; nothing was changed. To train it, build a new optimizer after "
+                    "unfreezing (load this one's state_dict into it to keep the others' state); "
+                    "to keep it frozen, set its .grad to None (or its requires_grad=False "
+                    "before backward)")
+        return [g if picks is None else {**g, "params": [g["params"][j] for j in picks]}
+                for g, picks in zip(groups, self._picks)]
+
+    # ---- options ----------------------------------------------------------------------------
+    @property
+    def max_grad_norm(self) -> float | None:
+        """Clip by the global L2 norm of every gradient this optimizer holds, as
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm), inside the update; None = off.
+        Settable; takes effect from the next step (or in-backward pass)."""
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value) -> None:
+        self._max_grad_norm = _check_max_norm(value)
+
+    @property
+    def grad_scaler(self):
+        """step_in_backward: the torch.amp.GradScaler whose scale emsa divides by in backward
+        (see the module docstring); settable before the first backward that uses it."""
+        return self._grad_scaler
+
+    @grad_scaler.setter
+    def grad_scaler(self, scaler) -> None:
+        if scaler is not None and not self._in_backward:
+            raise ValueError("grad_scaler applies with step_in_backward=True; in step() mode "
+                             "scaler.step(opt) hands its scale to emsa by itself")
+        self._grad_scaler = scaler
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The total gradient norm (before clipping, unscaled) of the last step that computed
+        one (max_grad_norm set), else None. On CUDA reading it waits for that step."""
+        return None if self._backend is None else self._backend.last_grad_norm()
+
+    @property
+    def clip_count(self) -> int:
+        """Steps so far where clipping fired (clip coefficient < 1). On CUDA it waits."""
+        return 0 if self._backend is None else self._backend.clip_count()
+
+    def _warn_once(self, key: str, message: str, stacklevel: int = 3) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+
+    def _configure(self, backend: Backend, *, loss_scale=None, found_inf_out=None,
+                   amp: bool = False) -> None:
+        """The gating attributes of the coming step or pass (Backend's docstring)."""
+        backend.check_finite = bool(self.skip_nonfinite or amp)
+        backend.max_norm = float(self._max_grad_norm or 0.0)
+        backend.loss_scale = loss_scale
+        backend.found_inf_out = found_inf_out
+
+    # ---- gradient hooks: step in backward, and step() mode statistics ------------------------
+    # A pass is one backward() call: it opens at the first hook that fires and ends at the
+    # autograd engine's callback queued from there, which runs once, when that backward ends.
     def _install_hooks(self, slots, backend_cls) -> None:
-        if not backend_cls.steps_in_backward:
+        if self._in_backward and not backend_cls.steps_in_backward:
             raise NotImplementedError(
                 f"step_in_backward=True is not supported for parameters on "
                 f"{slots[0].param.device} yet (the device engine updates all tables in one "
                 "call); use step_in_backward=False and call step() after backward")
         self._names = [s.name for s in slots]
-        self._hooked = [i for i, s in enumerate(slots) if s.param.requires_grad]
         self._fired: set[int] = set()
         self._passes = 0
-        buckets = self._backend.bucket_slots()
-        self._bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
-        self._bucket_members = [[i for i in m if slots[i].param.requires_grad] for m in buckets]
+        self._updating = False
+        self._bucket_members = self._backend.bucket_slots()
+        self._bucket_of = {i: b for b, members in enumerate(self._bucket_members)
+                           for i in members}
         self._waiting = [len(m) for m in self._bucket_members]
         ref = weakref.ref(self)
-        for i in self._hooked:
+        for i, s in enumerate(slots):
             def hook(p, i=i):
                 opt = ref()
                 if opt is not None:
-                    opt._grad_ready(i, p)
+                    opt._grad_ready(i)
 
-            self._hooks.append(slots[i].param.register_post_accumulate_grad_hook(hook))
+            self._hooks.append(s.param.register_post_accumulate_grad_hook(hook))
 
-    def _grad_ready(self, i: int, p: torch.Tensor) -> None:
-        fired = self._fired
-        if i in fired:
-            missing = [self._names[j] for j in self._hooked if j not in fired]
-            fired.clear()  # the unfinished pass is abandoned; the next backward starts anew
-            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more"
-                                              if len(missing) > 8 else "")
-            raise RuntimeError(
-                f"emsa step_in_backward: {self._names[i]} got a gradient again before the "
-                f"previous pass had gradients for {shown}; those were not updated in that pass. "
-                "Every trainable parameter must get a gradient once per backward: mark unused "
-                "ones requires_grad=False before building the optimizer, or use "
-                "step_in_backward=False")
-        updating = (self._passes + 1) % self._accumulate == 0
-        if updating and not fired:  # the pass's first gradient: its lr and hyperparameters
-            with torch.no_grad():
-                self._backend.begin_pass(self.param_groups)
-            self._waiting = [len(m) for m in self._bucket_members]
-        fired.add(i)
-        if updating:
+    def _grad_ready(self, i: int) -> None:
+        try:
+            if not self._pass_open:
+                self._open_pass()
+            fired = self._fired
+            if i in fired:
+                if not self._in_backward:
+                    # step() mode: the backend checks at step() that the gradient it gathered
+                    # statistics of is unchanged (its _version), and rescans it if not.
+                    return
+                raise RuntimeError(
+                    f"emsa: {self._names[i]} got a second gradient within one backward() call "
+                    "(a parameter used in several segments of checkpoint(use_reentrant=True) "
+                    "gets one per segment), after emsa had updated from the first; emsa updates "
+                    "each parameter once per backward: use checkpoint(use_reentrant=False), or "
+                    "step_in_backward=False")
+            fired.add(i)
+            if not self._updating:
+                return
             b = self._bucket_of[i]
             self._waiting[b] -= 1
-            if self._waiting[b] == 0:
+            if self._waiting[b]:
+                return
+            backend = self._backend
+            with torch.no_grad():
+                if not self._in_backward:
+                    backend.grads_final(b)
+                elif backend.step_bucket(b):
+                    # Released now, not at zero_grad: the point of stepping in backward. On a
+                    # device the caching allocator reuses the memory in stream order, after the
+                    # update that reads it.
+                    params = backend.params
+                    for j in self._bucket_members[b]:
+                        params[j].grad = None
+        except BaseException:
+            self._abandon_pass()
+            raise
+
+    def _open_pass(self) -> None:
+        backend = self._backend
+        if self._in_backward:
+            self._updating = (self._passes + 1) % self._accumulate == 0
+            groups = self._engine_groups(unfrozen=True)
+            if self._updating:  # the pass's first gradient: its lr and hyperparameters
+                self._configure(backend, **self._pass_scaling())
                 with torch.no_grad():
-                    self._backend.step_bucket(b)
-                # Released now, not at zero_grad: the point of stepping in backward. On a
-                # device the caching allocator reuses the memory in stream order, after the
-                # update that reads it.
-                params = self._backend.params
-                for j in self._bucket_members[b]:
-                    params[j].grad = None
-        if len(fired) == len(self._hooked):
-            fired.clear()
-            self._passes += 1
-            if updating:
-                with torch.no_grad():
-                    self._backend.end_pass()
+                    backend.begin_pass(groups)
+        else:
+            self._updating = True
+            self._configure(backend)  # the scale (GradScaler) is known only at step()
+        self._waiting = [len(m) for m in self._bucket_members]
+        self._pass_token += 1
+        token, ref = self._pass_token, weakref.ref(self)
+
+        engine = torch.autograd.Variable._execution_engine
+
+        def end_of_backward():
+            node = _current_node()
+            if node is not None:
+                # A reentrant backward (checkpoint(use_reentrant=True)) ended inside the node
+                # `node` of an outer one: the pass ends with the outer backward. A post hook of
+                # that node runs in the outer backward and queues this callback there.
+                def outer(grad_inputs, grad_outputs):
+                    handle.remove()
+                    engine.queue_callback(end_of_backward)
+
+                handle = node.register_hook(outer)
+                return
+            opt = ref()
+            if opt is not None:
+                opt._close_pass(token)
+
+        engine.queue_callback(end_of_backward)
+        self._pass_open = True
+
+    def _abandon_pass(self) -> None:
+        """A hook raised: the backward fails and its callback never runs; the next backward
+        starts a new pass (begin_pass discards what the backend kept of this one)."""
+        self._pass_open = False
+        self._fired.clear()
+
+    def _close_pass(self, token: int) -> None:
+        if token != self._pass_token or not self._pass_open:
+            return
+        self._pass_open = False
+        self._fired.clear()
+        backend = self._backend
+        if not self._in_backward:
+            backend.backward_end()
+            return
+        self._passes += 1
+        if not self._updating:
+            return
+        self._engine_groups()  # a frozen parameter with a gradient: refuse before finishing
+        with torch.no_grad():
+            backend.end_pass()
+        for p in backend.params:
+            p.grad = None
+        skips = backend.finished_skips()  # deferred engines: those known by now
+        if not backend.deferred:
+            self._last_skipped = bool(skips)
+        if self._grad_scaler is None:  # a scaler's skips are routine: no warning
+            self._warn_skipped(skips, stacklevel=3)
+
+    def _pass_scaling(self) -> dict:
+        """The in-backward pass's loss scale and found_inf output, from grad_scaler=."""
+        scaler = self._grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return {}
+        # GradScaler keeps its scale as a 0-d float32 tensor, _scale (set by its first
+        # scale() call); reading it as a tensor keeps the device from waiting for the host.
+        scale = getattr(scaler, "_scale", None)
+        if scale is None:
+            raise RuntimeError("emsa: grad_scaler= is given but the GradScaler has no scale "
+                               "yet: backward from scaler.scale(loss), not from loss")
+        if self._found_inf is None:
+            self._found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        return {"loss_scale": scale, "found_inf_out": self._found_inf, "amp": True}
+
+    def _amp_step(self) -> None:
+        """step_in_backward: GradScaler.step(opt) called step(). The updates (or skips) were
+        made in backward; hand the scaler the passes' inf verdict so that scaler.update()
+        backs off after a skipped pass, as it would after a skipped torch step."""
+        scaler = self._grad_scaler
+        if scaler is None:
+            raise RuntimeError(
+                f"emsa.{type(self).__name__}(step_in_backward=True) was stepped by a GradScaler "
+                "but was not given it: the updates in backward used gradients still multiplied "
+                "by the loss scale and did not skip inf/nan. Build the optimizer with "
+                "grad_scaler=scaler (emsa then divides by its scale in backward, skips "
+                "non-finite passes and reports them to scaler.update())")
+        if self.__dict__.get("grad_scale", 0) is None:
+            self._warn_once("unscale", (
+                "emsa: scaler.unscale_(opt) ran after backward, but with step_in_backward=True "
+                "emsa consumed (and unscaled) the gradients in backward: whatever reads or "
+                "clips .grad after unscale_ sees None. Clip with emsa's max_grad_norm= instead"),
+                stacklevel=4)
+        found = self._found_inf
+        if found is None:
+            found = torch.zeros((), dtype=torch.float32,
+                                device=getattr(scaler, "_scale", torch.zeros(())).device)
+        # GradScaler.update reads each optimizer's found_inf_per_device, which its own check
+        # left empty (every .grad was None). A copy: update() may add into the first one.
+        scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {
+            found.device: found.clone()}
+        found.zero_()
 
     # ---- measurements ---------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -354,6 +591,9 @@ class _EmsaOptimizer(Optimizer):
         for k, (start, end) in enumerate(self._wall):  # the CPU engine: wall clock
             row = self._stats.setdefault(k + 1, {"step": k + 1})
             row["opt_s"] = end - start
+            norm, clipped = self._norms[k] if k < len(self._norms) else (None, False)
+            if norm is not None:
+                row["grad_norm"], row["clipped"] = norm, clipped
             if k + 1 < len(self._wall):
                 row["time_s"] = self._wall[k + 1][0] - start
         return [self._stats[k] for k in sorted(self._stats)]
@@ -391,21 +631,32 @@ class _EmsaOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        amp = "found_inf" in self.__dict__  # set by GradScaler.step, which then calls this
         if self._in_backward:
+            if amp:
+                self._amp_step()
             return loss
         if self._backend is None:
             self._bind(None)
         backend = self._backend
-        backend.check_finite = self.skip_nonfinite
+        groups = self._engine_groups()
+        # GradScaler: grad_scale is its scale (None if scaler.unscale_ already unscaled). Its
+        # inf verdict is the one emsa's own check gives on the same gradients, so emsa checks
+        # (fused with the norm) rather than reading found_inf on the host.
+        scale = self.__dict__.get("grad_scale") if amp else None
+        if scale is not None and not isinstance(scale, torch.Tensor):
+            scale = torch.tensor(float(scale), dtype=torch.float32)
+        self._configure(backend, loss_scale=scale, amp=amp)
         start = time.perf_counter()
-        result = backend.step(self.param_groups)
+        result = backend.step(groups)
         if not hasattr(backend, "step_stats"):
             self._wall.append((start, time.perf_counter()))
+            self._norms.append((result.grad_norm, result.clipped))
         if backend.deferred:
             self._warn_skipped(backend.finished_skips(), stacklevel=3)
         else:
             self._last_skipped = result.skipped
-            if result.skipped:
+            if result.skipped and not amp:
                 self._warn_skipped([result], stacklevel=3)
         return loss
 
@@ -450,7 +701,7 @@ class _EmsaOptimizer(Optimizer):
         state, converting dtypes as needed. Everything is checked before anything changes."""
         if self._backend is None:
             self._bind(None)
-        slots = _binding.slots_of(self.param_groups)
+        slots = self._slots  # as planned: requires_grad may have changed since
         sources = self._check_state_dict(state_dict, slots)
         self._backend.check_loadable_steps(
             [float(sources.get(i, {}).get("step", 0)) for i in range(len(slots))])
@@ -500,11 +751,27 @@ class _EmsaOptimizer(Optimizer):
                     f"is {'an AdamW' if dwd else 'an Adam'} state; load it into "
                     f"emsa.{'AdamW' if dwd else 'Adam'}")
             self._check_hyper({**self.defaults, **group}, f"state_dict param_groups[{g}]")
-        ids = dict(zip((i for g in saved for i in g["params"]), range(len(slots))))
+        # Saved ids in order are this optimizer's parameters in order, frozen ones included.
+        where = {(s.group, s.index): i for i, s in enumerate(slots)}
+        flat = [where.get((g, j)) for g, group in enumerate(self.param_groups)
+                for j in range(len(group["params"]))]
+        ids = dict(zip((i for g in saved for i in g["params"]), flat))
+        positions = dict(zip((i for g in saved for i in g["params"]),
+                             ((g, j) for g, group in enumerate(self.param_groups)
+                              for j in range(len(group["params"])))))
         keys = self._state_keys()
         sources = {}
         for k, st in sd["state"].items():
             if k not in ids:
+                continue
+            if ids[k] is None:
+                frozen = next(f.name for f in self._frozen
+                              if (f.group, f.index) == positions[k])
+                self._warn_once("frozen-state", (
+                    "emsa: the state_dict holds state for parameters that were frozen "
+                    "(requires_grad=False) when this optimizer planned (e.g. " + frozen + "); "
+                    "emsa keeps no state for them, so it is not loaded (torch.optim would keep "
+                    "it unused while they stay frozen)"), stacklevel=4)
                 continue
             s = slots[ids[k]]
             sources[ids[k]] = st
@@ -536,6 +803,19 @@ class _EmsaOptimizer(Optimizer):
                         "lives in emsa's arenas); save and load opt.state_dict() instead")
 
 
+def _check_max_norm(value) -> float | None:
+    """max_grad_norm as given: None or 0 turn clipping off; else a finite number > 0."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value >= 0):
+        raise ValueError(f"max_grad_norm={value!r}; it is the clipping threshold of the global "
+                         "L2 gradient norm, a finite number > 0 (None or 0: no clipping)")
+    return float(value) if value > 0 else None
+
+
 def _in_backward_options(step_in_backward, accumulate, skip_nonfinite) -> bool:
     """Checks step_in_backward/accumulate; returns skip_nonfinite resolved (None: the mode's
     default)."""
@@ -547,11 +827,9 @@ def _in_backward_options(step_in_backward, accumulate, skip_nonfinite) -> bool:
             raise ValueError(f"accumulate={accumulate} applies only with step_in_backward=True; "
                              "otherwise accumulate by calling step() every N backwards")
         return True if skip_nonfinite is None else bool(skip_nonfinite)
-    if skip_nonfinite:
-        raise ValueError("skip_nonfinite=True needs every gradient before any update, but "
-                         "step_in_backward=True updates each parameter as its gradient arrives; "
-                         "pass skip_nonfinite=False (or leave it unset) with step_in_backward")
-    return False
+    # In backward the check makes every update of a pass wait for the end of backward (the
+    # verdict needs every gradient), which is what the mode exists to avoid: off by default.
+    return False if skip_nonfinite is None else bool(skip_nonfinite)
 
 
 def _impl_defaults(foreach, capturable, differentiable, fused) -> dict[str, Any]:
@@ -576,7 +854,8 @@ class AdamW(_EmsaOptimizer):
                  differentiable: bool = False, fused: bool | None = None, probe=None,
                  budget: int | str | None = None, state_dtype: torch.dtype = torch.float32,
                  skip_nonfinite: bool | None = None, profile=None,
-                 step_in_backward: bool = False, accumulate: int = 1, tier: str | None = None):
+                 step_in_backward: bool = False, accumulate: int = 1, tier: str | None = None,
+                 max_grad_norm: float | None = None, grad_scaler=None):
         _refuse_amsgrad(amsgrad, "AdamW")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize,
@@ -584,7 +863,8 @@ class AdamW(_EmsaOptimizer):
                         decoupled_weight_decay=True)
         super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
                          skip_nonfinite=skip_nonfinite, profile=profile,
-                         step_in_backward=step_in_backward, accumulate=accumulate, tier=tier)
+                         step_in_backward=step_in_backward, accumulate=accumulate, tier=tier,
+                         max_grad_norm=max_grad_norm, grad_scaler=grad_scaler)
 
 
 class Adam(_EmsaOptimizer):
@@ -600,7 +880,8 @@ class Adam(_EmsaOptimizer):
                  decoupled_weight_decay: bool = False, probe=None,
                  budget: int | str | None = None, state_dtype: torch.dtype = torch.float32,
                  skip_nonfinite: bool | None = None, profile=None,
-                 step_in_backward: bool = False, accumulate: int = 1, tier: str | None = None):
+                 step_in_backward: bool = False, accumulate: int = 1, tier: str | None = None,
+                 max_grad_norm: float | None = None, grad_scaler=None):
         _refuse_amsgrad(amsgrad, "Adam")
         self._kind = "adamw" if decoupled_weight_decay else "adam"
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
@@ -609,7 +890,8 @@ class Adam(_EmsaOptimizer):
                         decoupled_weight_decay=bool(decoupled_weight_decay))
         super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
                          skip_nonfinite=skip_nonfinite, profile=profile,
-                         step_in_backward=step_in_backward, accumulate=accumulate, tier=tier)
+                         step_in_backward=step_in_backward, accumulate=accumulate, tier=tier,
+                         max_grad_norm=max_grad_norm, grad_scaler=grad_scaler)
 
     def _check_group(self, g: int) -> None:
         super()._check_group(g)
@@ -630,8 +912,10 @@ class Lion(_EmsaOptimizer):
                  weight_decay: float = 0.0, *, maximize: bool = False, probe=None,
                  budget: int | str | None = None, state_dtype: torch.dtype = torch.float32,
                  skip_nonfinite: bool | None = None, profile=None,
-                 step_in_backward: bool = False, accumulate: int = 1, tier: str | None = None):
+                 step_in_backward: bool = False, accumulate: int = 1, tier: str | None = None,
+                 max_grad_norm: float | None = None, grad_scaler=None):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
                          skip_nonfinite=skip_nonfinite, profile=profile,
-                         step_in_backward=step_in_backward, accumulate=accumulate, tier=tier)
+                         step_in_backward=step_in_backward, accumulate=accumulate, tier=tier,
+                         max_grad_norm=max_grad_norm, grad_scaler=grad_scaler)
