@@ -93,6 +93,7 @@ struct Fields<emsa_device_table_options> {
     fn(c.optimizer, cpp.optimizer);
     fn(c.rounding, cpp.rounding);
     fn(c.bulk_copy, cpp.bulk_copy);
+    fn(c.stats_only, cpp.stats_only);
   }
 };
 
