@@ -519,6 +519,9 @@ typedef struct emsa_host_tier_options {
   /* a cudaStream_t for the device-updated buckets' kernels, the caller's (it must outlive the
    * tier), or NULL (default) for one the tier owns (HostTierOptions.device_update_stream) */
   void* device_update_stream;
+  /* 1: every step emsa_host_tier_begin_step starts is gated (waits for emsa_host_tier_release);
+   * 0 (default): ungated. emsa_host_tier_begin_step_gated chooses per step instead */
+  int32_t gated;
 } emsa_host_tier_options;
 
 /* One step's measurements: busy seconds per engine (sums over buckets). */
@@ -535,6 +538,8 @@ typedef struct emsa_host_tier_step_stats {
   double worker_s;        /* the worker from taking each bucket to enqueueing its upload */
   int64_t device_buckets; /* device-updated buckets submitted in the step */
   double stream_up_s;     /* their moments' copies up, summed (HostTierStepStats.stream_up_s) */
+  int32_t gated;          /* 1: the step waited for a release */
+  int32_t skipped;        /* 1: its release said found_inf; nothing was updated */
 } emsa_host_tier_step_stats;
 
 EMSA_API void emsa_host_tier_tensor_init(emsa_host_tier_tensor* tensor);
@@ -551,18 +556,56 @@ EMSA_API emsa_status emsa_host_tier_create(emsa_cpu_updater* updater,
                                            emsa_host_tier** tier_out);
 /* Waits for every submitted bucket, then stops the worker. */
 EMSA_API void emsa_host_tier_destroy(emsa_host_tier* tier);
+/* Step counts are per tensor, kept by the tier (creation order, 0 at create): a present
+ * tensor's update uses its count + 1, and the count advances when a step that was not skipped
+ * ends (settled by the next begin_step or by synchronize). */
 /* Starts a step (waits until the previous one's CPU updates are done): group_count
- * hyperparameters and step numbers. */
+ * hyperparameters and step numbers. Sets the count of every tensor of group g to steps[g] - 1
+ * (its update then uses steps[g], as before per-tensor counts); gated per options.gated. */
 EMSA_API emsa_status emsa_host_tier_begin_step(emsa_host_tier* tier, const emsa_hyperparams* hypers,
                                                const int64_t* steps, size_t group_count);
-/* Bucket `bucket`'s gradients are final on `stream` (device pointers in tensor order). */
+/* Starts a step with the tier's own per-tensor counts. gated 1: its updates wait for
+ * emsa_host_tier_release (or _release_values): gradient copies are enqueued whole at submit, the
+ * CPU updates nothing before the verdict, then proceeds as usual; device-updated buckets are
+ * enqueued only after it (keep their gradients until emsa_host_tier_bucket_copies_enqueued
+ * says 1). 0: as today. EMSA_INVALID_ARGUMENT (nothing changed) if the previous step was gated
+ * and never released. */
+EMSA_API emsa_status emsa_host_tier_begin_step_gated(emsa_host_tier* tier,
+                                                     const emsa_hyperparams* hypers,
+                                                     size_t group_count, int32_t gated);
+/* The verdict of the current gated step: enqueued on `stream` after the caller's work there
+ * (emsa_device_finish_stats), a copy of the scalars' step header into the tier's pinned memory
+ * (and its own device copy for device-updated buckets) and an event. Once it has completed:
+ * found_inf != 0 -> every bucket of the step is skipped (no update, no upload, state, masters,
+ * parameters and step counts untouched); else every update multiplies the gradients by the
+ * header's grad_multiplier. Asynchronous. EMSA_INVALID_ARGUMENT if the step is not gated or
+ * was released already. */
+EMSA_API emsa_status emsa_host_tier_release(emsa_host_tier* tier,
+                                            const emsa_device_scalars* scalars, void* stream);
+/* The same verdict as values (no device scalars): grad_multiplier finite, found_inf 0 or 1. */
+EMSA_API emsa_status emsa_host_tier_release_values(emsa_host_tier* tier, float grad_multiplier,
+                                                   int32_t found_inf);
+/* Per-tensor step counts, count = the tier's tensor count, creation order. read: as settled
+ * (after synchronize for the last step); set (load_state_dict): each >= 0, between steps. */
+EMSA_API emsa_status emsa_host_tier_read_steps(const emsa_host_tier* tier, int64_t* out,
+                                               size_t count);
+EMSA_API emsa_status emsa_host_tier_set_steps(emsa_host_tier* tier, const int64_t* steps,
+                                              size_t count);
+/* 1: the last step whose verdict is known was skipped (read after synchronize); 0: not, or no
+ * such step; -1: tier is NULL. */
+EMSA_API int32_t emsa_host_tier_last_skipped(const emsa_host_tier* tier);
+/* Bucket `bucket`'s gradients are final on `stream` (device pointers in tensor order; NULL for a
+ * tensor with numel > 0: absent this step, not copied, updated or uploaded, its count stays). A
+ * bucket whose tensors are all absent need not be submitted. */
 EMSA_API emsa_status emsa_host_tier_submit(emsa_host_tier* tier, size_t bucket,
                                            const void* const* grads, size_t count, void* stream);
-/* `stream` waits for bucket `bucket`'s new parameters. */
+/* `stream` waits for bucket `bucket`'s new parameters (EMSA_INVALID_ARGUMENT before the release
+ * of its gated step: it would never return). */
 EMSA_API emsa_status emsa_host_tier_wait(emsa_host_tier* tier, size_t bucket, void* stream);
 /* `stream` waits until this step's gradient copies are done (before writing gradients). */
 EMSA_API emsa_status emsa_host_tier_wait_grads_copied(emsa_host_tier* tier, void* stream);
-/* The host waits until every submitted bucket is updated and its parameters are uploaded. */
+/* The host waits until every submitted bucket is updated and its parameters are uploaded
+ * (EMSA_INVALID_ARGUMENT, without waiting, in a gated step not yet released). */
 EMSA_API emsa_status emsa_host_tier_synchronize(emsa_host_tier* tier);
 /* How many buckets' gradient copies have been enqueued since creation (-1: tier is NULL): a
  * cheap poll for a change before asking per bucket. */

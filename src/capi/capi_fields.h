@@ -115,6 +115,7 @@ struct Fields<emsa_host_tier_options> {
     fn(c.stream_piece_elements, cpp.stream_piece_elements);
     fn(c.stream_slots, cpp.stream_slots);
     fn(c.device_update_stream, cpp.device_update_stream);
+    fn(c.gated, cpp.gated);
   }
 };
 
