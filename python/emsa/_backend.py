@@ -9,6 +9,7 @@ a pinned arena, updated by the CPU while the GPU runs, through emsa._host_tier).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -255,6 +256,17 @@ def select(device: torch.device) -> type[Backend]:
         return CudaBackend
     raise NotImplementedError(f"emsa: parameters on {device} are not supported; emsa runs on "
                               "the CPU and on CUDA devices")
+
+
+def clip_coefficient(sum_sq: float, inv_scale: float, max_norm: float) -> tuple[float, float]:
+    """(total_norm, clip_coef) as torch.nn.utils.clip_grad_norm_(max_norm) computes them, from
+    the sum of squares of the (loss-scaled) gradients: total_norm in float32 (unscaled by
+    inv_scale), coef = clamp(max_norm / (total_norm + 1e-6), max=1) with torch's own float32
+    ops. torch sums float32 per-tensor norms; emsa's sum of squares is float64, so the norms
+    agree to float32 rounding (a relative 1e-7 or so), not always bitwise."""
+    norm = torch.tensor(math.sqrt(sum_sq), dtype=torch.float32) * inv_scale
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return float(norm), float(coef)
 
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
