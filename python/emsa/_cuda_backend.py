@@ -166,6 +166,8 @@ class CudaBackend(InBackward, Backend):
                 self.inputs: tuple[float, float] | None = (1.0, 0.0)  # as sent; None: unknown
                 self.last_stream = stream  # the masters were copied on it
                 self.headers = HeaderRing(self.steps)
+                # The verdict as a float32 on the device, for found_inf_out.
+                self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
         except BaseException:
             self._release()
             raise
@@ -422,25 +424,27 @@ class CudaBackend(InBackward, Backend):
             check(lib.emsa_device_scalars_set_inputs(self.scalars, 1.0, max_norm, 0, handle))
             self.inputs = (1.0, max_norm)
         if loss_scale is not None:
-            if (loss_scale.dtype != torch.float32 or loss_scale.numel() != 1
-                    or loss_scale.device != self.device):
-                raise ValueError(f"emsa: the loss scale must be one float32 on {self.device}, "
-                                 f"not {loss_scale.dtype} {tuple(loss_scale.shape)} on "
-                                 f"{loss_scale.device}")
+            if loss_scale.numel() != 1 or not loss_scale.is_floating_point():
+                raise ValueError("emsa: the loss scale must be one floating-point number, not "
+                                 f"{loss_scale.dtype} {tuple(loss_scale.shape)}")
+            if loss_scale.dtype != torch.float32 or loss_scale.device != self.device:
+                # A GradScaler's is one float32 on the device already; others are copied once.
+                loss_scale = loss_scale.to(self.device, torch.float32)
             loss_scale.record_stream(stream)  # read when the stream gets there
             check(lib.emsa_device_scalars_set_unscale_from(self.scalars, loss_scale.data_ptr(),
                                                            handle))
             self.inputs = None  # grad_unscale is the scale's now: the next pass sets it again
 
     def _write_found_inf(self, out: torch.Tensor | None, stream: torch.cuda.Stream) -> None:
+        """out = max(out, found_inf): 1.0 if the step was skipped, else left as it was."""
         if out is None:
             return
         if out.dtype != torch.float32 or out.numel() != 1 or out.device != self.device:
             raise ValueError(f"emsa: found_inf_out must be one float32 on {self.device}, not "
                              f"{out.dtype} {tuple(out.shape)} on {out.device}")
-        out.record_stream(stream)
-        check(lib.emsa_device_scalars_write_found_inf(self.scalars, out.data_ptr(),
+        check(lib.emsa_device_scalars_write_found_inf(self.scalars, self.found_inf.data_ptr(),
                                                       stream.cuda_stream))
+        torch.maximum(out, self.found_inf, out=out)  # on the current stream, which is `stream`
 
     def step(self, param_groups: list[dict]) -> StepResult:
         self._check_groups(param_groups)
@@ -464,7 +468,12 @@ class CudaBackend(InBackward, Backend):
             self._refresh_stale_masters(self.masters)
             device = int(any(grads[i] is not None for i in self.step_members))
             if gated:
-                self._gated_step(grads, gathered, device, stream)
+                try:
+                    self._gated_step(grads, gathered, device, stream)
+                except BaseException:
+                    if self.host is not None:  # nothing of this step may apply
+                        self.host.discard()
+                    raise
             else:
                 self._set_inputs(0.0, None, stream)
                 check(lib.emsa_device_step(self.scalars, self.step_array, device, 0, handle))

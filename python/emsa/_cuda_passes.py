@@ -71,6 +71,7 @@ class InBackward:
             if self.host is not None:
                 self._claim_unwaited(stream)
                 self.host.begin_step(self.hyper, gated)
+            self.pass_ = Pass(gated, self.found_inf_out, len(self.params))  # open from here
             if gated:
                 self._set_inputs(float(self.max_norm or 0.0), self.loss_scale, stream)
                 check(lib.emsa_device_begin_step(self.scalars, handle))
@@ -82,11 +83,12 @@ class InBackward:
             self.calls += 1
             self.noop_last = False
             self.last_stream = stream
-            self.pass_ = Pass(gated, self.found_inf_out, len(self.params))
 
     def _discard_pass(self) -> None:
-        p, self.pass_ = self.pass_, None
-        if p.gated and self.host is not None:
+        """The last pass never reached end_pass: a gated one applied nothing (its host-tier
+        step gets no verdict), an ungated one keeps what step_bucket updated."""
+        self.pass_ = None
+        if self.host is not None:
             self.host.discard()
 
     def step_bucket(self, b: int) -> bool:

@@ -105,7 +105,8 @@ class HostTier:
         self.grad_arrays = [(ctypes.c_void_p * len(m))() for m in buckets]
         self.group_count = group_count
         self.tensor_count = len(tensors)
-        self.gated = False  # the current step waits for release()
+        self.gated = False  # the current step is gated
+        self.awaiting = False  # ... and its release has not been given yet
         self.pending: set[int] = set()  # uploads the next forward has not waited for yet
         self.unreleased: set[int] = set()  # submitted in the current gated step, not released
         self._enqueued_seen = -1  # emsa_host_tier_copies_enqueued at the last look
@@ -131,10 +132,14 @@ class HostTier:
     def begin_step(self, hypers, gated: bool = False) -> None:
         """Waits for the previous step's CPU updates (normally long done), then takes each
         group's hyperparameters (a ctypes Hyperparams array); the step counts are the tier's own,
-        per tensor. gated: the step's updates wait for release() (or are dropped by discard())."""
+        per tensor. gated: the step's updates wait for release() (or are dropped by discard()).
+        A gated step still waiting for its verdict (its pass or step() raised before it) is
+        discarded first: nothing of it is applied."""
+        self.discard()
         check(lib.emsa_host_tier_begin_step_gated(self.handle, hypers, self.group_count,
                                                   int(gated)))
         self.gated = gated
+        self.awaiting = gated
         self._release_copied()  # all enqueued: begin_step waited for the worker
 
     def submit(self, b: int, grads: list[torch.Tensor | None],
@@ -166,13 +171,17 @@ class HostTier:
         """The verdict of the current gated step, after the statistics finished on `stream`:
         the CPU updates (or skips the step) once the stream has reached this point."""
         check(lib.emsa_host_tier_release(self.handle, scalars, stream.cuda_stream))
+        self.awaiting = False
         self.pending |= self.unreleased
         self.unreleased.clear()
 
     def discard(self) -> None:
-        """The current gated step will get no verdict (its pass was abandoned): skipped, nothing
-        of it updated, no step count advanced."""
+        """The current gated step, if it still waits for its verdict, gets none (its pass was
+        abandoned): skipped, nothing of it updated, no step count advanced."""
+        if not self.awaiting:
+            return
         check(lib.emsa_host_tier_release_values(self.handle, 1.0, 1))
+        self.awaiting = False
         self.unreleased.clear()
 
     def read_steps(self) -> list[int]:
