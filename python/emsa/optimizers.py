@@ -178,6 +178,7 @@ class _EmsaOptimizer(Optimizer):
         self._warned: set[str] = set()
         self._norms: list[tuple[float | None, bool]] = []  # (grad_norm, clipped) per step()
         self._frozen: list[_binding.Slot] = []
+        self._slots: list[_binding.Slot] = []
         self._picks: list[list[int] | None] = []  # planned positions of each group
         self._sizes: list[int] = []  # each group's length when planned
         self._pass_open = False
@@ -308,7 +309,7 @@ class _EmsaOptimizer(Optimizer):
         for i, s in enumerate(slots):
             self.state[s.param] = backend.state(i)
         self._plan, self._backend, self._record = plan, backend, planned
-        self._frozen = frozen
+        self._frozen, self._slots = frozen, slots
         self._sizes = [len(g["params"]) for g in self.param_groups]
         held = [[] for _ in self.param_groups]
         for s in slots:
@@ -429,11 +430,16 @@ class _EmsaOptimizer(Optimizer):
                 self._open_pass()
             fired = self._fired
             if i in fired:
+                if not self._in_backward:
+                    # step() mode: the backend checks at step() that the gradient it gathered
+                    # statistics of is unchanged (its _version), and rescans it if not.
+                    return
                 raise RuntimeError(
-                    f"emsa: {self._names[i]} got a second gradient within one backward pass "
-                    "(reentrant backward calls reaching the same parameter); emsa updates each "
-                    "parameter once per backward() call: call backward once per micro-batch, "
-                    "or use step_in_backward=False")
+                    f"emsa: {self._names[i]} got a second gradient within one backward() call "
+                    "(a parameter used in several segments of checkpoint(use_reentrant=True) "
+                    "gets one per segment), after emsa had updated from the first; emsa updates "
+                    "each parameter once per backward: use checkpoint(use_reentrant=False), or "
+                    "step_in_backward=False")
             fired.add(i)
             if not self._updating:
                 return
@@ -695,8 +701,7 @@ class _EmsaOptimizer(Optimizer):
         state, converting dtypes as needed. Everything is checked before anything changes."""
         if self._backend is None:
             self._bind(None)
-        slots = _binding.slots_of(self.param_groups)
-        self._engine_groups()  # the groups are still the planned ones
+        slots = self._slots  # as planned: requires_grad may have changed since
         sources = self._check_state_dict(state_dict, slots)
         self._backend.check_loadable_steps(
             [float(sources.get(i, {}).get("step", 0)) for i in range(len(slots))])

@@ -297,6 +297,19 @@ class HostTierCpu : public ::testing::Test {
   };
   State TierState() const { return {device_params_, tier_.param, tier_.m, tier_.v, tier_.master}; }
 
+  // One whole step with the tier's own counts: every bucket submitted (gradients of `seed`,
+  // absent ones null), released as values when gated, then Synchronize.
+  void TierStep(int seed, bool gated, float multiplier, bool found_inf,
+                const std::vector<bool>* absent = nullptr) {
+    EXPECT_STATUS_OK(host_tier_->BeginStepGated(&hypers_, 1, gated));
+    for (size_t b = kBuckets; b-- > 0;) {
+      EXPECT_STATUS_OK(Submit(b, seed, grads_stream_, 0, absent));
+    }
+    if (gated) EXPECT_STATUS_OK(host_tier_->ReleaseValues(multiplier, found_inf));
+    EXPECT_STATUS_OK(host_tier_->Synchronize());
+  }
+  HyperParams hypers_;  // TierStep's
+
   std::vector<int64_t> Steps() const {
     std::vector<int64_t> steps(host_tier_->tensor_count(), -1);
     const Status st = host_tier_->ReadSteps(steps.data(), steps.size());
@@ -642,10 +655,7 @@ TEST_F(HostTierCpu, FoundInfSkipsTheStepBitwise) {
       EXPECT_TRUE(st.gated && st.skipped && st.complete);
       // Step 3 of the caller is the tensors' second update.
       ReferenceStepOf(3, std::vector<int64_t>(cases_.size(), 2), hyper, 1.0f, none);
-      EXPECT_STATUS_OK(host_tier_->BeginStepGated(&hyper, 1, true));
-      for (size_t b = kBuckets; b-- > 0;) EXPECT_STATUS_OK(Submit(b, 3, grads_stream_, 0));
-      EXPECT_STATUS_OK(host_tier_->ReleaseValues(1.0f, false));
-      EXPECT_STATUS_OK(host_tier_->Synchronize());
+      TierStep(3, true, 1.0f, false);
       ExpectEqualsReference();
       EXPECT_EQ(Steps(), std::vector<int64_t>(cases_.size(), 2));
       EXPECT_FALSE(host_tier_->last_skipped());
@@ -683,10 +693,7 @@ TEST_F(HostTierCpu, AbsentTensorsAreUntouchedAndKeepTheirSteps) {
       std::vector<int64_t> next(cases_.size());
       for (size_t i = 0; i < next.size(); ++i) next[i] = expected_steps[i] + 1;
       ReferenceStepOf(2, next, hyper, 1.0f, none);
-      EXPECT_STATUS_OK(host_tier_->BeginStepGated(&hyper, 1, gated));
-      for (size_t b = kBuckets; b-- > 0;) EXPECT_STATUS_OK(Submit(b, 2, grads_stream_, 0));
-      if (gated) EXPECT_STATUS_OK(host_tier_->ReleaseValues(1.0f, false));
-      EXPECT_STATUS_OK(host_tier_->Synchronize());
+      TierStep(2, gated, 1.0f, false);
       ExpectEqualsReference();
       EXPECT_EQ(Steps(), next);
       host_tier_.reset();

@@ -84,8 +84,11 @@ struct alignas(16) DeviceTensor {
   int32_t group;        // index into DeviceScalars' groups
   uint16_t flags;       // kTensor*
   uint16_t grad_dtype;  // DType, for the grad statistics kernel
-  int32_t slot;         // index into DeviceScalars' slot steps (tables with slots), else 0
-  int32_t reserved;     // pads to 64 bytes: four 16-byte loads
+  // Where the update's step is: UpdateLaunch::steps[step_index * step_stride] (the slot in a
+  // table with slots, else the group). key: when it changes between chunks the kernel remakes
+  // its per-step constants (the group without slots; with slots the tensor's own index).
+  int32_t step_index;
+  int32_t key;
 };
 static_assert(sizeof(DeviceTensor) == 64, "DeviceTensor is a device-memory layout");
 
@@ -120,9 +123,12 @@ struct UpdateLaunch {
   const DeviceTensor* tensors;
   const DeviceStepHeader* header;
   const DeviceGroupScalars* groups;
-  const int64_t* slot_steps;  // tables with slots: each tensor's step; null: its group's step
-  int32_t stochastic_state;   // bf16 state stores round stochastically
-  int32_t bulk;               // the bulk-copy kernel (BulkUpdateKernel), not the per-thread one
+  // The steps DeviceTensor::step_index points into: the slot steps (stride 1), or the groups'
+  // step fields (stride sizeof(DeviceGroupScalars) / 8).
+  const int64_t* steps;
+  int64_t step_stride;
+  int32_t stochastic_state;  // bf16 state stores round stochastically
+  int32_t bulk;              // the bulk-copy kernel (BulkUpdateKernel), not the per-thread one
   int grid;
 };
 
@@ -168,7 +174,7 @@ Status LaunchBeginStep(DeviceStepHeader* header, cudaStream_t stream);
 Status LaunchFinishGradStats(DeviceStepHeader* header, cudaStream_t stream);
 Status LaunchAdvanceSteps(const DeviceStepHeader* header, DeviceGroupScalars* groups,
                           int64_t group_count, cudaStream_t stream);
-// Unless found_inf: ++slot_steps[tensors[i].slot] for every tensor i < count not absent.
+// Unless found_inf: ++slot_steps[tensors[i].step_index] for every tensor i < count not absent.
 Status LaunchAdvanceSlots(const DeviceStepHeader* header, const DeviceTensor* tensors,
                           int64_t count, int64_t* slot_steps, cudaStream_t stream);
 Status LaunchSetUnscaleFrom(DeviceStepHeader* header, const float* scale, cudaStream_t stream);

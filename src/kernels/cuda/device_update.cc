@@ -3,6 +3,7 @@
 // Validation runs first (device_validate.h); a build without CUDA has device_update_nocuda.cc.
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -130,8 +131,8 @@ TableImage MakeTableImage(const TensorUpdate* tensors, const int32_t* groups, co
     d.group = groups != nullptr ? groups[i] : 0;
     d.flags = cuda::TensorFlags(d.param, d.grad, d.exp_avg, d.exp_avg_sq, d.master, d.numel);
     d.grad_dtype = static_cast<uint16_t>(t.grad_dtype);
-    d.slot = slots != nullptr ? static_cast<int32_t>(slots[i]) : 0;
-    d.reserved = 0;
+    d.step_index = slots != nullptr ? static_cast<int32_t>(slots[i]) : d.group;
+    d.key = slots != nullptr ? static_cast<int32_t>(i) : d.group;
     if (stats) continue;
     image.variant_of[i] = cuda::VariantIndex(
         {ParamKindOf(t), t.grad_dtype == DType::kFloat32, t.state_dtype == DType::kBFloat16});
@@ -376,7 +377,12 @@ Status DeviceUpdateTable::Update(const DeviceScalars& scalars, cudaStream_t stre
     launch.tensors = impl_->tensors;
     launch.header = scalars.device_header();
     launch.groups = scalars.device_groups();
-    launch.slot_steps = slot_steps;
+    // step_index is the slot with slots, else the group (its step is the record's first field).
+    static_assert(offsetof(DeviceGroupScalars, step) == 0 && sizeof(DeviceGroupScalars) % 8 == 0,
+                  "group steps are read as an int64 array with a stride");
+    launch.steps = slot_steps != nullptr ? slot_steps : &scalars.device_groups()->step;
+    launch.step_stride =
+        slot_steps != nullptr ? 1 : static_cast<int64_t>(sizeof(DeviceGroupScalars) / 8);
     launch.stochastic_state = options_.rounding == Rounding::kStochastic ? 1 : 0;
     launch.bulk = l.bulk ? 1 : 0;
     launch.grid = l.grid;

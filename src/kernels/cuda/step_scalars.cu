@@ -83,7 +83,7 @@ __global__ void AdvanceSlotsKernel(const DeviceStepHeader* h, const DeviceTensor
   for (int64_t i = blockIdx.x * int64_t{kAdvanceThreads} + threadIdx.x; i < count;
        i += int64_t{kAdvanceThreads} * gridDim.x) {
     const DeviceTensor& t = tensors[i];
-    if ((t.flags & kTensorAbsent) == 0) slot_steps[t.slot] += 1;
+    if ((t.flags & kTensorAbsent) == 0) slot_steps[t.step_index] += 1;
   }
 }
 

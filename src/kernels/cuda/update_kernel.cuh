@@ -295,20 +295,19 @@ __device__ __forceinline__ void UpdateVectors(const ChunkPtrs& t, const StepCons
 
 // ---- the kernel --------------------------------------------------------------------------------
 
-// The constants of tensor t's step, recomputed only when its group or step differs from the
-// ones `c` was made for. With slots the tensor's slot step stands in for the group's: the same
-// double arithmetic and one rounding, so a slot step equal to the group step gives the same bits.
+// The constants of tensor t's step into `c`, remade only when t.key differs from the key `c`
+// was made for (DeviceTensor::key: the group, or with slots the tensor). The step is the group's
+// or, with slots, the tensor's slot step: the same double arithmetic and one rounding, so a slot
+// step equal to the group step gives the same bits. One int of state across chunks, as the group
+// alone was: the update kernels are register-bound.
 template <OptimizerKind kOpt>
 __device__ __forceinline__ void TensorConsts(const UpdateLaunch& a, const DeviceTensor& t,
-                                             float grad_multiplier, int32_t& group, int64_t& step,
-                                             StepConsts& c) {
-  const int64_t s = a.slot_steps != nullptr ? a.slot_steps[t.slot] : 0;
-  if (t.group == group && s == step) return;
-  group = t.group;
-  step = s;
-  DeviceGroupScalars g = a.groups[group];
-  if (a.slot_steps != nullptr) g.step = s;
-  c = MakeStepConsts<kOpt>(g, grad_multiplier);
+                                             float grad_multiplier, int32_t& key, StepConsts& c) {
+  if (t.key == key) return;
+  key = t.key;
+  const DeviceGroupScalars& g = a.groups[t.group];
+  const int64_t step = a.step_stride == 1 ? a.steps[t.step_index] : g.step;
+  c = MakeStepConsts<kOpt>(g, step, grad_multiplier);
 }
 
 template <OptimizerKind kOpt, ParamKind kP, bool kGradF32, bool kStateBf16>
@@ -320,16 +319,17 @@ __global__ void EMSA_UPDATE_LAUNCH_BOUNDS FusedUpdateKernel(const UpdateLaunch a
   const bool stochastic = a.stochastic_state != 0;
   constexpr bool kNeedKeys = kStateBf16 || L::kParamRounded;
 
-  int32_t group = -1;
-  int64_t step = 0;
+  int32_t key = -1;  // TensorConsts
   StepConsts c{};
   for (int64_t ci = blockIdx.x; ci < a.chunk_count; ci += gridDim.x) {
     const DeviceChunk chunk = a.chunks[ci];
     const DeviceTensor& t = a.tensors[chunk.tensor];
-    if (t.flags & kTensorAbsent) continue;
-    TensorConsts<kOpt>(a, t, grad_multiplier, group, step, c);
+    TensorConsts<kOpt>(a, t, grad_multiplier, key, c);
     const int64_t begin = chunk.begin;
-    const int64_t left = t.numel - begin;
+    // An absent tensor's chunks have no elements to update: a zero length rather than a branch
+    // around the body, and the null gradient rather than the flag (a tensor with chunks is absent
+    // exactly when its gradient is null), keep the kernel's registers as they were.
+    const int64_t left = t.grad == nullptr ? 0 : t.numel - begin;
     const int n = static_cast<int>(left < kChunkElems ? left : kChunkElems);
 
     Keys keys{0u, 0u};
@@ -462,11 +462,11 @@ __device__ __forceinline__ void UpdateSharedTile(const StepConsts& c, const floa
 }
 
 // What the tiles left: whole chunks of tensors off 16-byte alignment, and the last n % 4
-// elements of the others (absent tensors: nothing). `group`, `step` and `c` carry the last
-// constants over.
+// elements of the others (absent tensors: nothing). `key` and `c` carry the last constants
+// over (TensorConsts).
 template <OptimizerKind kOpt>
 __device__ __forceinline__ void UpdateTileLeftovers(const UpdateLaunch& a, float grad_multiplier,
-                                                    int32_t& group, int64_t& step, StepConsts& c) {
+                                                    int32_t& key, StepConsts& c) {
   constexpr bool kLion = kOpt == OptimizerKind::kLion;
   const Keys keys{0u, 0u};  // fp32 stores do not round
   for (int64_t ci = blockIdx.x; ci < a.chunk_count; ci += gridDim.x) {
@@ -477,7 +477,7 @@ __device__ __forceinline__ void UpdateTileLeftovers(const UpdateLaunch& a, float
     const int n = static_cast<int>(left < kChunkElems ? left : kChunkElems);
     const int from = (t.flags & kTensorVector) ? (n & ~3) : 0;
     if (from == n) continue;
-    TensorConsts<kOpt>(a, t, grad_multiplier, group, step, c);
+    TensorConsts<kOpt>(a, t, grad_multiplier, key, c);
     ChunkPtrs p;
     p.param = static_cast<float*>(t.param) + chunk.begin;
     p.grad = static_cast<const float*>(t.grad) + chunk.begin;
@@ -529,13 +529,12 @@ __global__ void EMSA_UPDATE_LAUNCH_BOUNDS BulkUpdateKernel(const UpdateLaunch a)
     for (int st = 0; st < kBulkStages && fill_more; ++st) load(st);
   }
 
-  int32_t group = -1;
-  int64_t step = 0;
+  int32_t key = -1;  // TensorConsts
   StepConsts c{};
   float* const outputs = smem + kBulkStages * S::kIn * kBulkTile;
   for (int64_t k = 0; more; ++k) {
     const int st = static_cast<int>(k % kBulkStages);
-    TensorConsts<kOpt>(a, *use.tensor, grad_multiplier, group, step, c);
+    TensorConsts<kOpt>(a, *use.tensor, grad_multiplier, key, c);
     const int vecs = use.elems() / 4;
     MbarWait(&full[st], static_cast<uint32_t>((k / kBulkStages) & 1));
     const float4* in = reinterpret_cast<const float4*>(smem + st * S::kIn * kBulkTile);
@@ -560,7 +559,7 @@ __global__ void EMSA_UPDATE_LAUNCH_BOUNDS BulkUpdateKernel(const UpdateLaunch a)
     more = NextTile(a, use);
   }
   if (tid == 0) BulkWait<0>();  // shared memory must outlive the stores' reads
-  UpdateTileLeftovers<kOpt>(a, grad_multiplier, group, step, c);
+  UpdateTileLeftovers<kOpt>(a, grad_multiplier, key, c);
 #endif
 }
 

@@ -116,11 +116,13 @@ EMSA_HD Lerp MakeLerp(double beta) {
   return l;
 }
 
+// `step_number` stands in for g.step: a tensor's own (slot) step; the arithmetic is the same.
 template <OptimizerKind kOpt>
-EMSA_HD StepConsts MakeStepConsts(const DeviceGroupScalars& g, float grad_multiplier) {
+EMSA_HD StepConsts MakeStepConsts(const DeviceGroupScalars& g, int64_t step_number,
+                                  float grad_multiplier) {
   const double lr = g.lr, wd = g.weight_decay, beta1 = g.beta1, beta2 = g.beta2;
   StepConsts c;
-  c.step = g.step < 1 ? 1 : g.step;
+  c.step = step_number < 1 ? 1 : step_number;
   const double step = static_cast<double>(c.step);
   c.grad_scale = g.maximize ? -grad_multiplier : grad_multiplier;
   c.lerp1 = MakeLerp(g.beta1);
@@ -143,6 +145,11 @@ EMSA_HD StepConsts MakeStepConsts(const DeviceGroupScalars& g, float grad_multip
     c.neg_step_size = ToFloat(-DDiv(lr, DSub(1.0, DPow(beta1, step))));
   }
   return c;
+}
+
+template <OptimizerKind kOpt>
+EMSA_HD StepConsts MakeStepConsts(const DeviceGroupScalars& g, float grad_multiplier) {
+  return MakeStepConsts<kOpt>(g, g.step, grad_multiplier);
 }
 
 // ---- one element (update_math.h's UpdateVector) ------------------------------------------------
