@@ -368,3 +368,86 @@ def test_grad_scaler_without_the_keyword_in_backward_raises():
     with pytest.raises((RuntimeError, ValueError), match="grad_scaler"):
         scaler.scale((model(x) - y).square().mean()).backward()
         scaler.step(opt)
+
+
+# ---- Hugging Face Trainer: emsa's clipping through the emsa.hf recipe ----------------------
+HAS_EMSA_HF = importlib.util.find_spec("emsa.hf") is not None
+requires_emsa_hf = pytest.mark.skipif(not HAS_EMSA_HF, reason="emsa.hf (issue 19's Trainer "
+                                      "recipe, branch y1-frontend) is missing")
+TRAINER_STEPS = 50
+
+
+def _recipe_callback():
+    """emsa.hf's TrainerCallback (the one that hands args.max_grad_norm to emsa)."""
+    import transformers
+
+    import emsa.hf as hf
+
+    found = [v for v in vars(hf).values() if isinstance(v, type)
+             and issubclass(v, transformers.TrainerCallback)
+             and v is not transformers.TrainerCallback]
+    assert len(found) == 1, f"emsa.hf should define one TrainerCallback, found {found}"
+    return found[0]()
+
+
+def _trainer_losses(device, tmp_path, emsa_kw=None):
+    """50 logged losses of a tiny Llama trained by Trainer (max_grad_norm=1.0, warmup+cosine,
+    its two param groups): with torch AdamW (emsa_kw None) or emsa.AdamW(**emsa_kw) and the
+    emsa.hf recipe. Returns the losses and the optimizer."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = rm.llama("tiny")
+    batches = rm.lm_batches(TRAINER_STEPS, batch=4, seed=3)
+    data = [{"input_ids": ids[i], "labels": ids[i]} for ids, _ in batches for i in range(4)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=TRAINER_STEPS, per_device_train_batch_size=4,
+        learning_rate=3e-3, weight_decay=0.1, adam_beta2=0.95, warmup_steps=5,
+        lr_scheduler_type="cosine", max_grad_norm=1.0, logging_steps=1, report_to=[],
+        save_strategy="no", use_cpu=device == "cpu", seed=0, dataloader_num_workers=0,
+        disable_tqdm=True, optim="adamw_torch")
+    kw = {}
+    if emsa_kw is not None:
+        probe = transformers.Trainer(model=model, args=args)  # only for its param groups
+        decay = set(probe.get_decay_parameter_names(model))
+        groups = [{"params": [p for n, p in model.named_parameters() if n in decay],
+                   "weight_decay": args.weight_decay},
+                  {"params": [p for n, p in model.named_parameters() if n not in decay],
+                   "weight_decay": 0.0}]
+        model = model.to(device)
+        opt = emsa.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), eps=1e-8,
+                         **emsa_kw)
+        kw = dict(optimizers=(opt, None), callbacks=[_recipe_callback()])
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, **kw)
+    with warnings.catch_warnings():
+        # emsa's warning that clipping was asked of consumed gradients: the recipe avoids it.
+        warnings.filterwarnings("error", message="emsa", category=RuntimeWarning)
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == TRAINER_STEPS
+    return losses, trainer.optimizer
+
+
+_TORCH_TRAINER_LOSSES: dict[str, list[float]] = {}
+TRAINER_MODES = [("cpu", "step"), ("cpu", "backward")] + [
+    pytest.param("cuda", m, marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU"))
+    for m in ("step", "host")]
+
+
+@requires_hf
+@requires_api
+@requires_emsa_hf
+@pytest.mark.numerics
+@pytest.mark.parametrize("device,mode", TRAINER_MODES)
+def test_trainer_losses_match_torch_with_emsas_clipping(device, mode, tmp_path, deterministic):
+    if device not in _TORCH_TRAINER_LOSSES:  # one torch run per device serves every mode
+        _TORCH_TRAINER_LOSSES[device] = _trainer_losses(device, tmp_path / "torch")[0]
+    want = _TORCH_TRAINER_LOSSES[device]
+    got, opt = _trainer_losses(device, tmp_path / "emsa", mode_kwargs(device, mode))
+    sync(opt)
+    gaps = [abs(a - b) for a, b in zip(got, want)]
+    clipped = int(opt.clip_count)
+    print(f"Trainer {device}/{mode}: max loss gap {max(gaps):.3g}, clipped {clipped} of "
+          f"{TRAINER_STEPS} steps")
+    assert clipped > 0, "emsa never clipped: the recipe did not hand it max_grad_norm"
+    assert max(gaps) <= 1e-4, f"logged losses differ by up to {max(gaps):.3g}: {gaps}"
