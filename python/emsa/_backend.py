@@ -9,6 +9,7 @@ a pinned arena, updated by the CPU while the GPU runs, through emsa._host_tier).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,10 +21,65 @@ class StepResult:
     nonfinite_count: int = 0
     first_nonfinite: str = ""  # name of the first parameter with a non-finite gradient
     call: int = 0  # which step() call (1-based), for a result known only after later calls
+    grad_norm: float | None = None  # total L2 norm before clipping (unscaled), when computed
+    clipped: bool = False  # the clip coefficient was < 1
 
 
 class Backend:
-    """What every engine provides. `slots` (emsa._binding.Slot) fix the parameter order."""
+    """What every engine provides. `slots` (emsa._binding.Slot) fix the parameter order.
+
+    Slots are the trainable parameters only (requires_grad=True when the optimizer planned):
+    a backend never sees a frozen parameter. The param_groups given to step() and begin_pass()
+    are the optimizer's groups as the backend planned them: each group's "params" lists its
+    planned parameters, in slot order (the front end filters the frozen ones out and refuses a
+    frozen one that got a gradient before calling the backend).
+
+    The call sequence, from the front end (emsa.optimizers), is exactly:
+
+    step() mode (step_in_backward=False):
+      during each backward, once the backend exists and wants_grads_final is True:
+        grads_final(b)  for each bucket b (bucket_slots()) whose every member got its gradient
+                        in this backward (called from the member's post-accumulate-grad hook
+                        that completed it; members that get no gradient leave it uncalled)
+        backward_end()  once, from the autograd engine callback queued by the backward's first
+                        hook (runs when that backward() call returns)
+      the gating attributes below are set before the backward's first grads_final (from its
+      first hook) and again before each step():
+        step(param_groups) -> StepResult
+
+    step_in_backward=True: per backward() call (a "pass"), for the updating passes only (every
+    accumulate-th pass; the others only let .grad accumulate):
+      the gating attributes below are set, then
+      begin_pass(param_groups)       at the pass's first hook (hyperparameters read now)
+      step_bucket(b) -> bool         for each bucket whose every member got its gradient in
+                                     this pass; True: its gradients were consumed and the
+                                     front end sets .grad = None for its members at once;
+                                     False: the backend keeps them until end_pass
+      end_pass()                     from the autograd engine callback queued at the pass's
+                                     first hook (the end of that backward() call): finish
+                                     the pass: update every slot whose .grad is not None now
+                                     and that step_bucket did not consume (buckets with members
+                                     that got no gradient in this pass, gradients accumulated
+                                     over earlier passes, gated buckets), decide the verdict,
+                                     release what waited. Then the front end sets .grad = None
+                                     for every slot.
+      A begin_pass after a pass that never reached end_pass (its backward raised) discards
+      that pass: nothing of it was updated by a gated backend; an ungated one updated what
+      step_bucket consumed.
+
+    Gating attributes (set by the front end as said above; a pass or step with any of them on
+    is "gated": no update before every gradient of it exists):
+      check_finite: bool           skip the whole step if any gradient holds inf/nan
+      max_norm: float              clip by the global L2 norm as clip_grad_norm_ (0.0 = off)
+      loss_scale: Tensor | None    0-d float32 on the parameters' device: gradients are
+                                   scaled by it (a GradScaler's scale): divide by it (norm
+                                   and update use the unscaled gradients); a non-finite
+                                   gradient then always skips the step
+      found_inf_out: Tensor | None 0-d float32 on the device: write 1.0 into it if this step
+                                   (or pass) was skipped, else leave it unchanged
+    The non-finite verdict and the clip coefficient come from one statistics pass over the
+    gradients (or statistics gathered per bucket in backward), never from a second one.
+    """
 
     name = "abstract"
     # Whether planning needs this machine's measured bandwidths (a device tier does; state that
@@ -34,8 +90,14 @@ class Backend:
     # Whether step()'s result is known only later (a GPU skips a step without telling the host
     # at once): then step() returns StepResult() and finished_skips() reports skips as found.
     deferred = False
-    # Set by the optimizer before each step: scan gradients first, skip the step on inf/nan.
+    # Whether step() mode wants grads_final/backward_end calls from gradient hooks (statistics
+    # gathered during backward). The CPU engine does not: its step() scans the gradients.
+    wants_grads_final = False
+    # Gating attributes, set by the front end (see the class docstring).
     check_finite = True
+    max_norm = 0.0
+    loss_scale: torch.Tensor | None = None
+    found_inf_out: torch.Tensor | None = None
 
     @staticmethod
     def planning_profile(device: torch.device, measure_bandwidth: bool = False) -> str:
@@ -44,6 +106,10 @@ class Backend:
         from .plan import quick_profile_json
 
         return quick_profile_json()
+
+    def gated(self) -> bool:
+        """Whether the current step or pass needs its verdict before any update."""
+        return bool(self.check_finite or self.max_norm > 0.0 or self.loss_scale is not None)
 
     # Shared by both backends, which hold: counts (planned parameters per group), params,
     # views (slot i's state tensors), versions (each parameter's _version when its master was
@@ -101,38 +167,62 @@ class Backend:
 
     def state(self, i: int) -> dict[str, torch.Tensor]:
         """Slot i's state as torch tensors aliasing the engine's memory, in torch.optim's keys
-        ("step", "exp_avg", "exp_avg_sq"; "master" for low-precision parameters)."""
+        ("step", "exp_avg", "exp_avg_sq"; "master" for low-precision parameters). "step" is
+        slot i's own count (per parameter, as torch keeps it)."""
         raise NotImplementedError
 
     def step(self, param_groups: list[dict]) -> StepResult:
         """One optimizer step over every slot whose gradient is not None, reading each group's
-        hyperparameters now (schedulers may have changed them). Checks first that the
-        parameters are still the planned ones; raises before changing anything otherwise."""
+        hyperparameters now (schedulers may have changed them) and the gating attributes.
+        Slots whose .grad is None are skipped: no update, no state change, their step count
+        stays. Checks first that the parameters are still the planned ones; raises before
+        changing anything otherwise. A skipped step (non-finite gradient under check_finite or
+        loss_scale) changes nothing and writes found_inf_out."""
         raise NotImplementedError
 
-    # Whether begin_pass/step_slot exist: updates made from gradient hooks during backward
+    def grads_final(self, b: int) -> None:
+        """step() mode, wants_grads_final: bucket b's gradients are final in this backward (its
+        statistics may be gathered now, for step() to use if they are still valid then)."""
+
+    def backward_end(self) -> None:
+        """step() mode, wants_grads_final: the backward whose hooks called grads_final ended."""
+
+    # Whether begin_pass/step_bucket exist: updates made from gradient hooks during backward
     # (the optimizer's step_in_backward=True).
     steps_in_backward = False
 
     def begin_pass(self, param_groups: list[dict]) -> None:
-        """Step in backward: called once per updating pass, before its first step_slot; reads
-        each group's hyperparameters now (a scheduler may have changed them)."""
+        """Step in backward: called once per updating pass, before its first step_bucket; reads
+        each group's hyperparameters and the gating attributes now."""
         raise NotImplementedError
 
     def bucket_slots(self) -> list[list[int]]:
-        """Step in backward: the slots of each bucket, the unit step_bucket updates."""
+        """The slots of each bucket: the unit step_bucket updates and grads_final reports."""
         raise NotImplementedError
 
-    def step_bucket(self, b: int) -> None:
-        """Step in backward: updates bucket b's slots from their gradients (which must be
-        final); on a device, ordered after the current stream's work. No non-finite check (the
-        optimizer refuses skip_nonfinite in this mode)."""
+    def step_bucket(self, b: int) -> bool:
+        """Step in backward: bucket b's gradients are all final in this pass. Returns True if
+        they were consumed (updated from, or copied where the update will read them): the
+        front end then sets their .grad to None; False: they must stay until end_pass (a gated
+        pass on an engine that reads them at the end). On a device, ordered after the current
+        stream's work."""
         raise NotImplementedError
 
     def end_pass(self) -> None:
-        """Step in backward: every bucket of the pass was given to step_bucket; on a device,
-        what the current stream does next (the next forward, zero_grad) waits for the
-        updates."""
+        """Step in backward: the pass's backward ended (see the class docstring): update what
+        waited, write found_inf_out if the pass was skipped; on a device, what the current
+        stream does next (the next forward, zero_grad) waits for the updates."""
+
+    def last_grad_norm(self) -> float | None:
+        """The total gradient norm (before clipping, unscaled) of the last step or pass that
+        computed one, else None; on a device this may wait for it."""
+        return None
+
+    def clip_count(self) -> int:
+        """Steps and passes so far whose clip coefficient was < 1 (clipping fired); may wait
+        like last_grad_norm. Deferred engines put "grad_norm" and "clipped" into their
+        step_stats() rows; the front end adds them to the CPU engine's."""
+        return 0
 
     def state_loaded(self) -> None:
         """After state was written from outside (load_state_dict): take step counts from it, and
@@ -141,7 +231,7 @@ class Backend:
 
     def check_loadable_steps(self, steps: list[float]) -> None:
         """Before load_state_dict changes anything: raises ValueError if this engine cannot
-        hold these per-slot step counts."""
+        hold these per-slot step counts (they may differ within a group)."""
 
     def sync_state(self) -> None:
         """Makes state() exact (step counts included) before state_dict() or a load."""
@@ -166,6 +256,17 @@ def select(device: torch.device) -> type[Backend]:
         return CudaBackend
     raise NotImplementedError(f"emsa: parameters on {device} are not supported; emsa runs on "
                               "the CPU and on CUDA devices")
+
+
+def clip_coefficient(sum_sq: float, inv_scale: float, max_norm: float) -> tuple[float, float]:
+    """(total_norm, clip_coef) as torch.nn.utils.clip_grad_norm_(max_norm) computes them, from
+    the sum of squares of the (loss-scaled) gradients: total_norm in float32 (unscaled by
+    inv_scale), coef = clamp(max_norm / (total_norm + 1e-6), max=1) with torch's own float32
+    ops. torch sums float32 per-tensor norms; emsa's sum of squares is float64, so the norms
+    agree to float32 rounding (a relative 1e-7 or so), not always bitwise."""
+    norm = torch.tensor(math.sqrt(sum_sq), dtype=torch.float32) * inv_scale
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return float(norm), float(coef)
 
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -5,6 +5,11 @@ process keeps weak references), by name (the optimizer got named_parameters()), 
 among the record's trainable parameters (shapes must agree). Record entries the optimizer does
 not hold are planned as frozen, so no state is laid out for them.
 
+Only parameters with requires_grad=True when the optimizer plans get a slot (state, arena bytes,
+a state_dict entry), as torch.optim keeps state only for parameters it updates. The others are
+frozen for this optimizer: frozen_of lists them, the front end keeps them out of every call to
+the engine and refuses one that later gets a gradient.
+
 Without a probe, the record is built at the first step from the parameters' shapes and the
 gradient-ready order that hooks installed at construction saw in the first backward
 (FirstBackwardRecorder). Forward order is then inferred as the reverse of it: backward visits
@@ -35,14 +40,23 @@ class Slot:
     record_index: int = -1
 
 
+def _name(group: dict, g: int, j: int) -> str:
+    names = group.get("param_names")
+    return names[j] if names else f"param_groups[{g}].params[{j}]"
+
+
 def slots_of(param_groups: list[dict]) -> list[Slot]:
-    slots = []
-    for g, group in enumerate(param_groups):
-        names = group.get("param_names")
-        for j, p in enumerate(group["params"]):
-            name = names[j] if names else f"param_groups[{g}].params[{j}]"
-            slots.append(Slot(param=p, group=g, index=j, name=name))
-    return slots
+    """The planned parameters: those with requires_grad=True, in param_groups order."""
+    return [Slot(param=p, group=g, index=j, name=_name(group, g, j))
+            for g, group in enumerate(param_groups)
+            for j, p in enumerate(group["params"]) if p.requires_grad]
+
+
+def frozen_of(param_groups: list[dict]) -> list[Slot]:
+    """The parameters frozen at planning (requires_grad=False): no slot, no state."""
+    return [Slot(param=p, group=g, index=j, name=_name(group, g, j))
+            for g, group in enumerate(param_groups)
+            for j, p in enumerate(group["params"]) if not p.requires_grad]
 
 
 class FirstBackwardRecorder:
@@ -83,7 +97,10 @@ def _remove_all(handles) -> None:
     handles.clear()
 
 
-def unprobed_record(slots: list[Slot], recorder: FirstBackwardRecorder | None) -> ProbeRecord:
+def unprobed_record(slots: list[Slot], recorder: FirstBackwardRecorder | None,
+                    frozen: list[Slot] = ()) -> ProbeRecord:
+    """Entry i is slot i; the frozen parameters follow, marked not trainable (no state), so
+    the planner still counts their bytes on the device."""
     seen = recorder.seen if recorder is not None else {}
     observed = len(seen)
     params = []
@@ -97,6 +114,14 @@ def unprobed_record(slots: list[Slot], recorder: FirstBackwardRecorder | None) -
             bytes=p.numel() * p.element_size(), trainable=True, use_count=1,
             forward_order=observed - 1 - order if order >= 0 else -1,
             grad_ready_order=order, grad_ready_time=t))
+    for s in frozen:
+        p = s.param
+        params.append(ParamRecord(
+            name=s.name,
+            module=s.name.rsplit(".", 1)[0] if "." in s.name else f"param_groups[{s.group}]",
+            shape=list(p.shape), dtype=DTYPE_NAMES[p.dtype], numel=p.numel(),
+            bytes=p.numel() * p.element_size(), trainable=False, use_count=1,
+            forward_order=-1, grad_ready_order=-1, grad_ready_time=0.0))
     backward = max((t for _, t in seen.values()), default=0.0)
     device = str(slots[0].param.device) if slots else "cpu"
     return ProbeRecord(model="(not probed: recorded by the optimizer's first backward)",

@@ -16,13 +16,15 @@ it before the update instead of overwriting their write.
 from __future__ import annotations
 
 import ctypes
+import math
+import warnings
 
 import torch
 
 from . import _capi
 from ._arena import HostArena
-from ._backend import (DTYPE_NAMES, Backend, StepResult, check_param, kernel_grad,
-                       state_view)
+from ._backend import (DTYPE_NAMES, Backend, StepResult, check_param, clip_coefficient,
+                       kernel_grad, state_view)
 from ._binding import Slot
 from ._capi import Hyperparams, StepOptions, StepReport, TensorUpdate, check, lib
 from .plan import Plan
@@ -86,6 +88,13 @@ class CpuBackend(Backend):
         lib.emsa_step_options_init(ctypes.byref(self.options))
         self.options.optimizer = _capi.OPTIMIZER[optimizer]
         self.report = StepReport()
+        self.grad_norm: float | None = None  # this step's, None when not computed
+        self.clipped = False
+        self.last_norm: float | None = None  # the last computed one
+        self.clips = 0
+        self.pass_groups: list[dict] | None = None
+        self.pass_gated = False
+        self.skips: list[StepResult] = []  # passes skipped in backward, not yet reported
         self.updater = ctypes.c_void_p()
         check(lib.emsa_cpu_updater_create(0, _capi.SIMD["avx512"], ctypes.byref(self.updater)))
 
@@ -159,11 +168,11 @@ class CpuBackend(Backend):
         if "master" in self.views[i]:
             self.refresh_master(i)
 
-    def step(self, param_groups: list[dict]) -> StepResult:
-        self._check_groups(param_groups)
-        self._load_hyper(param_groups)
-        mv, has, expected, committed = self.mv, self._has, self.params, self.committed
-        keep = []  # gradients copied to the parameter's layout, alive until the call returns
+    def _fill(self, param_groups: list[dict]) -> list[torch.Tensor]:
+        """Writes each slot's gradient into the table (numel 0: .grad is None, skipped); returns
+        the gradients copied to their parameter's layout, to keep alive until the update."""
+        mv, has, committed = self.mv, self._has, self.committed
+        keep = []
         for i, p in self._planned_params(param_groups, self._param_changed):
             g = p.grad
             base = i * _W
@@ -178,45 +187,115 @@ class CpuBackend(Backend):
                 mv[base + _NUMEL] = self.numels[i]
                 mv[base + _STEP] = committed[i] + 1
                 has[i] = 1.0
-        n = len(expected)
-        self.options.check_finite = int(self.check_finite)
+        return keep
+
+    def _verdict(self) -> StepResult | None:
+        """Gated steps: one statistics pass over the table's gradients gives the non-finite
+        verdict and the norm; sets options.grad_multiplier (clip coefficient / loss scale).
+        Returns the skipped result, or None to go on."""
+        options, n = self.options, len(self.params)
+        inv = 1.0
+        if self.loss_scale is not None:
+            # As GradScaler.unscale_: the reciprocal in float64, rounded to float32.
+            inv = float(self.loss_scale.double().reciprocal().float())
+        sum_sq, bad = ctypes.c_double(), ctypes.c_int64()
+        check(lib.emsa_cpu_grad_stats(self.updater, self.table, n, ctypes.byref(sum_sq),
+                                      ctypes.byref(bad)))
+        if bad.value and (self.check_finite or self.loss_scale is not None):
+            return StepResult(True, bad.value, self._first_nonfinite())
+        coef = 1.0
+        if self.max_norm > 0.0:
+            norm, coef = clip_coefficient(sum_sq.value, inv, self.max_norm)
+            self.grad_norm = norm
+            self.clipped = coef < 1.0
+            self.clips += int(self.clipped)
+            self.last_norm = norm
+            if not math.isfinite(coef):
+                # torch would multiply every gradient by NaN; a NaN multiplier is refused by
+                # the engine, so the step (asked for with skip_nonfinite=False) goes unclipped.
+                warnings.warn("emsa: the gradient norm is NaN and skip_nonfinite=False: the "
+                              "step is applied unclipped (torch's clip_grad_norm_ would make "
+                              "every gradient NaN); pass skip_nonfinite=True to skip such steps",
+                              RuntimeWarning, stacklevel=5)
+                coef = 1.0
+        options.grad_multiplier = float(torch.tensor(coef, dtype=torch.float32)
+                                        * torch.tensor(inv, dtype=torch.float32))
+        return None
+
+    def _first_nonfinite(self) -> str:
+        one = ctypes.c_int64()
+        for i in range(len(self.params)):
+            if self.mv[i * _W + _NUMEL] == 0:
+                continue
+            row = ctypes.cast(ctypes.byref(self.table, i * ctypes.sizeof(TensorUpdate)),
+                              ctypes.POINTER(TensorUpdate))
+            check(lib.emsa_cpu_grad_stats(self.updater, row, 1, None, ctypes.byref(one)))
+            if one.value:
+                return self.names[i]
+        return ""
+
+    def step(self, param_groups: list[dict]) -> StepResult:
+        self._check_groups(param_groups)
+        self._load_hyper(param_groups)
+        keep = self._fill(param_groups)
+        n, has, committed = len(self.params), self._has, self.committed
         for j in self.masters:
             if self.params[j]._version != self.versions[j]:
                 self.refresh_master(j)
+        options = self.options
+        options.grad_multiplier = 1.0
+        options.check_finite = 0
+        self.grad_norm, self.clipped = None, False
+        if self.gated():
+            skipped = self._verdict()
+            if skipped is not None:
+                if self.found_inf_out is not None:
+                    self.found_inf_out.fill_(1.0)
+                return skipped
         report = self.report
         lib.emsa_step_report_init(ctypes.byref(report))
-        check(lib.emsa_cpu_step(self.updater, self.table, n, ctypes.byref(self.options),
+        check(lib.emsa_cpu_step(self.updater, self.table, n, ctypes.byref(options),
                                 ctypes.byref(report)))
         del keep
-        if report.skipped:
-            first = report.first_nonfinite_tensor
-            return StepResult(True, report.nonfinite_count,
-                              self.names[first] if 0 <= first < len(self.names) else "")
         for j in range(n):
             if has[j]:
                 committed[j] += 1
         self.steps.add_(self.has_grad)
-        return StepResult()
+        return StepResult(grad_norm=self.grad_norm, clipped=self.clipped)
+
+    def last_grad_norm(self) -> float | None:
+        return self.last_norm
+
+    def clip_count(self) -> int:
+        return self.clips
 
     # ---- step in backward: one parameter per call, from its post-accumulate-grad hook -----
+    # A gated pass (clipping, non-finite skip, loss scale) keeps every gradient until the end
+    # of backward and then runs one whole step: the CPU has no copies to overlap, so waiting
+    # costs nothing but the gradients' memory until then.
     steps_in_backward = True
 
     def begin_pass(self, param_groups: list[dict]) -> None:
         self._check_groups(param_groups)
         self._load_hyper(param_groups)
+        self.pass_groups = param_groups
+        self.pass_gated = self.gated()
         self.options.check_finite = 0
+        self.options.grad_multiplier = 1.0
 
     def bucket_slots(self) -> list[list[int]]:
         return [[i] for i in range(len(self.params))]  # any row can be updated alone
 
-    def step_bucket(self, i: int) -> None:
+    def step_bucket(self, i: int) -> bool:
+        if self.pass_gated:
+            return False  # end_pass updates it with the verdict
         p = self.params[i]
         if (p.data_ptr() != self.ptrs[i] or p.shape != self.shapes[i]
                 or p.stride() != self.strides[i]):
             self._param_changed(i, p)
         g = p.grad
         if g is None:
-            return
+            return True
         g = kernel_grad(self.names[i], g, p, self.strides[i])  # alive until the step below
         if "master" in self.views[i] and p._version != self.versions[i]:
             self.refresh_master(i)
@@ -233,3 +312,20 @@ class CpuBackend(Backend):
         del g
         self.committed[i] += 1
         self.steps[i] += 1.0
+        return True
+
+    def end_pass(self) -> None:
+        """One step over every slot that still holds a gradient: all of a gated pass, and in
+        an ungated one the slots whose gradient came only from earlier (accumulated) passes."""
+        groups, self.pass_groups = self.pass_groups, None
+        if groups is None:
+            return
+        if not self.pass_gated and all(p.grad is None for p in self.params):
+            return
+        result = self.step(groups)
+        if result.skipped:
+            self.skips.append(result)
+
+    def finished_skips(self) -> list[StepResult]:
+        skips, self.skips = self.skips, []
+        return skips

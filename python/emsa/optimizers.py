@@ -112,8 +112,13 @@ _MAX_STEP = 2**53
 class _EmsaOptimizer(Optimizer):
     _kind = "adamw"
 
+    # GradScaler.step(opt) hands emsa its scale and inf verdict (opt.grad_scale, opt.found_inf)
+    # instead of unscaling the gradients itself: emsa unscales inside the update.
+    _step_supports_amp_scaling = True
+
     def __init__(self, params, defaults: dict[str, Any], *, probe, budget, state_dtype,
-                 skip_nonfinite, profile, step_in_backward=False, accumulate=1, tier=None):
+                 skip_nonfinite, profile, step_in_backward=False, accumulate=1, tier=None,
+                 max_grad_norm=None, grad_scaler=None):
         require_library()
         if tier not in (None, "device", "host"):
             raise ValueError(f"tier={tier!r}; use None (the planner decides under budget=), "
@@ -134,6 +139,19 @@ class _EmsaOptimizer(Optimizer):
         self._profile = profile_json(profile)
         self.skip_nonfinite = bool(skip_nonfinite)
         self._last_skipped = False
+        self._max_grad_norm = _check_max_norm(max_grad_norm)
+        if grad_scaler is not None and not step_in_backward:
+            raise ValueError("grad_scaler= applies with step_in_backward=True; in step() mode "
+                             "scaler.step(opt) hands its scale to emsa by itself: drop it")
+        self._grad_scaler = grad_scaler
+        self._found_inf: torch.Tensor | None = None  # in-backward skips, for the GradScaler
+        self._warned: set[str] = set()
+        self._norms: list[tuple[float | None, bool]] = []  # (grad_norm, clipped) per step()
+        self._frozen: list[_binding.Slot] = []
+        self._picks: list[list[int] | None] = []  # planned positions of each group
+        self._sizes: list[int] = []  # each group's length when planned
+        self._pass_open = False
+        self._pass_token = 0
         self._backend: Backend | None = None
         self._plan: Plan | None = None
         self._record: ProbeRecord | None = None
@@ -233,10 +251,12 @@ class _EmsaOptimizer(Optimizer):
     def _bind(self, record: ProbeRecord | None) -> None:
         slots = _binding.slots_of(self.param_groups)
         if not slots:
-            raise ValueError("the optimizer holds no parameters")
+            raise ValueError("the optimizer holds no parameters that require a gradient"
+                             if self._all_params() else "the optimizer holds no parameters")
+        frozen = _binding.frozen_of(self.param_groups)
         backend_cls = select(slots[0].param.device)
         if record is None:
-            planned = _binding.unprobed_record(slots, self._recorder)
+            planned = _binding.unprobed_record(slots, self._recorder, frozen)
             for i, s in enumerate(slots):
                 s.record_index = i
         else:
@@ -253,86 +273,252 @@ class _EmsaOptimizer(Optimizer):
                          allow_host_tier=backend_cls.host_tier and self._tier != "device",
                          force_all_host=self._tier == "host", release_grads=self._in_backward,
                          device_update_share=_tuning.host_device_share())
-        if backend_cls.name == "cuda" and any(pp["tier"] == "L2" for pp in plan.json["params"]):
-            if self._skip_explicit:
-                raise ValueError(
-                    "skip_nonfinite=True cannot hold with state on the host tier: a host-tier "
-                    "bucket is updated before later gradients exist. Pass skip_nonfinite=False "
-                    "(a GradScaler still skips inf/nan steps), or keep all state on the device "
-                    "(tier='device', a larger budget)")
-            self.skip_nonfinite = False
         backend = backend_cls(slots, plan, self._kind, self._state_dtype,
                               len(self.param_groups), in_backward=self._in_backward)
         for i, s in enumerate(slots):
             self.state[s.param] = backend.state(i)
         self._plan, self._backend, self._record = plan, backend, planned
+        self._frozen = frozen
+        self._sizes = [len(g["params"]) for g in self.param_groups]
+        held = [[] for _ in self.param_groups]
+        for s in slots:
+            held[s.group].append(s.index)
+        self._picks = [None if len(h) == n else h for h, n in zip(held, self._sizes)]
         if self._recorder is not None:
             self._recorder.remove()
             self._recorder = None
-        if self._in_backward:
+        if self._in_backward or backend.wants_grads_final:
             self._install_hooks(slots, backend_cls)
 
-    # ---- step in backward -----------------------------------------------------------------
+    def _engine_groups(self) -> list[dict]:
+        """param_groups as the engine planned them (frozen parameters left out), after checking
+        that no parameter was added or removed and that no frozen one has a gradient; raises
+        before anything changes."""
+        groups = self.param_groups
+        if [len(g["params"]) for g in groups] != self._sizes:
+            raise ValueError(
+                f"the optimizer's parameter groups hold {[len(g['params']) for g in groups]} "
+                f"parameters but emsa planned {self._sizes}: parameters added or removed after "
+                "planning are not optimized; build a new optimizer over the new parameter set")
+        for f in self._frozen:
+            p = groups[f.group]["params"][f.index]
+            if p is not f.param:
+                raise ValueError(f"{f.name} was replaced by another tensor after emsa planned "
+                                 "it; build a new optimizer over the new parameter set")
+            if p.grad is not None:
+                raise RuntimeError(
+                    f"{f.name} has a gradient, but it did not require one (requires_grad=False) "
+                    "when emsa planned this optimizer, so emsa keeps no state for it and cannot "
+                    "update it; nothing was changed. To train it, build a new optimizer after "
+                    "unfreezing (load this one's state_dict into it to keep the others' state); "
+                    "to keep it frozen, set its .grad to None (or its requires_grad=False "
+                    "before backward)")
+        return [g if picks is None else {**g, "params": [g["params"][j] for j in picks]}
+                for g, picks in zip(groups, self._picks)]
+
+    # ---- options ----------------------------------------------------------------------------
+    @property
+    def max_grad_norm(self) -> float | None:
+        """Clip by the global L2 norm of every gradient this optimizer holds, as
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm), inside the update; None = off.
+        Settable; takes effect from the next step (or in-backward pass)."""
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value) -> None:
+        self._max_grad_norm = _check_max_norm(value)
+
+    @property
+    def grad_scaler(self):
+        """step_in_backward: the torch.amp.GradScaler whose scale emsa divides by in backward
+        (see the module docstring); settable before the first backward that uses it."""
+        return self._grad_scaler
+
+    @grad_scaler.setter
+    def grad_scaler(self, scaler) -> None:
+        if scaler is not None and not self._in_backward:
+            raise ValueError("grad_scaler applies with step_in_backward=True; in step() mode "
+                             "scaler.step(opt) hands its scale to emsa by itself")
+        self._grad_scaler = scaler
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The total gradient norm (before clipping, unscaled) of the last step that computed
+        one (max_grad_norm set), else None. On CUDA reading it waits for that step."""
+        return None if self._backend is None else self._backend.last_grad_norm()
+
+    @property
+    def clip_count(self) -> int:
+        """Steps so far where clipping fired (clip coefficient < 1). On CUDA it waits."""
+        return 0 if self._backend is None else self._backend.clip_count()
+
+    def _warn_once(self, key: str, message: str, stacklevel: int = 3) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+
+    def _configure(self, backend: Backend, *, loss_scale=None, found_inf_out=None,
+                   amp: bool = False) -> None:
+        """The gating attributes of the coming step or pass (Backend's docstring)."""
+        backend.check_finite = bool(self.skip_nonfinite or amp)
+        backend.max_norm = float(self._max_grad_norm or 0.0)
+        backend.loss_scale = loss_scale
+        backend.found_inf_out = found_inf_out
+
+    # ---- gradient hooks: step in backward, and step() mode statistics ------------------------
+    # A pass is one backward() call: it opens at the first hook that fires and ends at the
+    # autograd engine's callback queued from there, which runs once, when that backward ends.
     def _install_hooks(self, slots, backend_cls) -> None:
-        if not backend_cls.steps_in_backward:
+        if self._in_backward and not backend_cls.steps_in_backward:
             raise NotImplementedError(
                 f"step_in_backward=True is not supported for parameters on "
                 f"{slots[0].param.device} yet (the device engine updates all tables in one "
                 "call); use step_in_backward=False and call step() after backward")
         self._names = [s.name for s in slots]
-        self._hooked = [i for i, s in enumerate(slots) if s.param.requires_grad]
         self._fired: set[int] = set()
         self._passes = 0
-        buckets = self._backend.bucket_slots()
-        self._bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
-        self._bucket_members = [[i for i in m if slots[i].param.requires_grad] for m in buckets]
+        self._updating = False
+        self._bucket_members = self._backend.bucket_slots()
+        self._bucket_of = {i: b for b, members in enumerate(self._bucket_members)
+                           for i in members}
         self._waiting = [len(m) for m in self._bucket_members]
         ref = weakref.ref(self)
-        for i in self._hooked:
+        for i, s in enumerate(slots):
             def hook(p, i=i):
                 opt = ref()
                 if opt is not None:
-                    opt._grad_ready(i, p)
+                    opt._grad_ready(i)
 
-            self._hooks.append(slots[i].param.register_post_accumulate_grad_hook(hook))
+            self._hooks.append(s.param.register_post_accumulate_grad_hook(hook))
 
-    def _grad_ready(self, i: int, p: torch.Tensor) -> None:
-        fired = self._fired
-        if i in fired:
-            missing = [self._names[j] for j in self._hooked if j not in fired]
-            fired.clear()  # the unfinished pass is abandoned; the next backward starts anew
-            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more"
-                                              if len(missing) > 8 else "")
-            raise RuntimeError(
-                f"emsa step_in_backward: {self._names[i]} got a gradient again before the "
-                f"previous pass had gradients for {shown}; those were not updated in that pass. "
-                "Every trainable parameter must get a gradient once per backward: mark unused "
-                "ones requires_grad=False before building the optimizer, or use "
-                "step_in_backward=False")
-        updating = (self._passes + 1) % self._accumulate == 0
-        if updating and not fired:  # the pass's first gradient: its lr and hyperparameters
-            with torch.no_grad():
-                self._backend.begin_pass(self.param_groups)
-            self._waiting = [len(m) for m in self._bucket_members]
-        fired.add(i)
-        if updating:
+    def _grad_ready(self, i: int) -> None:
+        try:
+            if not self._pass_open:
+                self._open_pass()
+            fired = self._fired
+            if i in fired:
+                raise RuntimeError(
+                    f"emsa: {self._names[i]} got a second gradient within one backward pass "
+                    "(reentrant backward calls reaching the same parameter); emsa updates each "
+                    "parameter once per backward() call: call backward once per micro-batch, "
+                    "or use step_in_backward=False")
+            fired.add(i)
+            if not self._updating:
+                return
             b = self._bucket_of[i]
             self._waiting[b] -= 1
-            if self._waiting[b] == 0:
+            if self._waiting[b]:
+                return
+            backend = self._backend
+            with torch.no_grad():
+                if not self._in_backward:
+                    backend.grads_final(b)
+                elif backend.step_bucket(b):
+                    # Released now, not at zero_grad: the point of stepping in backward. On a
+                    # device the caching allocator reuses the memory in stream order, after the
+                    # update that reads it.
+                    params = backend.params
+                    for j in self._bucket_members[b]:
+                        params[j].grad = None
+        except BaseException:
+            self._abandon_pass()
+            raise
+
+    def _open_pass(self) -> None:
+        backend = self._backend
+        if self._in_backward:
+            self._updating = (self._passes + 1) % self._accumulate == 0
+            if self._updating:  # the pass's first gradient: its lr and hyperparameters
+                groups = self._engine_groups()
+                self._configure(backend, **self._pass_scaling())
                 with torch.no_grad():
-                    self._backend.step_bucket(b)
-                # Released now, not at zero_grad: the point of stepping in backward. On a
-                # device the caching allocator reuses the memory in stream order, after the
-                # update that reads it.
-                params = self._backend.params
-                for j in self._bucket_members[b]:
-                    params[j].grad = None
-        if len(fired) == len(self._hooked):
-            fired.clear()
-            self._passes += 1
-            if updating:
-                with torch.no_grad():
-                    self._backend.end_pass()
+                    backend.begin_pass(groups)
+        else:
+            self._updating = True
+            self._configure(backend)  # the scale (GradScaler) is known only at step()
+        self._waiting = [len(m) for m in self._bucket_members]
+        self._pass_token += 1
+        token, ref = self._pass_token, weakref.ref(self)
+
+        def end_of_backward():
+            opt = ref()
+            if opt is not None:
+                opt._close_pass(token)
+
+        torch.autograd.Variable._execution_engine.queue_callback(end_of_backward)
+        self._pass_open = True
+
+    def _abandon_pass(self) -> None:
+        """A hook raised: the backward fails and its callback never runs; the next backward
+        starts a new pass (begin_pass discards what the backend kept of this one)."""
+        self._pass_open = False
+        self._fired.clear()
+
+    def _close_pass(self, token: int) -> None:
+        if token != self._pass_token or not self._pass_open:
+            return
+        self._pass_open = False
+        self._fired.clear()
+        backend = self._backend
+        if not self._in_backward:
+            backend.backward_end()
+            return
+        self._passes += 1
+        if not self._updating:
+            return
+        self._engine_groups()  # a frozen parameter with a gradient: refuse before finishing
+        with torch.no_grad():
+            backend.end_pass()
+        for p in backend.params:
+            p.grad = None
+        if not backend.deferred:
+            skips = backend.finished_skips()
+            self._last_skipped = bool(skips)
+            if self._grad_scaler is None:
+                self._warn_skipped(skips, stacklevel=3)
+
+    def _pass_scaling(self) -> dict:
+        """The in-backward pass's loss scale and found_inf output, from grad_scaler=."""
+        scaler = self._grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return {}
+        # GradScaler keeps its scale as a 0-d float32 tensor, _scale (set by its first
+        # scale() call); reading it as a tensor keeps the device from waiting for the host.
+        scale = getattr(scaler, "_scale", None)
+        if scale is None:
+            raise RuntimeError("emsa: grad_scaler= is given but the GradScaler has no scale "
+                               "yet: backward from scaler.scale(loss), not from loss")
+        if self._found_inf is None:
+            self._found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        return {"loss_scale": scale, "found_inf_out": self._found_inf, "amp": True}
+
+    def _amp_step(self) -> None:
+        """step_in_backward: GradScaler.step(opt) called step(). The updates (or skips) were
+        made in backward; hand the scaler the passes' inf verdict so that scaler.update()
+        backs off after a skipped pass, as it would after a skipped torch step."""
+        scaler = self._grad_scaler
+        if scaler is None:
+            raise RuntimeError(
+                f"emsa.{type(self).__name__}(step_in_backward=True) was stepped by a GradScaler "
+                "but was not given it: the updates in backward used gradients still multiplied "
+                "by the loss scale and did not skip inf/nan. Build the optimizer with "
+                "grad_scaler=scaler (emsa then divides by its scale in backward, skips "
+                "non-finite passes and reports them to scaler.update())")
+        if self.__dict__.get("grad_scale", 0) is None:
+            self._warn_once("unscale", (
+                "emsa: scaler.unscale_(opt) ran after backward, but with step_in_backward=True "
+                "emsa consumed (and unscaled) the gradients in backward: whatever reads or "
+                "clips .grad after unscale_ sees None. Clip with emsa's max_grad_norm= instead"),
+                stacklevel=4)
+        found = self._found_inf
+        if found is None:
+            found = torch.zeros((), dtype=torch.float32,
+                                device=getattr(scaler, "_scale", torch.zeros(())).device)
+        # GradScaler.update reads each optimizer's found_inf_per_device, which its own check
+        # left empty (every .grad was None). A copy: update() may add into the first one.
+        scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {
+            found.device: found.clone()}
+        found.zero_()
 
     # ---- measurements ---------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -354,6 +540,9 @@ class _EmsaOptimizer(Optimizer):
         for k, (start, end) in enumerate(self._wall):  # the CPU engine: wall clock
             row = self._stats.setdefault(k + 1, {"step": k + 1})
             row["opt_s"] = end - start
+            norm, clipped = self._norms[k] if k < len(self._norms) else (None, False)
+            if norm is not None:
+                row["grad_norm"], row["clipped"] = norm, clipped
             if k + 1 < len(self._wall):
                 row["time_s"] = self._wall[k + 1][0] - start
         return [self._stats[k] for k in sorted(self._stats)]
@@ -391,21 +580,32 @@ class _EmsaOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        amp = "found_inf" in self.__dict__  # set by GradScaler.step, which then calls this
         if self._in_backward:
+            if amp:
+                self._amp_step()
             return loss
         if self._backend is None:
             self._bind(None)
         backend = self._backend
-        backend.check_finite = self.skip_nonfinite
+        groups = self._engine_groups()
+        # GradScaler: grad_scale is its scale (None if scaler.unscale_ already unscaled). Its
+        # inf verdict is the one emsa's own check gives on the same gradients, so emsa checks
+        # (fused with the norm) rather than reading found_inf on the host.
+        scale = self.__dict__.get("grad_scale") if amp else None
+        if scale is not None and not isinstance(scale, torch.Tensor):
+            scale = torch.tensor(float(scale), dtype=torch.float32)
+        self._configure(backend, loss_scale=scale, amp=amp)
         start = time.perf_counter()
-        result = backend.step(self.param_groups)
+        result = backend.step(groups)
         if not hasattr(backend, "step_stats"):
             self._wall.append((start, time.perf_counter()))
+            self._norms.append((result.grad_norm, result.clipped))
         if backend.deferred:
             self._warn_skipped(backend.finished_skips(), stacklevel=3)
         else:
             self._last_skipped = result.skipped
-            if result.skipped:
+            if result.skipped and not amp:
                 self._warn_skipped([result], stacklevel=3)
         return loss
 
@@ -451,6 +651,7 @@ class _EmsaOptimizer(Optimizer):
         if self._backend is None:
             self._bind(None)
         slots = _binding.slots_of(self.param_groups)
+        self._engine_groups()  # the groups are still the planned ones
         sources = self._check_state_dict(state_dict, slots)
         self._backend.check_loadable_steps(
             [float(sources.get(i, {}).get("step", 0)) for i in range(len(slots))])
@@ -500,11 +701,27 @@ class _EmsaOptimizer(Optimizer):
                     f"is {'an AdamW' if dwd else 'an Adam'} state; load it into "
                     f"emsa.{'AdamW' if dwd else 'Adam'}")
             self._check_hyper({**self.defaults, **group}, f"state_dict param_groups[{g}]")
-        ids = dict(zip((i for g in saved for i in g["params"]), range(len(slots))))
+        # Saved ids in order are this optimizer's parameters in order, frozen ones included.
+        where = {(s.group, s.index): i for i, s in enumerate(slots)}
+        flat = [where.get((g, j)) for g, group in enumerate(self.param_groups)
+                for j in range(len(group["params"]))]
+        ids = dict(zip((i for g in saved for i in g["params"]), flat))
+        positions = dict(zip((i for g in saved for i in g["params"]),
+                             ((g, j) for g, group in enumerate(self.param_groups)
+                              for j in range(len(group["params"])))))
         keys = self._state_keys()
         sources = {}
         for k, st in sd["state"].items():
             if k not in ids:
+                continue
+            if ids[k] is None:
+                frozen = next(f.name for f in self._frozen
+                              if (f.group, f.index) == positions[k])
+                self._warn_once("frozen-state", (
+                    "emsa: the state_dict holds state for parameters that were frozen "
+                    "(requires_grad=False) when this optimizer planned (e.g. " + frozen + "); "
+                    "emsa keeps no state for them, so it is not loaded (torch.optim would keep "
+                    "it unused while they stay frozen)"), stacklevel=4)
                 continue
             s = slots[ids[k]]
             sources[ids[k]] = st
@@ -536,6 +753,19 @@ class _EmsaOptimizer(Optimizer):
                         "lives in emsa's arenas); save and load opt.state_dict() instead")
 
 
+def _check_max_norm(value) -> float | None:
+    """max_grad_norm as given: None or 0 turn clipping off; else a finite number > 0."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value >= 0):
+        raise ValueError(f"max_grad_norm={value!r}; it is the clipping threshold of the global "
+                         "L2 gradient norm, a finite number > 0 (None or 0: no clipping)")
+    return float(value) if value > 0 else None
+
+
 def _in_backward_options(step_in_backward, accumulate, skip_nonfinite) -> bool:
     """Checks step_in_backward/accumulate; returns skip_nonfinite resolved (None: the mode's
     default)."""
@@ -547,11 +777,9 @@ def _in_backward_options(step_in_backward, accumulate, skip_nonfinite) -> bool:
             raise ValueError(f"accumulate={accumulate} applies only with step_in_backward=True; "
                              "otherwise accumulate by calling step() every N backwards")
         return True if skip_nonfinite is None else bool(skip_nonfinite)
-    if skip_nonfinite:
-        raise ValueError("skip_nonfinite=True needs every gradient before any update, but "
-                         "step_in_backward=True updates each parameter as its gradient arrives; "
-                         "pass skip_nonfinite=False (or leave it unset) with step_in_backward")
-    return False
+    # In backward the check makes every update of a pass wait for the end of backward (the
+    # verdict needs every gradient), which is what the mode exists to avoid: off by default.
+    return False if skip_nonfinite is None else bool(skip_nonfinite)
 
 
 def _impl_defaults(foreach, capturable, differentiable, fused) -> dict[str, Any]:
@@ -576,7 +804,8 @@ class AdamW(_EmsaOptimizer):
                  differentiable: bool = False, fused: bool | None = None, probe=None,
                  budget: int | str | None = None, state_dtype: torch.dtype = torch.float32,
                  skip_nonfinite: bool | None = None, profile=None,
-                 step_in_backward: bool = False, accumulate: int = 1, tier: str | None = None):
+                 step_in_backward: bool = False, accumulate: int = 1, tier: str | None = None,
+                 max_grad_norm: float | None = None, grad_scaler=None):
         _refuse_amsgrad(amsgrad, "AdamW")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize,
@@ -584,7 +813,8 @@ class AdamW(_EmsaOptimizer):
                         decoupled_weight_decay=True)
         super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
                          skip_nonfinite=skip_nonfinite, profile=profile,
-                         step_in_backward=step_in_backward, accumulate=accumulate, tier=tier)
+                         step_in_backward=step_in_backward, accumulate=accumulate, tier=tier,
+                         max_grad_norm=max_grad_norm, grad_scaler=grad_scaler)
 
 
 class Adam(_EmsaOptimizer):
@@ -600,7 +830,8 @@ class Adam(_EmsaOptimizer):
                  decoupled_weight_decay: bool = False, probe=None,
                  budget: int | str | None = None, state_dtype: torch.dtype = torch.float32,
                  skip_nonfinite: bool | None = None, profile=None,
-                 step_in_backward: bool = False, accumulate: int = 1, tier: str | None = None):
+                 step_in_backward: bool = False, accumulate: int = 1, tier: str | None = None,
+                 max_grad_norm: float | None = None, grad_scaler=None):
         _refuse_amsgrad(amsgrad, "Adam")
         self._kind = "adamw" if decoupled_weight_decay else "adam"
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
@@ -609,7 +840,8 @@ class Adam(_EmsaOptimizer):
                         decoupled_weight_decay=bool(decoupled_weight_decay))
         super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
                          skip_nonfinite=skip_nonfinite, profile=profile,
-                         step_in_backward=step_in_backward, accumulate=accumulate, tier=tier)
+                         step_in_backward=step_in_backward, accumulate=accumulate, tier=tier,
+                         max_grad_norm=max_grad_norm, grad_scaler=grad_scaler)
 
     def _check_group(self, g: int) -> None:
         super()._check_group(g)
@@ -630,8 +862,10 @@ class Lion(_EmsaOptimizer):
                  weight_decay: float = 0.0, *, maximize: bool = False, probe=None,
                  budget: int | str | None = None, state_dtype: torch.dtype = torch.float32,
                  skip_nonfinite: bool | None = None, profile=None,
-                 step_in_backward: bool = False, accumulate: int = 1, tier: str | None = None):
+                 step_in_backward: bool = False, accumulate: int = 1, tier: str | None = None,
+                 max_grad_norm: float | None = None, grad_scaler=None):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
                          skip_nonfinite=skip_nonfinite, profile=profile,
-                         step_in_backward=step_in_backward, accumulate=accumulate, tier=tier)
+                         step_in_backward=step_in_backward, accumulate=accumulate, tier=tier,
+                         max_grad_norm=max_grad_norm, grad_scaler=grad_scaler)
