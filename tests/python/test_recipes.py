@@ -15,7 +15,9 @@ float64 run at most 1.25x torch's own (ACCURACY_FACTOR); (2) no further from tor
 torch's two implementations from each other (SPREAD_FACTOR), or, where that is smaller than
 torch's own error against float64, no further than that error. Both are five orders of
 magnitude tighter than one update (`recipe_models.distance`: about 1/steps). Both distances are
-reported (bench/recipes_numerics.py writes them per model and mode).
+reported (bench/recipes_numerics.py writes them per model and mode). Llama (no zero-gradient
+parameter) runs end to end instead, each optimizer training its own copy: there both distances
+measure the trajectories' drift and (2) alone applies, without the float64 run.
 """
 
 import os
@@ -135,12 +137,38 @@ def test_clipped_adamw_within_torchs_own_spread(name, device, mode, deterministi
     assert r["torch_clipped"] > 0, f"clipping never fired: the test does not test it ({r})"
     assert r["emsa_clip_count"] == r["torch_clipped"], r
     assert r["grad_norm_gap"] <= NORM_RTOL, f"last_grad_norm is not this step's norm: {r}"
-    assert r["e_emsa"] <= ACCURACY_FACTOR * max(r["e_foreach"], r["e_fused"]), r
-    assert r["d_emsa"] <= max(SPREAD_FACTOR * r["d_torch"], r["e_foreach"]), r
+    assert within_bar(r), r
+
+
+def within_bar(r: dict) -> bool:
+    """The module docstring's criteria (lockstep: both; end to end: the spread alone, the
+    trajectories' drift being what both distances measure)."""
+    if r["e_emsa"] is None:
+        return r["d_emsa"] <= SPREAD_FACTOR * r["d_torch"]
+    return (r["e_emsa"] <= ACCURACY_FACTOR * max(r["e_foreach"], r["e_fused"])
+            and r["d_emsa"] <= max(SPREAD_FACTOR * r["d_torch"], r["e_foreach"]))
 
 
 # ---- frozen embedding and a branch used on even steps only --------------------------------
+def lockstep_backward(ours, ref, scaler=None, ref_scaler=None):
+    """Gives `ours` the reference's gradients through a backward of its own (so hooks and the
+    end-of-backward callback run as in training): parameters whose reference gradient is None
+    (frozen, or unused this step) get none. With GradScalers, the reference's gradients are
+    scaled: ref_scaler's scale is divided out and `scaler.scale` (ours) applies its own (powers
+    of two: exact)."""
+    div = 1.0 if ref_scaler is None else ref_scaler.get_scale()
+    params, grads = [], []
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        if q.grad is not None:
+            params.append(p)
+            grads.append(q.grad.detach() / div)
+    rm.surrogate_backward(params, grads, (lambda loss: loss) if scaler is None else scaler.scale)
+
+
 def _frozen_run(device, mode, max_norm, steps=10):
+    """Lockstep (the reference's gradients each step): a correct optimizer then agrees with
+    torch's to rounding, where independent runs of this tanh network drift apart from one-ulp
+    differences (torch's foreach and fused reach 4e-7 in 10 steps; clipped, emsa's 2e-6)."""
     torch.manual_seed(0)
     ref = rm.FrozenEmbeddingBranch().to(device)
     ours = copy.deepcopy(ref)
@@ -158,7 +186,7 @@ def _frozen_run(device, mode, max_norm, steps=10):
         for o in (ref_opt, opt):
             o.zero_grad(set_to_none=True)
         rm.frozen_branch_loss(ref, batch, k).backward()
-        rm.frozen_branch_loss(ours, batch, k).backward()
+        lockstep_backward(ours, ref)
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
         ref_opt.step()
@@ -209,7 +237,17 @@ def state_bytes_torch(opt) -> int:
 
 
 def state_bytes_emsa(opt) -> int:
-    """What emsa's plan allocates for state (both arenas), not what its views show."""
+    """The bytes emsa's plan lays out for state (every module's range in its arenas, alignment
+    padding included), not what its views show."""
+    return sum(int(m["bytes"]) for m in opt.plan.json["modules"])
+
+
+# The device arena is mapped in whole units of the VMM granularity (src/plan/layout.cc), so it
+# ends up to one unit past the laid-out state: a fixed cost per arena, not per parameter.
+ARENA_UNIT = 2 << 20
+
+
+def arena_bytes_emsa(opt) -> int:
     return int(opt.plan.device_arena_bytes) + int(opt.plan.host_arena_bytes)
 
 
@@ -232,11 +270,13 @@ def test_lora_state_bytes_within_one_percent_of_torch(device):
             o.step()
     sync(opt)
     assert_rel_close(ours, ref, 1e-5)  # the adapters trained as torch's did
-    want, got = state_bytes_torch(ref_opt), state_bytes_emsa(opt)
+    want, got, arena = state_bytes_torch(ref_opt), state_bytes_emsa(opt), arena_bytes_emsa(opt)
     frozen = sum(p.numel() * 4 for p in ours.parameters() if not p.requires_grad)
-    print(f"LoRA {device}: emsa state {got} B, torch {want} B, frozen base {frozen} B")
+    print(f"LoRA {device}: emsa state {got} B (arenas {arena} B), torch {want} B, frozen base "
+          f"{frozen} B")
     assert abs(got - want) <= 0.01 * want, (
         f"emsa plans {got} B of state, torch holds {want} B (the frozen base is {frozen} B)")
+    assert arena - got < 2 * ARENA_UNIT, f"emsa's arenas hold {arena} B for {got} B of state"
     assert not any(opt.state.get(p) for p in ours.parameters() if not p.requires_grad)
 
 
@@ -278,6 +318,9 @@ STEPS_INF, BAD = 6, 2
 @pytest.mark.parametrize("max_norm", [None, 1.0])
 @pytest.mark.parametrize("device,mode", MODES)
 def test_injected_inf_is_skipped_bitwise(device, mode, max_norm):
+    """emsa's own skip (skip_nonfinite=True), lockstep with torch (which is not stepped at the
+    bad step): the step with an inf gradient leaves parameters and state bitwise unchanged, and
+    the steps after it are torch's."""
     ours, ref = _mlp(device), _mlp(device)
     hyper = dict(lr=1e-2, weight_decay=0.1)
     extra = {} if max_norm is None else {"max_grad_norm": max_norm}
@@ -291,19 +334,19 @@ def test_injected_inf_is_skipped_bitwise(device, mode, max_norm):
         warnings.simplefilter("ignore", RuntimeWarning)  # the skip's own warning
         for k, (x, y) in enumerate(data):
             inject.now = k
+            for o in (ref_opt, opt):
+                o.zero_grad(set_to_none=True)
+            (ref(x) - y).square().mean().backward()
             if k == BAD:
                 sync(opt)
                 before = snapshot(ours, opt)
-            opt.zero_grad(set_to_none=True)
-            (ours(x) - y).square().mean().backward()
+            lockstep_backward(ours, ref)
             opt.step()
             if k == BAD:
                 sync(opt)
                 assert opt.last_step_skipped, "the step with an inf gradient was not skipped"
                 assert_unchanged(ours, opt, before, f"{device}/{mode}: the skipped step")
                 continue  # torch's run skips it too
-            ref_opt.zero_grad(set_to_none=True)
-            (ref(x) - y).square().mean().backward()
             if max_norm is not None:
                 torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
             ref_opt.step()
@@ -317,45 +360,48 @@ def test_injected_inf_is_skipped_bitwise(device, mode, max_norm):
 @pytest.mark.numerics
 @pytest.mark.parametrize("device,mode", MODES)
 def test_grad_scaler_skips_injected_inf_and_backs_off(device, mode):
-    """GradScaler's protocol (fp16 autocast on CUDA; on the CPU the same protocol in fp32 with
-    GradScaler("cpu")): scale(loss).backward(), step(opt), update(). The inf step changes
-    nothing in emsa, and the scaler backs off as it does with torch.optim."""
+    """GradScaler's protocol: scale(loss).backward(), step(opt), update(); fp16 autocast on
+    CUDA, on the CPU the same protocol in fp32 with GradScaler("cpu"). torch's run makes the
+    (scaled) gradients, with an inf injected at one step; emsa gets them in lockstep through
+    its own scaled backward. The inf step changes nothing in emsa, its scaler backs off as
+    torch's does, and the other steps are torch's."""
     ours, ref = _mlp(device), _mlp(device)
     hyper = dict(lr=1e-2, weight_decay=0.1)
     data = _mlp_batches(STEPS_INF, device)
-    scalers = [torch.amp.GradScaler(device, init_scale=2.0**12, growth_interval=2)
-               for _ in range(2)]
+    scaler, ref_scaler = (torch.amp.GradScaler(device, init_scale=2.0**12, growth_interval=2)
+                          for _ in range(2))
     kw = mode_kwargs(device, mode, ours, dict(input=data[0][0]),
                      lambda out: (out.float() - data[0][1]).square().mean())
     if mode != "step":
-        kw["grad_scaler"] = scalers[0]
+        kw["grad_scaler"] = scaler
     opt = emsa.AdamW(ours.parameters(), **hyper, **kw)
     ref_opt = torch.optim.AdamW(ref.parameters(), **hyper)
-    injects = [InfAt(ours[0].weight, BAD), InfAt(ref[0].weight, BAD)]
+    inject = InfAt(ref[0].weight, BAD)
     autocast = (torch.autocast("cuda", dtype=torch.float16) if device == "cuda"
                 else torch.autocast("cpu", enabled=False))
-    scales = [[], []]
+    scales, ref_scales = [], []
     for k, (x, y) in enumerate(data):
-        for j, (model, o, scaler) in enumerate(((ours, opt, scalers[0]),
-                                                (ref, ref_opt, scalers[1]))):
-            injects[j].now = k
-            if j == 0 and k == BAD:
-                sync(opt)
-                before = snapshot(ours, opt)
+        inject.now = k
+        for o in (ref_opt, opt):
             o.zero_grad(set_to_none=True)
-            with autocast:
-                loss = (model(x).float() - y).square().mean()
-            scaler.scale(loss).backward()
-            scaler.step(o)
-            scaler.update()
-            scales[j].append(scaler.get_scale())
-            if j == 0 and k == BAD:
-                sync(opt)
-                assert_unchanged(ours, opt, before, f"{device}/{mode}: the GradScaler skip")
+        with autocast:
+            loss = (ref(x).float() - y).square().mean()
+        ref_scaler.scale(loss).backward()
+        if k == BAD:
+            sync(opt)
+            before = snapshot(ours, opt)
+        lockstep_backward(ours, ref, scaler, ref_scaler)
+        for sc, o, out in ((ref_scaler, ref_opt, ref_scales), (scaler, opt, scales)):
+            sc.step(o)
+            sc.update()
+            out.append(sc.get_scale())
+        if k == BAD:
+            sync(opt)
+            assert_unchanged(ours, opt, before, f"{device}/{mode}: the GradScaler skip")
     sync(opt)
-    assert scales[0] == scales[1], f"emsa's scaler {scales[0]}, torch's {scales[1]}"
-    assert scales[0][BAD] < scales[0][BAD - 1], "the scaler did not back off at the inf step"
-    assert_rel_close(ours, ref, 1e-6 if device == "cpu" else 1e-5)
+    assert scales == ref_scales, f"emsa's scaler {scales}, torch's {ref_scales}"
+    assert scales[BAD] < scales[BAD - 1], "the scaler did not back off at the inf step"
+    assert_rel_close(ours, ref, 1e-6)
     assert int(opt.state[ours[0].weight]["step"]) == STEPS_INF - 1
 
 
