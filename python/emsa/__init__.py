@@ -17,6 +17,17 @@ from .probe_record import GraphOp, MemorySample, ParamRecord, ProbeRecord
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # emsa.EmsaTrainerCallback (emsa.hf) imports transformers: only when asked for, and not in
+    # __all__, so that `from emsa import *` works without transformers installed.
+    if name == "EmsaTrainerCallback":
+        from .hf import EmsaTrainerCallback
+
+        return EmsaTrainerCallback
+    raise AttributeError(f"module 'emsa' has no attribute {name!r}")
+
+
 __all__ = [
     "Adam",
     "AdamW",

@@ -58,11 +58,16 @@ class CpuBackend(Backend):
         self.kind = optimizer
         n = len(slots)
 
+        # The bytes the plan's modules use in each tier, not the device arena's rounding to
+        # the GPU's mapping granularity: on the CPU both tiers are plain host memory.
+        used = {}
+        for m in plan.json.get("modules", []):
+            used[m["tier"]] = max(used.get(m["tier"], 0), m["offset"] + m["bytes"])
         self.arenas = {}
-        if plan.device_arena_bytes:
-            self.arenas["L1"] = HostArena(plan.device_arena_bytes, pinned=False)
-        if plan.host_arena_bytes:
-            self.arenas["L2"] = HostArena(plan.host_arena_bytes, pinned=False)
+        for tier, planned in (("L1", plan.device_arena_bytes), ("L2", plan.host_arena_bytes)):
+            if planned:
+                self.arenas[tier] = HostArena(min(planned, used.get(tier, planned)),
+                                              pinned=False)
 
         self.hyper = (Hyperparams * max(group_count, 1))()
         for h in self.hyper:

@@ -13,15 +13,28 @@ options of emsa's own:
   budget=          device memory for the whole training process, bytes or "20GiB"; default: free
                    device memory minus a margin (no GPU: unlimited).
   state_dtype=     torch.float32 (default; matches torch.optim) or torch.bfloat16.
-  skip_nonfinite=  True (default; False with step_in_backward): a step whose gradients hold
-                   inf/nan changes nothing (no parameter, state or step count), warns, and
-                   sets opt.last_step_skipped.
+  skip_nonfinite=  True (default in step() mode; False with step_in_backward): a step whose
+                   gradients hold inf/nan changes nothing (no parameter, state or step count),
+                   warns, and sets opt.last_step_skipped. Accepted in every mode and tier.
                    torch.optim applies such a step and the weights become NaN for good, a
-                   loss that no speed-up repays. The check is one extra pass over every
-                   gradient before the update; under a GradScaler, which finds inf/nan and
-                   skips those steps itself, pass False to save it. On CUDA the GPU decides
-                   and step() does not wait for it: the warning comes at a later step() (or
-                   when last_step_skipped or state_dict() is read, which wait for the GPU).
+                   loss that no speed-up repays. The verdict comes from the same pass over the
+                   gradients as the clipping norm (on CUDA, gathered per bucket in backward).
+                   On CUDA the GPU decides and step() does not wait for it: the warning comes
+                   at a later step() (or when last_step_skipped or state_dict() is read, which
+                   wait for the GPU). With step_in_backward the check makes every update of a
+                   pass wait for the end of backward (the verdict needs every gradient), which
+                   is what that mode exists to avoid: hence off by default there.
+  max_grad_norm=   None (default): no clipping. A number > 0: clip by the global L2 norm of
+                   every gradient the optimizer holds, exactly as
+                   torch.nn.utils.clip_grad_norm_(params, max_grad_norm) before torch's step
+                   (coef = min(1, max_grad_norm / (norm + 1e-6))), applied inside the update: no
+                   separate clipping pass, and exact in every mode (in backward the updates of
+                   a pass wait for its norm). opt.max_grad_norm is settable (None or 0: off)
+                   and read at each step / pass. opt.last_grad_norm is the last step's norm
+                   before clipping (unscaled), opt.clip_count the steps where clipping fired;
+                   step_stats() rows gain "grad_norm" and "clipped". The norm is the float64
+                   sum of squares' root rounded to float32; torch's (float32 per-tensor norms)
+                   agrees to float32 rounding.
   profile=         a DeviceProfile (dict, JSON text or path) to plan against instead of this
                    machine's; for planning ahead and for tests.
   step_in_backward= False (default). True: each parameter is updated from a gradient hook
@@ -31,44 +44,57 @@ options of emsa's own:
                    nothing (it only calls the closure, if given, and returns its loss) and
                    zero_grad() is harmless. The unit of update is a bucket: one parameter on
                    the CPU; on CUDA one of the plan's buckets (one fused launch on the current
-                   stream once all its gradients are final; the step counts advance once per
-                   pass, at its first gradient, which is also when lr and the other
-                   hyperparameters are read). Without probe= the optimizer plans at
-                   construction, from the parameters' shapes. What it rules out, because
-                   updates happen before all gradients exist:
-                   - gradient accumulation over micro-batches, unless accumulate=N is given:
-                     then only every Nth backward updates (and releases the gradients); the
-                     others leave .grad to accumulate as usual;
-                   - anything that needs every gradient before any update: clipping by global
-                     norm, GradScaler.unscale_/its inf skip, and the non-finite skip, so
-                     skip_nonfinite must be False (its default in this mode; True raises
-                     ValueError);
+                   stream once all its gradients are final). A pass is one backward() call: it
+                   begins at its first gradient (when lr and the other hyperparameters are
+                   read) and ends when that backward returns (autograd's end-of-backward
+                   callback; a reentrant backward inside it, as checkpoint(use_reentrant=True)
+                   runs, belongs to the outer one). Parameters that got no gradient in a pass
+                   are not updated and keep their step count (per parameter, as torch). Without
+                   probe= the optimizer plans at construction, from the parameters' shapes.
+                   - gradient accumulation: accumulate=N updates every Nth backward (and then
+                     releases the gradients); the others leave .grad to accumulate as usual;
+                   - "gated" passes, that need every gradient before any update (max_grad_norm,
+                     skip_nonfinite=True, grad_scaler=): the updates wait for the end of
+                     backward (on the CPU the whole step runs then; on CUDA the statistics are
+                     gathered per bucket in backward and host-tier copies still overlap it).
+                     Clipping by hand after backward cannot work (the gradients are gone):
+                     use max_grad_norm=; emsa warns where it can see it being tried
+                     (scaler.unscale_(opt); emsa.hf.EmsaTrainerCallback for Trainer);
                    - DDP/FSDP: their gradient reduction would need a comm hook that calls
                      emsa; not supported;
-                   - a pass is one backward per micro-batch in which every trainable
-                     parameter gets a gradient. A parameter whose gradient never arrives leaves
-                     its update pending; the next backward then raises RuntimeError naming it
-                     (mark it requires_grad=False before building the optimizer, or use
-                     step() mode; on CUDA, frozen parameters are refused at construction:
-                     give the optimizer only trainable ones). Several backward calls over
-                     disjoint parameters within a pass are fine; two that reach the same
-                     parameter are not. opt.remove_hooks() ends the mode's updates.
+                   - opt.remove_hooks() ends the mode's updates.
+  grad_scaler=     with step_in_backward: the torch.amp.GradScaler that scales the loss. emsa
+                   divides the gradients by its current scale in backward (read as its scale
+                   tensor, no host sync), skips a pass with inf/nan (nothing changes), and when
+                   scaler.step(opt) runs, hands the scaler that verdict so that scaler.update()
+                   backs off as after a skipped torch step. A GradScaler stepping an in-backward
+                   optimizer not given grad_scaler= raises (its updates in backward used scaled
+                   gradients). In step() mode no keyword is needed: emsa sets
+                   _step_supports_amp_scaling, so scaler.step(opt) hands emsa its scale
+                   (opt.grad_scale) and emsa unscales inside the update, skipping the steps
+                   the scaler found inf in (the scaler's own inf check still runs: that pass is
+                   torch's); scaler.unscale_(opt) before step() also works.
   accumulate=      with step_in_backward: update every Nth backward (default 1).
   tier=            None (default): the planner decides what state leaves the device, coldest
                    first, as much as budget= requires. "device": all state on the device (a
                    budget too small fails with the smallest that works). "host": all state
                    (and an fp32 master of every parameter) in pinned host memory, updated by
                    the CPU while the GPU runs, parameters copied back per bucket.
-                   On CUDA, state on the host turns skip_nonfinite off (a host-tier bucket
-                   updates before later gradients exist; GradScaler still skips bad steps
-                   before step() is called); an explicit skip_nonfinite=True then raises.
                    step_in_backward=True is what hides the host tier's copies under backward
                    and frees each gradient once copied: use it with tier="host" when nothing
                    between backward and step() needs the gradients.
 
+Frozen parameters: those with requires_grad=False when the optimizer plans (at construction
+with probe= or step_in_backward, else at the first step()) get no state, no arena bytes and no
+state_dict entry, as torch.optim keeps none for them. One that later gets a gradient (or, in
+backward, requires one) is refused before anything changes: build a new optimizer after
+unfreezing and load this one's state_dict into it. Parameters whose .grad is None at a step are
+skipped with their own step count.
+
 state_dict() has torch.optim's layout ("step" float32 scalar, "exp_avg", "exp_avg_sq"), so a
-checkpoint moves between emsa.AdamW and torch.optim.AdamW in both directions. The state tensors
-are views into emsa's arenas, as torch's are its live tensors.
+checkpoint moves between emsa.AdamW and torch.optim.AdamW in both directions (frozen
+parameters keep their index, with no state, as in torch's). The state tensors are views into
+emsa's arenas, as torch's are its live tensors.
 """
 
 from __future__ import annotations
@@ -290,10 +316,11 @@ class _EmsaOptimizer(Optimizer):
         if self._in_backward or backend.wants_grads_final:
             self._install_hooks(slots, backend_cls)
 
-    def _engine_groups(self) -> list[dict]:
+    def _engine_groups(self, unfrozen: bool = False) -> list[dict]:
         """param_groups as the engine planned them (frozen parameters left out), after checking
-        that no parameter was added or removed and that no frozen one has a gradient; raises
-        before anything changes."""
+        that no parameter was added or removed and that no frozen one has a gradient (or,
+        with unfrozen=True, requires one: at a pass's first hook, before anything of the pass
+        is updated); raises before anything changes."""
         groups = self.param_groups
         if [len(g["params"]) for g in groups] != self._sizes:
             raise ValueError(
@@ -305,9 +332,10 @@ class _EmsaOptimizer(Optimizer):
             if p is not f.param:
                 raise ValueError(f"{f.name} was replaced by another tensor after emsa planned "
                                  "it; build a new optimizer over the new parameter set")
-            if p.grad is not None:
+            if p.grad is not None or (unfrozen and p.requires_grad):
+                now = "has a gradient" if p.grad is not None else "requires a gradient now"
                 raise RuntimeError(
-                    f"{f.name} has a gradient, but it did not require one (requires_grad=False) "
+                    f"{f.name} {now}, but it did not require one (requires_grad=False) "
                     "when emsa planned this optimizer, so emsa keeps no state for it and cannot "
                     "update it; nothing was changed. To train it, build a new optimizer after "
                     "unfreezing (load this one's state_dict into it to keep the others' state); "
@@ -428,8 +456,8 @@ class _EmsaOptimizer(Optimizer):
         backend = self._backend
         if self._in_backward:
             self._updating = (self._passes + 1) % self._accumulate == 0
+            groups = self._engine_groups(unfrozen=True)
             if self._updating:  # the pass's first gradient: its lr and hyperparameters
-                groups = self._engine_groups()
                 self._configure(backend, **self._pass_scaling())
                 with torch.no_grad():
                     backend.begin_pass(groups)
@@ -440,12 +468,25 @@ class _EmsaOptimizer(Optimizer):
         self._pass_token += 1
         token, ref = self._pass_token, weakref.ref(self)
 
+        engine = torch.autograd.Variable._execution_engine
+
         def end_of_backward():
+            node = torch._C._current_autograd_node()
+            if node is not None:
+                # A reentrant backward (checkpoint(use_reentrant=True)) ended inside the node
+                # `node` of an outer one: the pass ends with the outer backward. A post hook of
+                # that node runs in the outer backward and queues this callback there.
+                def outer(grad_inputs, grad_outputs):
+                    handle.remove()
+                    engine.queue_callback(end_of_backward)
+
+                handle = node.register_hook(outer)
+                return
             opt = ref()
             if opt is not None:
                 opt._close_pass(token)
 
-        torch.autograd.Variable._execution_engine.queue_callback(end_of_backward)
+        engine.queue_callback(end_of_backward)
         self._pass_open = True
 
     def _abandon_pass(self) -> None:

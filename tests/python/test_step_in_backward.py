@@ -149,11 +149,27 @@ def test_cuda_updates_in_backward_equal_step():
 
 
 @requires_cuda
-def test_cuda_refuses_frozen_parameters():
-    a = torch.nn.Parameter(torch.ones(3, device="cuda"))
+@pytest.mark.numerics
+def test_cuda_frozen_and_absent_parameters_follow_torch():
+    """CUDA in backward: a frozen parameter gets no state; one without a gradient in a pass
+    keeps its step count; the others are updated as torch.optim.AdamW updates them."""
+    a = torch.nn.Parameter(torch.linspace(-1, 1, 3, device="cuda"))
     frozen = torch.nn.Parameter(torch.ones(2, device="cuda"), requires_grad=False)
-    with pytest.raises(ValueError, match="requires_grad"):
-        emsa.AdamW([a, frozen], step_in_backward=True)
+    sometimes = torch.nn.Parameter(torch.full((3,), 0.5, device="cuda"))
+    ref = [p.detach().clone().requires_grad_(p.requires_grad) for p in (a, frozen, sometimes)]
+    opt = emsa.AdamW([a, frozen, sometimes], step_in_backward=True)
+    ref_opt = torch.optim.AdamW(ref)
+    for k in range(5):
+        for (x, f, z), o in (((a, frozen, sometimes), None), (tuple(ref), ref_opt)):
+            loss = (x * x).sum() + (f * 0).sum() + ((z * x).sum() if k % 2 == 0 else 0)
+            loss.backward()
+            if o is not None:
+                o.step()
+                o.zero_grad()
+    assert frozen not in opt.state and 1 not in opt.state_dict()["state"]
+    assert int(opt.state[a]["step"]) == 5 and int(opt.state[sometimes]["step"]) == 3
+    for p, q in zip((a, frozen, sometimes), ref):
+        assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.numerics
@@ -182,24 +198,85 @@ def test_closure_is_called_and_step_updates_nothing():
     assert torch.equal(w.detach(), before)
 
 
-def test_skip_nonfinite_true_is_refused():
+def test_options_are_checked():
     w = torch.nn.Parameter(torch.ones(3))
-    with pytest.raises(ValueError, match="skip_nonfinite"):
-        emsa.AdamW([w], step_in_backward=True, skip_nonfinite=True)
+    # skip_nonfinite is off by default in backward (the check makes a pass's updates wait for
+    # the end of backward) and accepted when asked for (test_amp tests what it does).
+    assert emsa.AdamW([w], step_in_backward=True).skip_nonfinite is False
+    assert emsa.AdamW([w], step_in_backward=True, skip_nonfinite=True).skip_nonfinite is True
     with pytest.raises(ValueError, match="step_in_backward"):
         emsa.AdamW([w], accumulate=2)
     with pytest.raises(ValueError, match="accumulate"):
         emsa.AdamW([w], step_in_backward=True, accumulate=0)
 
 
-def test_missing_gradient_raises_naming_the_parameter():
-    a = torch.nn.Parameter(torch.ones(3))
+@pytest.mark.numerics
+def test_parameter_without_a_gradient_is_skipped_as_torch_does():
+    """A parameter that gets no gradient in a pass is not updated and keeps its step count;
+    the pass ends with the backward call, so the others are updated every pass."""
+    a = torch.nn.Parameter(torch.linspace(-1, 1, 3))
     unused = torch.nn.Parameter(torch.ones(2))
-    opt = emsa.AdamW([a, unused], step_in_backward=True, profile=str(CPU_PROFILE))
-    a.sum().backward()  # unused gets no gradient: its update stays pending
-    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\.params\[1\]"):
-        a.sum().backward()
-    assert int(opt.state[unused]["step"]) == 0
+    sometimes = torch.nn.Parameter(torch.full((3,), 0.5))
+    ref = [p.detach().clone().requires_grad_() for p in (a, unused, sometimes)]
+    opt = emsa.AdamW([a, unused, sometimes], step_in_backward=True, profile=str(CPU_PROFILE))
+    ref_opt = torch.optim.AdamW(ref)
+    for k in range(5):
+        for (x, _, z), o in (((a, unused, sometimes), None), (tuple(ref), ref_opt)):
+            loss = (x * x).sum() + ((z * x).sum() if k % 2 == 0 else 0)
+            loss.backward()
+            if o is not None:
+                o.step()
+                o.zero_grad()
+    assert int(opt.state[a]["step"]) == 5 and int(opt.state[sometimes]["step"]) == 3
+    assert int(opt.state[unused]["step"]) == 0 and torch.equal(unused, torch.ones(2))
+    for p, q in zip((a, unused, sometimes), ref):
+        assert_close(p, q, rtol=1e-6, atol=1e-7)
+        if q in ref_opt.state:
+            assert int(opt.state[p]["step"]) == int(ref_opt.state[q]["step"])
+
+
+def test_two_backward_calls_are_two_passes():
+    """Several backward calls over disjoint parameters: each is a pass of its own, updating
+    what it reached; the other parameters keep their step counts."""
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    opt = emsa.AdamW([a, b], step_in_backward=True, profile=str(CPU_PROFILE))
+    a.sum().backward()
+    b.sum().backward()
+    a.sum().backward()
+    assert int(opt.state[a]["step"]) == 2 and int(opt.state[b]["step"]) == 1
+    assert a.grad is None and b.grad is None
+
+
+@pytest.mark.numerics
+def test_reentrant_checkpoint_is_one_pass():
+    """checkpoint(use_reentrant=True) runs a backward inside the backward: the pass (and the
+    clipping norm) still spans the whole outer backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6),
+                                   torch.nn.Tanh(), torch.nn.Linear(6, 2))
+
+    x, y = torch.randn(8, 6), torch.randn(8, 2)
+
+    def loss_of(m):  # the checkpointed segment holds the parameters whose gradients come first
+        h = m[2](m[1](m[0](x)))
+        return ((checkpoint(lambda h: m[4](m[3](h)), h, use_reentrant=True) - y) ** 2).sum()
+
+    ref, model = net(), net()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = emsa.AdamW(model.parameters(), lr=1e-2, max_grad_norm=0.1, step_in_backward=True,
+                     profile=str(CPU_PROFILE))
+    for _ in range(3):
+        loss_of(ref).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_of(model).backward()
+    assert opt.clip_count == 3
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert_close(q, p, rtol=1e-6, atol=1e-7)
 
 
 def test_frozen_parameters_are_not_waited_for():

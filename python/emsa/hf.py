@@ -1,0 +1,98 @@
+"""Hugging Face Trainer with an emsa optimizer: clipping by emsa, exact in every mode.
+
+Trainer clips between backward and optimizer.step() (args.max_grad_norm, 1.0 by default) with
+torch.nn.utils.clip_grad_norm_. With step_in_backward=True emsa has already updated from (and
+released) the gradients by then, so Trainer's clipping would silently act on nothing; in
+step() mode it costs a separate pass over every gradient that emsa fuses into its update. The
+recipe hands the threshold to emsa instead:
+
+    import emsa
+    from emsa.hf import EmsaTrainerCallback
+
+    opt = emsa.AdamW(model.parameters(), lr=5e-5, weight_decay=0.0,
+                     step_in_backward=True, tier="host")      # or any emsa options
+    sched = transformers.get_linear_schedule_with_warmup(opt, 100, 1000)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                   optimizers=(opt, sched), callbacks=[EmsaTrainerCallback()])
+    trainer.train()
+
+At train begin the callback sets opt.max_grad_norm = args.max_grad_norm (unless the optimizer
+was given its own max_grad_norm=) and args.max_grad_norm = 0, so Trainer does not clip; at
+train end it restores args.max_grad_norm. emsa then clips by the global norm of every gradient
+the optimizer holds, as clip_grad_norm_ does, inside its update (step_in_backward: over each
+backward's gradients, or the accumulated ones with accumulate=N; pass
+gradient_accumulation_steps=1 to Trainer and accumulate=N to emsa, since Trainer's accumulation
+calls backward N times before one step()).
+
+Also, with step_in_backward=True:
+- fp16 (Trainer/Accelerate's GradScaler): the callback gives the scaler to the optimizer
+  (opt.grad_scaler), so emsa unscales in backward, skips inf/nan passes and reports them to
+  scaler.update();
+- the logged "grad_norm" is emsa's (Trainer's own norm reads .grad, which emsa released).
+Trainer still computes a norm for logging each step (clip_grad_norm_ with max_norm=inf):
+that pass is Trainer's, not emsa's.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from transformers import TrainerCallback
+
+__all__ = ["EmsaTrainerCallback"]
+
+
+def _emsa_optimizer(optimizer):
+    """The emsa optimizer inside Trainer's (Accelerate wraps it as .optimizer), or None."""
+    from .optimizers import _EmsaOptimizer
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return inner if isinstance(inner, _EmsaOptimizer) else None
+
+
+class EmsaTrainerCallback(TrainerCallback):
+    """Moves Trainer's gradient clipping (args.max_grad_norm) into the emsa optimizer; see the
+    module docstring for the recipe."""
+
+    def __init__(self):
+        self._restore: float | None = None
+        self._opt = None
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        opt = _emsa_optimizer(optimizer)
+        if opt is None:
+            warnings.warn("EmsaTrainerCallback: the Trainer's optimizer is not an emsa "
+                          "optimizer; the callback does nothing (Trainer clips as usual)",
+                          RuntimeWarning, stacklevel=2)
+            return
+        self._opt = opt
+        wanted = float(args.max_grad_norm or 0.0)
+        if wanted > 0:
+            if opt.max_grad_norm is None:
+                opt.max_grad_norm = wanted
+            elif opt.max_grad_norm != wanted:
+                warnings.warn(
+                    f"EmsaTrainerCallback: the emsa optimizer clips at max_grad_norm="
+                    f"{opt.max_grad_norm}, Trainer's args.max_grad_norm is {wanted}; emsa's "
+                    "threshold is kept and Trainer's clipping is turned off", RuntimeWarning,
+                    stacklevel=2)
+            self._restore = args.max_grad_norm
+            args.max_grad_norm = 0.0
+        scaler = getattr(optimizer, "scaler", None)
+        if opt._in_backward and scaler is not None and opt.grad_scaler is None:
+            opt.grad_scaler = scaler
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        opt = self._opt
+        if (opt is None or not opt._in_backward or logs is None or "grad_norm" not in logs
+                or opt.max_grad_norm is None):
+            return
+        norm = opt.last_grad_norm
+        if norm is not None:
+            logs["grad_norm"] = norm
+            if state.log_history and "grad_norm" in state.log_history[-1]:
+                state.log_history[-1]["grad_norm"] = norm
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._restore is not None:
+            args.max_grad_norm, self._restore = self._restore, None
