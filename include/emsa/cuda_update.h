@@ -20,6 +20,14 @@
 //   scalars.AdvanceSteps(s);           // ++step of every group, unless found_inf (as torch)
 //   table.Update(scalars, s);          // per table; does nothing when found_inf is set
 //
+// Per-tensor steps (torch keeps one step per parameter): DeviceScalars made with slot_count > 0
+// hold that many int64 slot steps; a table made with slots reads its tensors' slot steps instead
+// of their groups' and its Update advances them itself (present tensors only, unless found_inf).
+//
+// Absent tensors: SetGradPointers with a null gradient for a tensor of numel > 0 marks it absent
+// (its parameter got no gradient this step): Update and AccumulateGradStats skip it, its state and
+// slot step stay, until a later SetGradPointers gives it a gradient again.
+//
 // The arithmetic is the CPU kernels' (src/kernels/cpu/update_math.h, torch.optim's order, no
 // FMA contraction, per-step constants computed in double and rounded once to float), so for the
 // same inputs the device and host tiers produce the same bits, stochastic rounding included
@@ -32,9 +40,10 @@
 //
 // Threads and streams: an object is not shared between host threads without locking. Launches
 // that write the same DeviceScalars (BeginStep, AccumulateGradStats, FinishGradStats,
-// AdvanceSteps, SetGroup, SetInputs) must be ordered (one stream, or events); Update() only reads
-// the scalars, so tables may update concurrently on different streams. Destroy an object only
-// when no work using it is in flight.
+// AdvanceSteps, SetGroup, SetInputs, SetUnscaleFrom, SetSlotSteps) must be ordered (one stream,
+// or events); Update() only reads the scalars (a slot table also writes its own slots' steps), so
+// tables may update concurrently on different streams when no slot is in two of them. Destroy an
+// object only when no work using it is in flight.
 //
 // Without a CUDA build, or without a usable device, Create() returns kUnsupported.
 #pragma once
@@ -108,20 +117,23 @@ static_assert(sizeof(DeviceStepHeader) == 56, "DeviceStepHeader is a device-memo
 
 class DeviceScalars {
  public:
-  // One group per hyperparameter set, initialized from hypers[i] with step 0, and the header at
-  // its defaults. Validates every group first (finite lr >= 0, betas in [0, 1), finite
-  // weight_decay >= 0, eps > 0). Synchronous (bind time).
+  // One group per hyperparameter set, initialized from hypers[i] with step 0, slot_count slot
+  // steps (0 each; for tables made with slots), and the header at its defaults. Validates every
+  // group first (finite lr >= 0, betas in [0, 1), finite weight_decay >= 0, eps > 0).
+  // Synchronous (bind time).
   static Result<std::unique_ptr<DeviceScalars>> Create(const HyperParams* hypers,
-                                                       size_t group_count);
+                                                       size_t group_count, size_t slot_count = 0);
   ~DeviceScalars();
   DeviceScalars(const DeviceScalars&) = delete;
   DeviceScalars& operator=(const DeviceScalars&) = delete;
 
   int device() const { return device_; }
   size_t group_count() const { return group_count_; }
+  size_t slot_count() const { return slot_count_; }
   // Device pointers, for callers that write fields with their own copies or kernels.
   DeviceStepHeader* device_header() const { return header_; }
   DeviceGroupScalars* device_groups() const { return groups_; }
+  int64_t* device_slot_steps() const { return slot_steps_; }  // null without slots
 
   // Asynchronous on `stream`; each is one tiny kernel whose values travel as launch arguments
   // (captured into a graph as constants). Values are validated first; a bad one changes nothing.
@@ -153,13 +165,31 @@ class DeviceScalars {
   // host after the stream's earlier work. Synchronizes the stream: for reports and tests.
   Status Read(DeviceStepHeader* header, DeviceGroupScalars* groups, cudaStream_t stream) const;
 
+  // The slot steps (count must be slot_count()) after the stream's earlier work; synchronizes.
+  Status ReadSlotSteps(int64_t* steps, size_t count, cudaStream_t stream) const;
+  // Sets every slot step (each >= 0), ordered on the stream; synchronizes the stream before
+  // returning, so `steps` may be reused at once (a load_state_dict-time call).
+  Status SetSlotSteps(const int64_t* steps, size_t count, cudaStream_t stream);
+
+  // grad_unscale = (float)(1.0 / (double)*device_scale), read on the device when the stream gets
+  // there (torch's GradScaler unscales by that value). A scale that is not finite or <= 0, or
+  // whose reciprocal is not finite, writes NaN instead; BeginStep then sets found_inf, so the
+  // step is skipped instead of multiplying gradients by garbage. One tiny kernel.
+  Status SetUnscaleFrom(const float* device_scale, cudaStream_t stream);
+  // Writes 1.0f when found_inf is set, else 0.0f, into a float in device memory (torch's
+  // found_inf tensor), after the stream's earlier work. One tiny kernel.
+  Status WriteFoundInf(float* device_dst, cudaStream_t stream) const;
+
  private:
   DeviceScalars() = default;
   int device_ = -1;
   size_t group_count_ = 0;
-  [[maybe_unused]] void* memory_ = nullptr;  // one allocation: header, then groups (CUDA only)
+  size_t slot_count_ = 0;
+  // One allocation: header, groups, then slot steps (CUDA only).
+  [[maybe_unused]] void* memory_ = nullptr;
   DeviceStepHeader* header_ = nullptr;
   DeviceGroupScalars* groups_ = nullptr;
+  int64_t* slot_steps_ = nullptr;
 };
 
 // ---- DeviceUpdateTable -------------------------------------------------------------------------
@@ -174,6 +204,11 @@ struct DeviceTableOptions {
   // bits, and faster where available. Elsewhere, and for other dtypes, the per-thread
   // kernel runs whatever this says (bulk_copy_launches() tells which).
   bool bulk_copy = true;
+  // A table for gradient statistics only: each tensor needs grad, numel and grad_dtype (param,
+  // state, master and the other dtypes are not read or checked). AccumulateGradStats, ReadStats
+  // and SetGradPointers work; Update returns kInvalidArgument. For gradients updated elsewhere
+  // (the host tier) that count in the same global norm.
+  bool stats_only = false;
 };
 
 // Tier L0: an L2 access-policy window for a table's update launches (the cudaLaunchKernelEx
@@ -201,15 +236,25 @@ class DeviceUpdateTable {
   // come from DeviceScalars group groups[i] (groups == null: every tensor in group 0).
   // Validates everything before allocating (the error names the tensor); pointers must be device
   // (or managed) memory of the current device. Synchronous (bind time).
+  //
+  // slots (null: group steps): slots[i] is tensor i's slot step in the DeviceScalars (>= 0, no
+  // two tensors of the table in one slot). Then each Update, unless found_inf, first advances
+  // every present tensor's slot step by one (one small kernel on the update's stream), and the
+  // update uses that step for the tensor (bias correction and rounding keys, per-step constants
+  // computed in double and rounded once, as for group steps: a table whose tensors all share a
+  // step gives the bits of a table without slots). Absent tensors keep their step.
   static Result<std::unique_ptr<DeviceUpdateTable>> Create(const TensorUpdate* tensors,
                                                            const int32_t* groups, size_t count,
-                                                           const DeviceTableOptions& options);
+                                                           const DeviceTableOptions& options,
+                                                           const int64_t* slots = nullptr);
   ~DeviceUpdateTable();
   DeviceUpdateTable(const DeviceUpdateTable&) = delete;
   DeviceUpdateTable& operator=(const DeviceUpdateTable&) = delete;
 
   // One fused launch per dtype combination present; reads grad_multiplier, found_inf, seed and
-  // the groups from `scalars`. Returns kCudaError if a launch fails; asynchronous otherwise.
+  // the groups from `scalars` (a slot table: one more small launch first, advancing its slots).
+  // Returns kCudaError if a launch fails; asynchronous otherwise. kInvalidArgument for a
+  // stats_only table, or scalars with too few groups or slots.
   Status Update(const DeviceScalars& scalars, cudaStream_t stream);
 
   // Every later Update launches with this access-policy window (bytes 0: without one). Results
@@ -218,14 +263,16 @@ class DeviceUpdateTable {
   Status SetAccessWindow(const DeviceAccessWindow& window);
 
   // Adds this table's sum of squares and non-finite count into the scalars' header (one launch;
-  // deterministic: the same inputs and device give the same bits).
+  // deterministic: the same inputs and device give the same bits). Absent tensors count nothing.
   Status AccumulateGradStats(DeviceScalars& scalars, cudaStream_t stream);
   // The last AccumulateGradStats's figures for this table. Synchronizes the stream.
   Status ReadStats(DeviceTableStats* stats, cudaStream_t stream) const;
 
   // Points the table at new gradients: grads[i] replaces tensors[i].grad of Create (same dtype
-  // and numel; null only where numel is 0), for frameworks that allocate gradients anew each
-  // backward (torch's zero_grad(set_to_none=True)). count must be tensor_count().
+  // and numel), for frameworks that allocate gradients anew each backward (torch's
+  // zero_grad(set_to_none=True)). count must be tensor_count(). A null grads[i] for a tensor of
+  // numel > 0 marks it absent (no gradient this step: see the top of this file) until a later
+  // call gives it one; a tensor of numel 0 is never absent.
   //
   // Asynchronous on `stream` and allocation-free: the pointers are written into a pinned host
   // slot made at Create, copied to the device and scattered into the table by one small kernel,
@@ -236,7 +283,7 @@ class DeviceUpdateTable {
   // enqueue nothing. A call must be ordered with this table's Update and AccumulateGradStats
   // (same stream, or events), as the launches writing DeviceScalars are.
   //
-  // Checked here: count, null pointers, alignment to the grad's element size. Not checked: that
+  // Checked here: count, alignment to the grad's element size. Not checked: that
   // each pointer is device memory of the table's device holding numel elements (a driver query
   // per pointer per step would cost more than a small model's update): pass what Create would
   // accept. Not capturable into a CUDA graph (it may wait on an event); a graph that needs new
@@ -256,6 +303,10 @@ class DeviceUpdateTable {
   uint64_t bytes_per_update() const { return bytes_per_update_; }
   // The smallest DeviceScalars::group_count() this table can be used with.
   size_t groups_needed() const { return groups_needed_; }
+  // The smallest DeviceScalars::slot_count() it can be used with (0: a table without slots).
+  size_t slots_needed() const { return slots_needed_; }
+  bool has_slots() const { return has_slots_; }
+  bool stats_only() const { return options_.stats_only; }
 
  private:
   struct Impl;  // launch records and device arrays (src/kernels/cuda/device_update.cc)
@@ -270,6 +321,8 @@ class DeviceUpdateTable {
   int bulk_launch_count_ = 0;
   uint64_t bytes_per_update_ = 0;
   size_t groups_needed_ = 0;
+  size_t slots_needed_ = 0;
+  bool has_slots_ = false;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -269,6 +269,11 @@ typedef struct emsa_device_table_options {
   int32_t optimizer;    /* EMSA_OPTIMIZER_*; default ADAMW */
   int32_t rounding;     /* EMSA_ROUNDING_*; default STOCHASTIC */
   int32_t bulk_copy;    /* 1 (default): fp32 tables on sm_90+ move tiles by bulk copies; 0: not */
+  /* 1: a table for gradient statistics only (DeviceTableOptions.stats_only): each tensor needs
+   * only grad, numel and grad_dtype (param, state and master may be NULL and are not read);
+   * emsa_device_table_accumulate_stats and emsa_device_table_set_grads work on it, an update
+   * returns EMSA_INVALID_ARGUMENT. 0 (default): an update table */
+  int32_t stats_only;
 } emsa_device_table_options;
 
 /* What the last step saw; read back for reports and tests (synchronizes the stream). */
@@ -349,13 +354,85 @@ EMSA_API emsa_status emsa_device_scalars_read_steps(const emsa_device_scalars* s
 EMSA_API emsa_status emsa_device_scalars_copy_header(const emsa_device_scalars* scalars,
                                                      emsa_device_step_header* dst, void* stream);
 /* Points the table at new gradients: grads[i] for tensor i in creation order, count = the
- * table's tensor count, each of the dtype and size given at creation (NULL only for an empty
- * tensor). Asynchronous and allocation-free (pinned staging made at creation; the host waits
- * only when several earlier calls are still queued on the device); pointers equal to the current
- * ones enqueue nothing. Misaligned gradients are handled (scalar path). The pointers are not
- * checked to be device memory: pass what emsa_device_table_create would accept. */
+ * table's tensor count, each of the dtype and size given at creation. Asynchronous and
+ * allocation-free (pinned staging made at creation; the host waits only when several earlier
+ * calls are still queued on the device); pointers equal to the current ones enqueue nothing.
+ * Misaligned gradients are handled (scalar path). The pointers are not checked to be device
+ * memory: pass what emsa_device_table_create would accept.
+ * grads[i] NULL for a tensor with numel > 0: the tensor is ABSENT (its parameter got no
+ * gradient): updates and statistics skip it (its gradient is not read; param, moments, master
+ * and slot step stay as they are) until a later call gives it a pointer again. A tensor with
+ * numel 0 is never absent (it has nothing to read; its slot step advances with every update). */
 EMSA_API emsa_status emsa_device_table_set_grads(emsa_device_table* table, const void* const* grads,
                                                  size_t count, void* stream);
+
+/* ---- device tier: per-tensor steps, the split step, loss scale from the device ------------ */
+/* Scalars with slot_count per-tensor ("slot") step counts besides the groups, every one 0.
+ * A table created with slots (below) reads and advances its tensors' slot steps instead of
+ * their group's step (torch keeps one step per parameter: a parameter skipped in a step keeps
+ * its count). slot_count 0 is emsa_device_scalars_create. Synchronous. */
+EMSA_API emsa_status emsa_device_scalars_create_slots(const emsa_hyperparams* groups,
+                                                      size_t group_count, size_t slot_count,
+                                                      emsa_device_scalars** scalars_out);
+/* emsa_device_table_create with slots[i] tensor i's slot: 0 <= slots[i] < slot_count, no two
+ * tensors of the table in one slot (checked here). slot_count is the count of the scalars the
+ * table will be used with (an update with scalars of fewer slots is refused). groups may be NULL
+ * (every tensor in group 0; the group still gives the hyperparameters).
+ * Each update of such a table, unless found_inf: every present (non-absent) tensor's slot step
+ * advances by one, then the tensor updates with that step (bias correction and rounding keys);
+ * absent tensors: nothing. The advance is a small kernel on the update's stream before the update
+ * kernels, so the update also writes the scalars (its slots only): a slot must be updated by at
+ * most one table per step (the caller's rule). Group steps are not read (emsa_device_step still
+ * advances them). A table whose tensors share one step gives the bits of a table without slots. */
+EMSA_API emsa_status emsa_device_table_create_slots(const emsa_tensor_update* tensors,
+                                                    const int32_t* groups, const int64_t* slots,
+                                                    size_t count, size_t slot_count,
+                                                    const emsa_device_table_options* options,
+                                                    emsa_device_table** table_out);
+/* Every slot's step after the stream's earlier work; count must be the scalars' slot_count.
+ * Synchronizes the stream. */
+EMSA_API emsa_status emsa_device_scalars_read_slot_steps(const emsa_device_scalars* scalars,
+                                                         int64_t* steps_out, size_t count,
+                                                         void* stream);
+/* Sets every slot's step (load_state_dict): count = slot_count, each >= 0. Ordered on the stream
+ * after its earlier work; the values are copied before return (it synchronizes the stream). */
+EMSA_API emsa_status emsa_device_scalars_set_slot_steps(emsa_device_scalars* scalars,
+                                                        const int64_t* steps, size_t count,
+                                                        void* stream);
+/* The step split, so that statistics can be gathered while backward runs (all asynchronous,
+ * no host synchronization, one tiny kernel or one launch each, ordered on the one stream):
+ *   begin_step: grad_multiplier = grad_unscale, found_inf = (grad_unscale not finite: see
+ *     set_unscale_from), sum_sq = nonfinite_count = grad_norm = 0, clip_coef = 1;
+ *   table_accumulate_stats: adds one table's sum of squares and non-finite count (absent
+ *     tensors skipped; update and stats_only tables alike);
+ *   finish_stats: found_inf |= any non-finite gradient; grad_norm = sqrt(sum_sq) * |unscale|;
+ *     clip_coef = min(1, max_norm / (grad_norm + 1e-6)) when max_norm > 0 and finite, in double,
+ *     rounded once (as torch.nn.utils.clip_grad_norm_); grad_multiplier = unscale * clip_coef;
+ *   then emsa_device_table_update per table, or emsa_device_finish_step for a list.
+ * begin_step does not advance group steps; emsa_device_finish_step does (as emsa_device_step). */
+EMSA_API emsa_status emsa_device_begin_step(emsa_device_scalars* scalars, void* stream);
+EMSA_API emsa_status emsa_device_table_accumulate_stats(emsa_device_table* table,
+                                                        emsa_device_scalars* scalars, void* stream);
+EMSA_API emsa_status emsa_device_finish_stats(emsa_device_scalars* scalars, void* stream);
+/* finish_stats, advance the group steps (unless found_inf), then update each of `count` tables
+ * (slot tables advance their own slots). emsa_device_step is begin_step + accumulate_stats of
+ * each table (check_stats) + this. */
+EMSA_API emsa_status emsa_device_finish_step(emsa_device_scalars* scalars,
+                                             emsa_device_table** tables, size_t count,
+                                             void* stream);
+/* Loss scale from device memory: enqueues a tiny kernel that sets grad_unscale =
+ * (float)(1.0 / (double)*device_scale), reading the float32 at device_scale (e.g. GradScaler's
+ * _scale) when the stream reaches it; the value torch's GradScaler unscales by. Call it before
+ * begin_step (which copies grad_unscale into grad_multiplier). A scale that is not finite, or
+ * <= 0, or whose reciprocal is not finite sets grad_unscale to NaN instead, and the next
+ * begin_step then sets found_inf: the step is skipped (nothing updated, no step advanced) rather
+ * than dividing into garbage. device_scale must stay allocated until the stream has run it. */
+EMSA_API emsa_status emsa_device_scalars_set_unscale_from(emsa_device_scalars* scalars,
+                                                          const float* device_scale, void* stream);
+/* Enqueues a tiny kernel writing 1.0f (found_inf set) or 0.0f into the float32 at device_dst
+ * (device memory, e.g. GradScaler's per-device found_inf), after the stream's earlier work. */
+EMSA_API emsa_status emsa_device_scalars_write_found_inf(const emsa_device_scalars* scalars,
+                                                         float* device_dst, void* stream);
 
 /* ---- device arena and DLPack views ---------------------------------------------------------- */
 /* One zero-filled device allocation on CUDA device `device`, aligned to 2 MiB (emsa/
@@ -442,6 +519,9 @@ typedef struct emsa_host_tier_options {
   /* a cudaStream_t for the device-updated buckets' kernels, the caller's (it must outlive the
    * tier), or NULL (default) for one the tier owns (HostTierOptions.device_update_stream) */
   void* device_update_stream;
+  /* 1: every step emsa_host_tier_begin_step starts is gated (waits for emsa_host_tier_release);
+   * 0 (default): ungated. emsa_host_tier_begin_step_gated chooses per step instead */
+  int32_t gated;
 } emsa_host_tier_options;
 
 /* One step's measurements: busy seconds per engine (sums over buckets). */
@@ -458,6 +538,8 @@ typedef struct emsa_host_tier_step_stats {
   double worker_s;        /* the worker from taking each bucket to enqueueing its upload */
   int64_t device_buckets; /* device-updated buckets submitted in the step */
   double stream_up_s;     /* their moments' copies up, summed (HostTierStepStats.stream_up_s) */
+  int32_t gated;          /* 1: the step waited for a release */
+  int32_t skipped;        /* 1: its release said found_inf; nothing was updated */
 } emsa_host_tier_step_stats;
 
 EMSA_API void emsa_host_tier_tensor_init(emsa_host_tier_tensor* tensor);
@@ -474,18 +556,56 @@ EMSA_API emsa_status emsa_host_tier_create(emsa_cpu_updater* updater,
                                            emsa_host_tier** tier_out);
 /* Waits for every submitted bucket, then stops the worker. */
 EMSA_API void emsa_host_tier_destroy(emsa_host_tier* tier);
+/* Step counts are per tensor, kept by the tier (creation order, 0 at create): a present
+ * tensor's update uses its count + 1, and the count advances when a step that was not skipped
+ * ends (settled by the next begin_step or by synchronize). */
 /* Starts a step (waits until the previous one's CPU updates are done): group_count
- * hyperparameters and step numbers. */
+ * hyperparameters and step numbers. Sets the count of every tensor of group g to steps[g] - 1
+ * (its update then uses steps[g], as before per-tensor counts); gated per options.gated. */
 EMSA_API emsa_status emsa_host_tier_begin_step(emsa_host_tier* tier, const emsa_hyperparams* hypers,
                                                const int64_t* steps, size_t group_count);
-/* Bucket `bucket`'s gradients are final on `stream` (device pointers in tensor order). */
+/* Starts a step with the tier's own per-tensor counts. gated 1: its updates wait for
+ * emsa_host_tier_release (or _release_values): gradient copies are enqueued whole at submit, the
+ * CPU updates nothing before the verdict, then proceeds as usual; device-updated buckets are
+ * enqueued only after it (keep their gradients until emsa_host_tier_bucket_copies_enqueued
+ * says 1). 0: as today. EMSA_INVALID_ARGUMENT (nothing changed) if the previous step was gated
+ * and never released. */
+EMSA_API emsa_status emsa_host_tier_begin_step_gated(emsa_host_tier* tier,
+                                                     const emsa_hyperparams* hypers,
+                                                     size_t group_count, int32_t gated);
+/* The verdict of the current gated step: enqueued on `stream` after the caller's work there
+ * (emsa_device_finish_stats), a copy of the scalars' step header into the tier's pinned memory
+ * (and its own device copy for device-updated buckets) and an event. Once it has completed:
+ * found_inf != 0 -> every bucket of the step is skipped (no update, no upload, state, masters,
+ * parameters and step counts untouched); else every update multiplies the gradients by the
+ * header's grad_multiplier. Asynchronous. EMSA_INVALID_ARGUMENT if the step is not gated or
+ * was released already. */
+EMSA_API emsa_status emsa_host_tier_release(emsa_host_tier* tier,
+                                            const emsa_device_scalars* scalars, void* stream);
+/* The same verdict as values (no device scalars): grad_multiplier finite, found_inf 0 or 1. */
+EMSA_API emsa_status emsa_host_tier_release_values(emsa_host_tier* tier, float grad_multiplier,
+                                                   int32_t found_inf);
+/* Per-tensor step counts, count = the tier's tensor count, creation order. read: as settled
+ * (after synchronize for the last step); set (load_state_dict): each >= 0, between steps. */
+EMSA_API emsa_status emsa_host_tier_read_steps(const emsa_host_tier* tier, int64_t* out,
+                                               size_t count);
+EMSA_API emsa_status emsa_host_tier_set_steps(emsa_host_tier* tier, const int64_t* steps,
+                                              size_t count);
+/* 1: the last step whose verdict is known was skipped (read after synchronize); 0: not, or no
+ * such step; -1: tier is NULL. */
+EMSA_API int32_t emsa_host_tier_last_skipped(const emsa_host_tier* tier);
+/* Bucket `bucket`'s gradients are final on `stream` (device pointers in tensor order; NULL for a
+ * tensor with numel > 0: absent this step, not copied, updated or uploaded, its count stays). A
+ * bucket whose tensors are all absent need not be submitted. */
 EMSA_API emsa_status emsa_host_tier_submit(emsa_host_tier* tier, size_t bucket,
                                            const void* const* grads, size_t count, void* stream);
-/* `stream` waits for bucket `bucket`'s new parameters. */
+/* `stream` waits for bucket `bucket`'s new parameters (EMSA_INVALID_ARGUMENT before the release
+ * of its gated step: it would never return). */
 EMSA_API emsa_status emsa_host_tier_wait(emsa_host_tier* tier, size_t bucket, void* stream);
 /* `stream` waits until this step's gradient copies are done (before writing gradients). */
 EMSA_API emsa_status emsa_host_tier_wait_grads_copied(emsa_host_tier* tier, void* stream);
-/* The host waits until every submitted bucket is updated and its parameters are uploaded. */
+/* The host waits until every submitted bucket is updated and its parameters are uploaded
+ * (EMSA_INVALID_ARGUMENT, without waiting, in a gated step not yet released). */
 EMSA_API emsa_status emsa_host_tier_synchronize(emsa_host_tier* tier);
 /* How many buckets' gradient copies have been enqueued since creation (-1: tier is NULL): a
  * cheap poll for a change before asking per bucket. */

@@ -30,6 +30,26 @@
 //
 // Failures in the worker (a CUDA error) are kept and returned by the next call that would
 // depend on them (Wait, BeginStep, Synchronize); the buckets after it are not updated.
+//
+// Gated steps (BeginStepGated(..., gated = true), or every BeginStep under options.gated): the
+// updates need a verdict known only once every gradient of the step exists (the clip
+// coefficient, the non-finite check, a loss scale). Submit then enqueues each bucket's gradient
+// copies whole (no pacing: the CPU cannot consume them before the verdict, and the device
+// gradients are freed sooner), the worker updates nothing until Release (or ReleaseValues) has
+// given the verdict, and then proceeds in its usual order. The verdict: found_inf != 0 skips
+// every bucket of the step (no update, no upload, moments, masters, parameters and step counts
+// untouched; Wait(b) then has nothing to wait for); else every update multiplies the gradients
+// by grad_multiplier. Device-updated buckets of a gated step are enqueued only after the
+// release (their kernels wait for it on the GPU and read the verdict from device memory), so
+// their Submit returns at once and their gradients must stay alive until
+// BucketCopiesEnqueued(b) says so. Ungated steps run exactly as before (multiplier 1).
+//
+// Step counts are per tensor and kept by the tier (tensor order of creation, all 0 at Create):
+// a tensor's update in a step uses its count + 1 (bias correction, per parameter as torch
+// keeps it), and its count advances by one when the step ends (settled by the next BeginStep or
+// by Synchronize) if the tensor was present (its gradient pointer non-null at Submit, or numel
+// 0) and the step was not skipped. Absent tensors (a null gradient, numel > 0) are not copied,
+// updated or uploaded, and their counts stay.
 #pragma once
 
 #include <cstddef>
@@ -48,6 +68,7 @@ namespace emsa {
 
 class CopyEngine;
 class CpuUpdater;
+struct DeviceStepHeader;  // emsa/cuda_update.h
 
 struct HostTierTensor {
   // Host pointers for the CPU update: param is what the update writes in place (the fp32 master
@@ -126,6 +147,9 @@ struct HostTierOptions {
   // record_stream) must pass its own: memory recorded on a destroyed stream is never freed
   // cleanly.
   cudaStream_t device_update_stream = nullptr;
+  // true: every step BeginStep(hypers, steps, ...) starts is gated (waits for Release; see the
+  // top of this file). BeginStepGated chooses per step instead, whatever this says.
+  bool gated = false;
 
   // Whether the worker paces the gradient copies: submitted from backward, with pieces ahead.
   bool paced() const { return submit_in_backward && paced_copies > 0; }
@@ -152,6 +176,8 @@ struct HostTierStepStats {
   // own enqueues time only runs whose copies are done when their slot comes round again.
   int64_t device_buckets = 0;
   double stream_up_s = 0.0;
+  bool gated = false;    // the step waited for a release
+  bool skipped = false;  // its release said found_inf: nothing was updated
 };
 
 class HostTier {
@@ -171,23 +197,61 @@ class HostTier {
       CopyEngine* engine, CpuUpdater* updater, const HostTierTensor* tensors, size_t count,
       size_t bucket_count, size_t group_count, cudaStream_t d2h_stream, cudaStream_t h2d_stream,
       const HostTierOptions& options);
-  ~HostTier();  // waits for the worker's queue, then stops it
+  // Waits for the worker's queue, then stops it; a gated step never released is released as
+  // skipped first (so destruction never hangs, and changes nothing of that step).
+  ~HostTier();
   HostTier(const HostTier&) = delete;
   HostTier& operator=(const HostTier&) = delete;
 
-  // Starts a step: waits until the worker has finished the previous one, then takes each
-  // group's hyperparameters and step number (group_count of each).
+  // Starts a step: waits until the worker has finished the previous one (whose step counts it
+  // then settles), then takes each group's hyperparameters (group_count of them). gated: the
+  // step's updates wait for Release / ReleaseValues. The tensors' updates use their own counts
+  // + 1. Errors (nothing changed): kInvalidArgument when the previous step was gated and never
+  // released, or for a wrong group count; the worker's failure.
+  Status BeginStepGated(const HyperParams* hypers, size_t group_count, bool gated);
+  // The group-step form, as before per-tensor counts: sets the count of every tensor of group g
+  // to steps[g] - 1 (steps[g] >= 1), so that its update in this step uses steps[g], then
+  // BeginStepGated(hypers, group_count, options.gated). The same bits as ever for callers that
+  // count steps per group; ReadSteps then gives steps[g] for the tensors present in the step.
   Status BeginStep(const HyperParams* hypers, const int64_t* steps, size_t group_count);
+  // The verdict of the current gated step, from device memory: on `stream`, after the caller's
+  // work there (the statistics that finish the header), copies *device_header (a
+  // DeviceScalars::device_header()) into the tier's pinned memory (and, with device-updated
+  // buckets, into the tier's own device copy their kernels read) and records an event; the
+  // worker waits for it and reads found_inf and grad_multiplier. Device-updated buckets already
+  // submitted are enqueued now (or by the streamer under pacing). Buckets may still be submitted
+  // after it (they use the same verdict). Asynchronous: returns without waiting for the GPU.
+  // kInvalidArgument (nothing changed) when the step is not gated or was released already, or
+  // device_header is null.
+  Status Release(const DeviceStepHeader* device_header, cudaStream_t stream);
+  // The same verdict given as values (no device scalars; the fake engine's tests, a framework
+  // whose verdict is on the host). grad_multiplier must be finite.
+  Status ReleaseValues(float grad_multiplier, bool found_inf);
+  // Per-tensor step counts (count = tensor_count(), creation order). ReadSteps: the counts as
+  // settled (call after Synchronize for the last step's). SetSteps (load_state_dict): each >= 0,
+  // between steps (after Synchronize, or after BeginStep before any Submit); kInvalidArgument
+  // otherwise, nothing changed.
+  Status ReadSteps(int64_t* out, size_t count) const;
+  Status SetSteps(const int64_t* steps, size_t count);
+  // Whether the last step whose verdict is known was skipped (found_inf); false before any.
+  bool last_skipped() const;
   // Bucket b's gradients are final on `compute` (device pointers, one per tensor of b in
-  // creation order, dtype as given at Create). Once per bucket per step.
+  // creation order, dtype as given at Create; null for a tensor with numel > 0: absent this
+  // step). Once per bucket per step; a bucket whose tensors are all absent need not be
+  // submitted.
   Status Submit(size_t bucket, const void* const* grads, size_t count, cudaStream_t compute);
   // Makes `stream` wait for bucket b's new parameters (nothing when b was not submitted since
-  // its last upload began: the stream then sees the values it would see anyway).
+  // its last upload began, or its step was skipped: the stream then sees the values it would
+  // see anyway). kInvalidArgument for a bucket of a gated step not yet released (it would
+  // never return).
   Status Wait(size_t bucket, cudaStream_t stream);
   // Makes `stream` wait until every gradient submitted this step has been copied down (before
-  // anything on it may overwrite those gradients in place).
+  // anything on it may overwrite those gradients in place). kInvalidArgument in a gated step
+  // not yet released that has device-updated buckets submitted (their kernels read the
+  // gradients after the release).
   Status WaitGradsCopied(cudaStream_t stream);
-  // Waits on the host until every submitted bucket is updated and uploaded.
+  // Waits on the host until every submitted bucket is updated and uploaded, and settles the
+  // step's counts. kInvalidArgument (without waiting) in a gated step not yet released.
   Status Synchronize();
   // Under pacing (HostTierOptions::paced()): whether every gradient copy of bucket b's last
   // Submit is enqueued (its device gradients may then be freed in the D2H stream's order), and
@@ -205,6 +269,7 @@ class HostTier {
   size_t Trace(double* submit, double* start, double* end, size_t count) const;
 
   size_t bucket_count() const;
+  size_t tensor_count() const;
   size_t bucket_size(size_t bucket) const;
   // The stream the device-updated buckets' kernels run on (null when there are none).
   cudaStream_t update_stream() const;

@@ -123,6 +123,7 @@ class DeviceTableOptions(ctypes.Structure):
         ("optimizer", ctypes.c_int32),
         ("rounding", ctypes.c_int32),
         ("bulk_copy", ctypes.c_int32),
+        ("stats_only", ctypes.c_int32),
     ]
 
 
@@ -314,6 +315,22 @@ _TABLE = {
     "emsa_device_scalars_copy_header": (_S, [_P, _P, _P]),
     "emsa_device_table_set_grads": (_S, [_P, ctypes.POINTER(_P), ctypes.c_size_t, _P]),
     "emsa_device_table_update": (_S, [_P, _P, _P]),
+    "emsa_device_scalars_create_slots": (
+        _S, [ctypes.POINTER(Hyperparams), ctypes.c_size_t, ctypes.c_size_t, ctypes.POINTER(_P)]),
+    "emsa_device_table_create_slots": (
+        _S, [ctypes.POINTER(TensorUpdate), ctypes.POINTER(ctypes.c_int32),
+             ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t, ctypes.c_size_t,
+             ctypes.POINTER(DeviceTableOptions), ctypes.POINTER(_P)]),
+    "emsa_device_scalars_read_slot_steps": (
+        _S, [_P, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t, _P]),
+    "emsa_device_scalars_set_slot_steps": (
+        _S, [_P, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t, _P]),
+    "emsa_device_begin_step": (_S, [_P, _P]),
+    "emsa_device_table_accumulate_stats": (_S, [_P, _P, _P]),
+    "emsa_device_finish_stats": (_S, [_P, _P]),
+    "emsa_device_finish_step": (_S, [_P, ctypes.POINTER(_P), ctypes.c_size_t, _P]),
+    "emsa_device_scalars_set_unscale_from": (_S, [_P, _P, _P]),
+    "emsa_device_scalars_write_found_inf": (_S, [_P, _P, _P]),
     "emsa_device_arena_create": (_S, [ctypes.c_uint64, ctypes.c_int32, ctypes.POINTER(_P)]),
     "emsa_device_arena_destroy": (None, [_P]),
     "emsa_device_arena_info": (

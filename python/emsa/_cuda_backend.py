@@ -5,35 +5,53 @@ Bound once, before the first step, all synchronously:
   - one device arena sized by the plan; exp_avg, exp_avg_sq (and an fp32 master for bf16/fp16
     parameters, initialised from the parameter) are CUDA tensors aliasing it through DLPack, at
     the plan's offsets;
-  - one DeviceScalars: every param group's hyperparameters and step count, in device memory;
-  - one DeviceUpdateTable per plan bucket (step_in_backward updates bucket by bucket, on the
-    current stream as each bucket's gradients become final), and one over every device-tier
-    bucket, recording each parameter's address.
+  - one DeviceScalars: every param group's hyperparameters, a step count per parameter (slot)
+    and the step header (gradient multiplier, found_inf, gradient statistics), in device memory;
+  - one DeviceUpdateTable per device-tier plan bucket (step_in_backward updates bucket by
+    bucket, on the current stream as each bucket's gradients become final), one over every
+    device-tier bucket (what step() runs: one launch), and one statistics-only table per
+    host-tier bucket (its gradients' sum of squares and non-finite count), each recording each
+    parameter's address.
 
 A step enqueues on torch.cuda.current_stream() and never waits for the GPU: the hyperparameters
 of groups whose values changed (a scheduler's lr), the gradient addresses if any changed (torch
-allocates gradients anew after zero_grad(set_to_none=True)), and one emsa_device_step over the
-table of all device-tier buckets (non-finite check when skip_nonfinite, step counts, updates):
-one launch, not one per bucket.
+allocates gradients anew after zero_grad(set_to_none=True)), and the update.
 
-Skipped steps. With skip_nonfinite the GPU decides: a step whose gradients hold inf/nan writes
-nothing and does not advance the device's step counts, and the host is not told at once. After
-each checked step a copy of the step header is enqueued into a pinned ring (_RING slots) with an
-event; the host reads it once the event has completed: at a later step() when the GPU is done by
-then (an event query, no waiting), or when asked: opt.last_step_skipped and state_dict() wait.
-The warning for a skipped step is therefore issued late, naming the step() call it was. Until a
-skip is read, the "step" counts in opt.state (float32 CPU scalars, as torch.optim keeps them)
-include it; state_dict() reads the device's counts back (they are authoritative).
+Absent gradients. A parameter whose .grad is None at step() (or that got no gradient in an
+in-backward pass) is skipped as torch.optim skips it: its table entry gets a NULL gradient, so
+it is not updated, its state is untouched and its own step count stays (the device keeps one
+count per parameter). Frozen parameters never reach this engine (the front end plans only
+trainable ones).
 
-What this engine requires, each checked with an error that says what to do:
-  - Every parameter has a gradient at each step, or none has (then step() does nothing, as
-    torch does). A table updates every tensor it holds, weight decay and step count included, so
-    a parameter without a gradient cannot sit out one step: freeze such parameters
-    (requires_grad=False) before building the optimizer, or use torch.optim.
-  - Hence every parameter of a param group has the group's step count (DeviceScalars keeps one
-    per group): load_state_dict refuses a state whose steps differ within a group.
-  - Parameters stay at the addresses they had when planned (the tables record them): copy new
-    values in (model.load_state_dict does); replacing the storage (p.data = ..., .to()) raises.
+Gated steps. A step is gated when it needs a verdict that only every gradient of the step can
+give: the non-finite check (skip_nonfinite), clipping by the global norm (max_norm) or a loss
+scale to divide by (a GradScaler). Its updates then wait for the statistics (sum of squares and
+non-finite count of every gradient) and the finish that turns them into found_inf, the norm and
+the clip coefficient on the device; ungated steps run without statistics. The statistics come
+from backward where possible, so that they cost no extra pass over the gradients in step():
+  - step() mode: the front end's hooks call grads_final(b) as each bucket's gradients become
+    final; the bucket's sums are added on the GPU at once. step() uses them if each summed
+    gradient is still the one summed (data_ptr and _version as recorded) and sums the buckets
+    that were not summed (a member without a gradient in that backward, say); otherwise it sums
+    everything itself (correct, slower). Then one launch updates every device-tier bucket.
+  - step_in_backward: device-tier buckets add their sums as their gradients become final and
+    keep their gradients (step_bucket returns False); host-tier buckets add theirs and are
+    submitted at once (their copies down are enqueued whole). When backward ends (end_pass) the
+    device finishes the statistics, updates every device-tier bucket in one launch and hands
+    the host tier its verdict. The device-tier gradients are therefore held until backward ends
+    in such a pass (freed once step_in_backward's end_pass has updated from them).
+A loss scale (a 0-d float32 on the device: GradScaler's scale) is read on the device, never on
+the host; found_inf_out (GradScaler's found_inf) receives the verdict as 1.0/0.0.
+
+Skipped steps and norms are learned late (emsa._cuda_stats.HeaderRing): the GPU skips a step
+whose gradients hold inf/nan without telling the host at once. The warning for a skipped step is
+therefore issued late, naming the step() call it was; last_step_skipped, last_grad_norm,
+clip_count and state_dict() wait for the GPU. Until a skip is read, the "step" counts in
+opt.state (float32 CPU scalars, as torch.optim keeps them) include it; state_dict() reads the
+device's counts back (they are authoritative).
+
+Parameters stay at the addresses they had when planned (the tables record them): copy new values
+in (model.load_state_dict does); replacing the storage (p.data = ..., .to()) raises.
 
 The host tier. State the plan puts on L2 (exp_avg, exp_avg_sq, an fp32 master, staging for the
 gradient and, for bf16/fp16 parameters, for the rounded parameter) lives in one pinned host
@@ -42,12 +60,11 @@ when the bucket is submitted, the CPU update on a worker pool, parameters up on 
 the next forward waiting per module. Buckets are submitted at step() (after backward, in
 gradient-ready order) or, with step_in_backward=True, from the gradient hooks as each bucket
 becomes ready, which hides the copies under backward and frees each gradient once its copy has
-read it; the copies are then paced to the CPU's progress (HostTierOptions.paced_copies) so the
-CPU reads gradients from its cache, holding at most _pacing_hold(plan) bytes of them. A host-tier step cannot be skipped on a non-finite gradient (the decision would need
-every gradient before the first bucket's update): the optimizer turns skip_nonfinite off for
-such plans (GradScaler still skips, before step() is called), and refuses an explicit True.
-The "master" of an fp32 host-tier parameter is internal and not in the state: under AdamW and
-Lion the update is applied on the device from a delta the CPU writes over the gradient
+read it; ungated, the copies are then paced to the CPU's progress (HostTierOptions.paced_copies)
+so the CPU reads gradients from its cache, holding at most _pacing_hold(plan) bytes of them. In a
+gated step the tier's updates wait for its release, given after the device finished the
+statistics. The "master" of an fp32 host-tier parameter is internal and not in the state: under
+AdamW and Lion the update is applied on the device from a delta the CPU writes over the gradient
 (HostTierOptions.device_delta; EMSA_HOST_DELTA=0 turns it off), and the host copy goes unused;
 otherwise (Adam) the CPU updates it and it equals the parameter after each step. After step() a
 parameter is current on the device once a module forward reading it has run, or after
@@ -56,8 +73,6 @@ synchronize().
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import ctypes
 import json
 import warnings
@@ -67,35 +82,26 @@ import torch
 from . import _capi, _tuning
 from ._backend import DTYPE_NAMES, Backend, StepResult, kernel_grad, state_view
 from ._binding import Slot
-from ._capi import (DeviceStepHeader, DeviceTableOptions, EmsaError, HostTierTensor, Hyperparams,
-                    TensorUpdate, check, lib)
+from ._capi import (DeviceTableOptions, EmsaError, HostTierTensor, Hyperparams, TensorUpdate,
+                    check, lib)
 from ._arena import HostArena
+from ._cuda_passes import InBackward, Pass, on, ptr
+from ._cuda_stats import Gathered, HeaderRing, StepClock, counted_mask
 from ._device_arena import DeviceArena
 from ._host_tier import HostTier
 from .plan import Plan, measure_profile
-
-_RING = 8  # checked steps whose headers may be in flight before step() waits for the oldest
-_HEADER = ctypes.sizeof(DeviceStepHeader)
-_FOUND_INF = DeviceStepHeader.found_inf.offset // 4  # as an int32 index
-_NONFINITE = DeviceStepHeader.nonfinite_count.offset // 8  # as an int64 index
 
 
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _on(index: int):
-    """torch's and libemsa's current device set to `index` (emsa checks it on every call)."""
-    if torch.cuda.current_device() == index:
-        return contextlib.nullcontext()
-    return torch.cuda.device(index)
-
-
-class CudaBackend(Backend):
+class CudaBackend(InBackward, Backend):
     name = "cuda"
     wants_bandwidths = False
     host_tier = True
     deferred = True
+    wants_grads_final = True
 
     @staticmethod
     def planning_profile(device: torch.device, measure_bandwidth: bool = False) -> str:
@@ -132,10 +138,10 @@ class CudaBackend(Backend):
         self.arena: DeviceArena | None = None
         self.host_arena: HostArena | None = None
         self.host: HostTier | None = None
-        self.step_times = _StepClock()
+        self.step_times = StepClock()
         self.warned_unwaited = False
         try:
-            with _on(self.index):
+            with on(self.index):
                 if plan.device_arena_bytes:
                     self.arena = DeviceArena(plan.device_arena_bytes, self.index)
                 if plan.host_arena_bytes:
@@ -157,21 +163,18 @@ class CudaBackend(Backend):
                 stream = torch.cuda.current_stream(self.device)
                 check(lib.emsa_device_scalars_set_inputs(self.scalars, 1.0, 0.0, 0,
                                                          stream.cuda_stream))
+                self.inputs: tuple[float, float] | None = (1.0, 0.0)  # as sent; None: unknown
                 self.last_stream = stream  # the masters were copied on it
-                self.ring = torch.zeros((_RING, _HEADER), dtype=torch.uint8, pin_memory=True)
-                self.ring_events = [torch.cuda.Event() for _ in range(_RING)]
+                self.headers = HeaderRing(self.steps)
+                # The verdict as a float32 on the device, for found_inf_out.
+                self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
         except BaseException:
             self._release()
             raise
-        self.ring_found = self.ring.view(torch.int32)[:, _FOUND_INF]
-        self.ring_nonfinite = self.ring.view(torch.int64)[:, _NONFINITE]
-        self.pending: collections.deque[tuple[int, int]] = collections.deque()  # (slot, call)
-        self.recorded = 0  # step headers copied so far; the ring slot is recorded % _RING
-        self.group_steps = [0] * group_count
-        self.calls = 0  # step() calls that enqueued an update
+        self.calls = 0  # step() calls and in-backward passes that enqueued an update
         self.noop_last = False  # the last step() had no gradients at all
-        self.last_skipped_call = 0
-        self.skips: list[StepResult] = []
+        self.gathered: Gathered | None = None  # step() mode: statistics summed in backward
+        self.pass_: Pass | None = None  # step in backward: the pass under way
         self.closed = False
 
     # ---- binding ------------------------------------------------------------------------
@@ -209,7 +212,10 @@ class CudaBackend(Backend):
         hypers = (Hyperparams * group_count)()
         for h in hypers:
             lib.emsa_hyperparams_init(ctypes.byref(h))
-        check(lib.emsa_device_scalars_create(hypers, group_count, ctypes.byref(self.scalars)))
+        # One step count per slot (torch counts per parameter): the tables read and advance
+        # their tensors' own.
+        check(lib.emsa_device_scalars_create_slots(hypers, group_count, len(self.params),
+                                                   ctypes.byref(self.scalars)))
         self.hyper = hypers  # each group's values as the device holds them
         self.sent = [self._key_of(h) for h in hypers]
         self.scratch = Hyperparams()
@@ -245,6 +251,9 @@ class CudaBackend(Backend):
             into.append(members)
             if host:
                 self.host_on_gpu.append(bool(bucket.get("device_update", False)))
+        # Every bucket in plan order: the unit of step_bucket and grads_final.
+        self.buckets = [(self.host_slots if host else self.table_slots)[k]
+                        for host, k in self.order]
         covered = sorted(i for m in self.table_slots + self.host_slots for i in m)
         if covered != list(range(len(slots))):
             missing = sorted(set(range(len(slots))) - set(covered))
@@ -252,7 +261,7 @@ class CudaBackend(Backend):
             raise RuntimeError("emsa internal error: the plan's buckets do not hold every "
                                f"parameter exactly once (missing: {names}); please report it")
         # The per-bucket tables serve step_in_backward, on the current stream between
-        # backward's kernels.
+        # backward's kernels, and the statistics gathered in backward.
         for members in self.table_slots:
             self.tables.append(self._make_table(members, options, state_code))
         # step() updates every device-tier bucket at once: one table over all of them, one
@@ -265,26 +274,47 @@ class CudaBackend(Backend):
         self.step_table = len(self.tables) - 1  # index of the table step() runs (-1: none)
         self.step_array = (ctypes.c_void_p * 1)(
             self.tables[self.step_table].value if self.tables else None)
+        # Host-tier buckets: statistics-only tables (their gradients' sums for gated steps).
+        options.stats_only = 1
+        self.stats_table: list[int] = []  # per host-tier bucket: its index in self.tables
+        for members in self.host_slots:
+            self.stats_table.append(len(self.tables))
+            members_of.append(members)
+            self.tables.append(self._make_table(members, options, state_code, stats_only=True))
         self.grad_arrays = [(ctypes.c_void_p * len(m))() for m in members_of]
         self.sent_grads: list[list[int] | None] = [None] * len(self.tables)
+        # Each slot's host-tier tensor index (libemsa's order: host_slots flattened).
+        self.host_order = [i for m in self.host_slots for i in m]
 
-    def _make_table(self, members: list[int], options, state_code: int) -> ctypes.c_void_p:
+    def _make_table(self, members: list[int], options, state_code: int,
+                    stats_only: bool = False) -> ctypes.c_void_p:
+        """An update table over these slots, each tensor stepping its own slot's count; or,
+        stats_only, one that only sums their gradients (host-tier buckets)."""
         tensors = (TensorUpdate * len(members))()
         groups = (ctypes.c_int32 * len(members))()
+        slots = (ctypes.c_int64 * len(members))(*members)
         for k, i in enumerate(members):
             t, p, v = tensors[k], self.params[i], self.views[i]
             lib.emsa_tensor_update_init(ctypes.byref(t))
             t.param_dtype = t.grad_dtype = _capi.DTYPE[DTYPE_NAMES[p.dtype]]
             t.state_dtype = state_code
-            t.param = t.grad = p.data_ptr()
+            t.grad = p.data_ptr()
+            t.numel = p.numel()
+            groups[k] = self.groups[i]
+            if stats_only:
+                continue
+            t.param = p.data_ptr()
             t.exp_avg = v["exp_avg"].data_ptr()
             t.exp_avg_sq = v["exp_avg_sq"].data_ptr() if "exp_avg_sq" in v else None
             t.master = v["master"].data_ptr() if "master" in v else None
-            t.numel = p.numel()
-            groups[k] = self.groups[i]
         table = ctypes.c_void_p()
-        check(lib.emsa_device_table_create(tensors, groups, len(members),
-                                           ctypes.byref(options), ctypes.byref(table)))
+        if stats_only:
+            check(lib.emsa_device_table_create(tensors, groups, len(members),
+                                               ctypes.byref(options), ctypes.byref(table)))
+        else:
+            check(lib.emsa_device_table_create_slots(tensors, groups, slots, len(members),
+                                                     len(self.params), ctypes.byref(options),
+                                                     ctypes.byref(table)))
         return table
 
     def _make_host_tier(self, slots, plan: Plan, entries, state_code: int,
@@ -340,29 +370,16 @@ class CudaBackend(Backend):
             "build a new optimizer after replacing it")
 
     def _gradients(self, param_groups: list[dict]):
-        """Each slot's gradient (as the kernels read it), or None when no parameter has a
-        gradient; raises before anything is enqueued."""
-        expected = self.params
-        grads, missing = [], []
+        """Each slot's gradient (as the kernels read it; None where .grad is None: skipped this
+        step), or None when no parameter has a gradient; raises before anything is enqueued."""
+        grads, present = [], 0
         for i, p in self._planned_params(param_groups, self._moved):
             g = p.grad
-            if g is None:
-                missing.append(i)
-            else:
+            if g is not None:
                 g = kernel_grad(self.names[i], g, p, self.strides[i])
+                present += 1
             grads.append(g)
-        if missing:
-            if len(missing) == len(expected):
-                return None
-            have = next(j for j in range(len(expected)) if j not in set(missing))
-            raise ValueError(
-                f"{self.names[missing[0]]} has no gradient (.grad is None) but "
-                f"{self.names[have]} has one; emsa's CUDA path updates every parameter each "
-                f"step ({len(missing)} of {len(expected)} have none now), so it cannot skip "
-                "some as torch does: give the optimizer only parameters that get gradients "
-                "(e.g. [p for p in model.parameters() if p.requires_grad], after freezing the "
-                "others), or use torch.optim")
-        return grads
+        return grads if present else None
 
     def _send_hyper(self, param_groups: list[dict], stream: int) -> None:
         for g, group in enumerate(param_groups):
@@ -382,14 +399,15 @@ class CudaBackend(Backend):
             ctypes.memmove(ctypes.byref(self.hyper[g]), ctypes.byref(h), ctypes.sizeof(h))
             self.sent[g] = key
 
-    def _send_grads(self, grads: list[torch.Tensor], stream: int) -> None:
+    def _send_grads(self, grads: list[torch.Tensor | None], stream: int) -> None:
         """The gradients of step()'s table, when they moved since the last step."""
         if self.step_table >= 0:
-            self._point_table(self.step_table, [grads[i].data_ptr() for i in self.step_members],
+            self._point_table(self.step_table, [ptr(grads[i]) for i in self.step_members],
                               stream)
 
-    def _point_table(self, t: int, ptrs: list[int], stream: int) -> None:
-        """Table t reads these gradient addresses from now on (nothing enqueued if unchanged)."""
+    def _point_table(self, t: int, ptrs: list[int | None], stream: int) -> None:
+        """Table t reads these gradient addresses from now on (None: the tensor is absent, not
+        read or updated); nothing is enqueued if unchanged."""
         if ptrs == self.sent_grads[t]:
             return
         array = self.grad_arrays[t]
@@ -397,125 +415,218 @@ class CudaBackend(Backend):
         check(lib.emsa_device_table_set_grads(self.tables[t], array, len(ptrs), stream))
         self.sent_grads[t] = ptrs
 
+    def _set_inputs(self, max_norm: float, loss_scale: torch.Tensor | None,
+                    stream: torch.cuda.Stream) -> None:
+        """The step header's inputs: the clip threshold, and 1 / loss_scale read on the device
+        (1 without one). Enqueues nothing when they are as last sent."""
+        handle = stream.cuda_stream
+        if self.inputs != (1.0, max_norm):
+            check(lib.emsa_device_scalars_set_inputs(self.scalars, 1.0, max_norm, 0, handle))
+            self.inputs = (1.0, max_norm)
+        if loss_scale is not None:
+            if loss_scale.numel() != 1 or not loss_scale.is_floating_point():
+                raise ValueError("emsa: the loss scale must be one floating-point number, not "
+                                 f"{loss_scale.dtype} {tuple(loss_scale.shape)}")
+            if loss_scale.dtype != torch.float32 or loss_scale.device != self.device:
+                # A GradScaler's is one float32 on the device already; others are copied once.
+                loss_scale = loss_scale.to(self.device, torch.float32)
+            loss_scale.record_stream(stream)  # read when the stream gets there
+            check(lib.emsa_device_scalars_set_unscale_from(self.scalars, loss_scale.data_ptr(),
+                                                           handle))
+            self.inputs = None  # grad_unscale is the scale's now: the next pass sets it again
+
+    def _write_found_inf(self, out: torch.Tensor | None, stream: torch.cuda.Stream) -> None:
+        """out = max(out, found_inf): 1.0 if the step was skipped, else left as it was."""
+        if out is None:
+            return
+        if out.dtype != torch.float32 or out.numel() != 1 or out.device != self.device:
+            raise ValueError(f"emsa: found_inf_out must be one float32 on {self.device}, not "
+                             f"{out.dtype} {tuple(out.shape)} on {out.device}")
+        check(lib.emsa_device_scalars_write_found_inf(self.scalars, self.found_inf.data_ptr(),
+                                                      stream.cuda_stream))
+        torch.maximum(out, self.found_inf, out=out)  # on the current stream, which is `stream`
+
     def step(self, param_groups: list[dict]) -> StepResult:
         self._check_groups(param_groups)
-        with _on(self.index):
+        with on(self.index):
             self._poll(wait=False)
             grads = self._gradients(param_groups)
+            gathered, self.gathered = self.gathered, None  # used by this step or never
             if grads is None:
                 self.noop_last = True
                 return StepResult()
-            if self.host is not None and self.check_finite:
-                raise RuntimeError("emsa internal error: a non-finite check was asked of a "
-                                   "plan with host-tier state; please report it")
             stream = torch.cuda.current_stream(self.device)
             self._follow(stream)
             self.step_times.tick(stream)
             handle = stream.cuda_stream
             self._send_hyper(param_groups, handle)
             self._send_grads(grads, handle)
+            gated = self.gated()
             if self.host is not None:
                 self._claim_unwaited(stream)
-                self.host.begin_step(self.hyper, [s + 1 for s in self.group_steps])
+                self.host.begin_step(self.hyper, gated)
             self._refresh_stale_masters(self.masters)
-            check(lib.emsa_device_step(self.scalars, self.step_array, int(self.step_table >= 0),
-                                       int(self.check_finite), handle))
-            if self.host is not None:
-                # In forward order: the copies land, and the CPU updates, first what the
-                # next forward needs first.
-                for b in reversed(range(len(self.host_slots))):
-                    self.host.submit(b, [grads[i] for i in self.host_slots[b]], stream)
+            device = int(any(grads[i] is not None for i in self.step_members))
+            if gated:
+                try:
+                    self._gated_step(grads, gathered, device, stream)
+                except BaseException:
+                    if self.host is not None:  # nothing of this step may apply
+                        self.host.discard()
+                    raise
+            else:
+                self._set_inputs(0.0, None, stream)
+                check(lib.emsa_device_step(self.scalars, self.step_array, device, 0, handle))
+                self._submit_host(grads, stream)
                 # The caller may write gradients in place next (zero_grad(set_to_none=False)).
-                self.host.wait_grads_copied(stream)
+                if self.host is not None:
+                    self.host.wait_grads_copied(stream)
+            present = [i for i, g in enumerate(grads) if g is not None]
             del grads  # freed in stream order: the caching allocator reuses them after use
             self.calls += 1
             self.noop_last = False
             self.last_stream = stream
-            self.steps.add_(1.0)  # corrected when the step turns out skipped
-            self.group_steps = [s + 1 for s in self.group_steps]
-            if self.check_finite:
-                self._record(stream)
+            counted = counted_mask(present, len(self.params))
+            self.steps.add_(1.0 if counted is None else counted)  # taken back if skipped
+            if gated:
+                self.headers.record(self.scalars, stream, self.calls, counted)
         return StepResult()
+
+    def _submit_host(self, grads: list[torch.Tensor | None], stream) -> None:
+        """In forward order: the copies land, and the CPU updates, first what the next forward
+        needs first. A bucket with no gradient at all is not submitted."""
+        if self.host is None:
+            return
+        for b in reversed(range(len(self.host_slots))):
+            mine = [grads[i] for i in self.host_slots[b]]
+            if any(g is not None for g in mine):
+                self.host.submit(b, mine, stream)
+
+    def _gated_step(self, grads, gathered: Gathered | None, device: int,
+                    stream: torch.cuda.Stream) -> None:
+        """step() of a gated step: the statistics (from backward when still valid, else summed
+        now), the finish, one launch over the device tier, the host tier's release."""
+        handle = stream.cuda_stream
+        self._set_inputs(float(self.max_norm or 0.0), self.loss_scale, stream)
+        self._submit_host(grads, stream)  # the copies wait only for the gradients
+        bucket_slots = self.buckets
+        if gathered is not None and not gathered.still_valid(lambda b: bucket_slots[b],
+                                                             self.params):
+            gathered = None  # a summed gradient changed since: sum everything again
+        if gathered is None and self.host is None:
+            # begin, the statistics over the step table, finish, update: one call.
+            check(lib.emsa_device_step(self.scalars, self.step_array, device, 1, handle))
+        else:
+            if gathered is None:
+                check(lib.emsa_device_begin_step(self.scalars, handle))
+                if device:
+                    self._accumulate(self.step_table, handle)
+                missing = [b for b, (host, _) in enumerate(self.order) if host]
+            else:
+                missing = [b for b in range(len(self.order)) if b not in gathered.taken]
+            for b in missing:
+                members = bucket_slots[b]
+                if all(grads[i] is None for i in members):
+                    continue
+                t = self._stats_table_of(b)
+                self._point_table(t, [ptr(grads[i]) for i in members], handle)
+                self._accumulate(t, handle)
+            check(lib.emsa_device_finish_step(self.scalars, self.step_array, device, handle))
+        self._write_found_inf(self.found_inf_out, stream)
+        if self.host is not None:
+            self.host.release(self.scalars, stream)
+            # The caller may write gradients in place next (zero_grad(set_to_none=False)).
+            self.host.wait_grads_copied(stream)
+
+    def _stats_table_of(self, b: int) -> int:
+        """The table that sums bucket b's gradients (its update table on the device tier)."""
+        host, t = self.order[b]
+        return self.stats_table[t] if host else t
+
+    def _accumulate(self, t: int, handle: int) -> None:
+        check(lib.emsa_device_table_accumulate_stats(self.tables[t], self.scalars, handle))
 
     def _follow(self, stream: torch.cuda.Stream) -> None:
         """Orders `stream` after the last step's stream: both write the same state."""
         if stream.cuda_stream != self.last_stream.cuda_stream:
             stream.wait_stream(self.last_stream)
 
-    # ---- skipped steps, learned late ------------------------------------------------------
-    def _record(self, stream: torch.cuda.Stream) -> None:
-        while len(self.pending) >= _RING:
-            self._read_oldest(wait=True)
-        slot = self.recorded % _RING  # consecutive records take consecutive slots: FIFO holds
-        self.recorded += 1
-        dst = self.ring.data_ptr() + slot * _HEADER
-        check(lib.emsa_device_scalars_copy_header(self.scalars, dst, stream.cuda_stream))
-        self.ring_events[slot].record(stream)
-        self.pending.append((slot, self.calls))
+    # ---- statistics gathered in backward (step() mode) ------------------------------------
+    def grads_final(self, b: int) -> None:
+        """Bucket b's gradients are final in this backward: when steps are gated, their sum of
+        squares and non-finite count are added to the step header now, on the GPU, and
+        recorded so that step() can tell whether they still hold."""
+        if self.closed or not self.gated():
+            self.gathered = None
+            return
+        members = self.buckets[b]
+        with on(self.index):
+            stream = torch.cuda.current_stream(self.device)
+            self._follow(stream)
+            handle = stream.cuda_stream
+            grads = self._bucket_grads(members)
+            gathered = self.gathered
+            if gathered is None or gathered.ended or b in gathered.taken:
+                # A new backward (or the same bucket again: its earlier sums are stale).
+                check(lib.emsa_device_begin_step(self.scalars, handle))
+                gathered = self.gathered = Gathered()
+            t = self._stats_table_of(b)
+            self._point_table(t, [ptr(g) for g in grads], handle)
+            self._accumulate(t, handle)
+            gathered.note(b, members, self.params)
+            self.last_stream = stream
+        del grads  # copies made for the kernels are freed in stream order, after the sums
 
-    def _read_oldest(self, wait: bool, count_steps: bool = True) -> bool:
-        slot, call = self.pending[0]
-        event = self.ring_events[slot]
-        if not wait and not event.query():
-            return False
-        event.synchronize()
-        self.pending.popleft()
-        if int(self.ring_found[slot]) != 0:
-            self.skips.append(StepResult(True, int(self.ring_nonfinite[slot]), "", call))
-            self.last_skipped_call = call
-            if count_steps:  # the host counted it when it was enqueued
-                self.steps.sub_(1.0)
-                self.group_steps = [s - 1 for s in self.group_steps]
-        return True
+    def backward_end(self) -> None:
+        if self.gathered is not None:
+            self.gathered.ended = True
 
+    # ---- what is learned late: skipped steps, norms ---------------------------------------
     def _poll(self, wait: bool, count_steps: bool = True) -> None:
-        while self.pending and self._read_oldest(wait, count_steps):
-            pass
+        self.headers.poll(wait, count_steps)
 
     def finished_skips(self) -> list[StepResult]:
-        found, self.skips = self.skips, []
-        return found
+        return self.headers.finished_skips()
 
     def last_step_skipped(self) -> bool:
         if self.calls == 0 or self.noop_last:
             return False
-        with _on(self.index):
+        with on(self.index):
             self._poll(wait=True)
-        return self.last_skipped_call == self.calls
+        return self.headers.last_skipped_call == self.calls
+
+    def last_grad_norm(self) -> float | None:
+        with on(self.index):
+            self._poll(wait=True)
+        return self.headers.last_norm
+
+    def clip_count(self) -> int:
+        with on(self.index):
+            self._poll(wait=True)
+        return self.headers.clips
 
     # ---- state_dict -----------------------------------------------------------------------
     def sync_state(self) -> None:
-        """Reads the device's step counts (waits for the GPU) into the "step" scalars."""
+        """Reads each slot's step count (waits for the GPU and the host tier) into "step"."""
         if self.closed:
             return
-        with _on(self.index):
+        with on(self.index):
             self._poll(wait=True)
             self.synchronize()
             stream = torch.cuda.current_stream(self.device)
             self._follow(stream)
-            steps = (ctypes.c_int64 * len(self.group_steps))()
-            check(lib.emsa_device_scalars_read_steps(self.scalars, steps, len(self.group_steps),
-                                                     stream.cuda_stream))
-        self.group_steps = list(steps)
-        self.steps.copy_(torch.tensor([float(self.group_steps[g]) for g in self.groups],
-                                      dtype=torch.float32))
-
-    def check_loadable_steps(self, steps: list[float]) -> None:
-        first: dict[int, int] = {}
-        for i, step in enumerate(steps):
-            g = self.groups[i]
-            j = first.setdefault(g, i)
-            if step != steps[j]:
-                raise ValueError(
-                    f"the state_dict has step {steps[j]:g} for {self.names[j]} but {step:g} for "
-                    f"{self.names[i]}, both in param_groups[{g}]; emsa's CUDA path keeps one step "
-                    "count per param group (every parameter steps together), so it cannot load "
-                    "different counts within a group. A torch.optim state where some parameters "
-                    "missed steps (no gradient) can be continued with torch.optim")
+            steps = (ctypes.c_int64 * len(self.params))()
+            check(lib.emsa_device_scalars_read_slot_steps(self.scalars, steps, len(self.params),
+                                                          stream.cuda_stream))
+            values = list(steps)
+            if self.host is not None:  # the host tier counts its own tensors' steps
+                for i, step in zip(self.host_order, self.host.read_steps()):
+                    values[i] = step
+        self.steps.copy_(torch.tensor(values, dtype=torch.float32))
 
     def state_loaded(self) -> None:
         """The optimizer wrote the views (steps included): the device's counts follow."""
-        with _on(self.index):
+        with on(self.index):
             self._poll(wait=True, count_steps=False)  # older skips: superseded by the load
             self.synchronize()
             for i in range(len(self.params)):  # an fp32 host master follows its parameter
@@ -523,16 +634,12 @@ class CudaBackend(Backend):
                     self.refresh_master(i)
             stream = torch.cuda.current_stream(self.device)
             self._follow(stream)
-            values = self.steps.tolist()
-            for g in range(len(self.group_steps)):
-                members = [i for i, grp in enumerate(self.groups) if grp == g]
-                if not members:
-                    continue
-                step = int(values[members[0]])
-                check(lib.emsa_device_scalars_set_group(self.scalars, g,
-                                                        ctypes.byref(self.hyper[g]), step,
-                                                        stream.cuda_stream))
-                self.group_steps[g] = step
+            values = [int(v) for v in self.steps.tolist()]
+            steps = (ctypes.c_int64 * len(values))(*values)
+            check(lib.emsa_device_scalars_set_slot_steps(self.scalars, steps, len(values),
+                                                         stream.cuda_stream))
+            if self.host is not None:
+                self.host.set_steps([values[i] for i in self.host_order])
             self.last_stream = stream
         self.versions = [p._version for p in self.params]
 
@@ -552,7 +659,7 @@ class CudaBackend(Backend):
     def synchronize(self) -> None:
         """Every host-tier update done and its parameters on the device, seen by the current
         stream (for reads outside a module's forward: model.state_dict(), functional use)."""
-        with _on(self.index):
+        with on(self.index):
             if self.host is not None:
                 self.host.synchronize()
 
@@ -561,14 +668,20 @@ class CudaBackend(Backend):
         next's, on the GPU; absent for the last step), d2h_s, cpu_s, h2d_s, wait_s (host-tier
         busy times), grad_wait_s and worker_s (the host tier's worker: blocked on gradients, and
         in all), stream_up_s (the GPU-updated buckets' moments up, summed), peak_device_bytes
-        (torch.cuda.max_memory_allocated when the step started)."""
+        (torch.cuda.max_memory_allocated when the step started); for gated steps grad_norm
+        (the total norm before clipping, unscaled) and clipped (the coefficient was < 1)."""
         self.synchronize()
+        with on(self.index):
+            self._poll(wait=True)
+        norms = self.headers.take_norms()
         host = {s["step"]: s for s in self.host.stats()} if self.host is not None else {}
         out = []
         for n, (step, time_s, peak) in enumerate(self.step_times.read()):
             row = {"step": step, "peak_device_bytes": peak}
             if time_s is not None:
                 row["time_s"] = time_s
+            if step in norms:  # the clock ticks once per call, as calls counts
+                row["grad_norm"], row["clipped"] = norms[step]
             h = host.get(step)
             if h is not None:
                 row.update({k: h[k] for k in ("d2h_s", "cpu_s", "h2d_s", "wait_s",
@@ -593,69 +706,22 @@ class CudaBackend(Backend):
         if not getattr(self, "closed", True) and lib is not None:
             self.close()
 
-    # ---- step in backward: one table per call, when its gradients are all final ----------
-    # The step is begun and the group step counts advanced once per pass (emsa_device_step
-    # over no tables); each table is then updated alone (emsa_device_table_update), so the
-    # counts advance once per pass, not once per bucket.
-    steps_in_backward = True
-
+    # ---- buckets, and what step in backward shares with step() -----------------------------
     def bucket_slots(self) -> list[list[int]]:
-        frozen = [self.names[i] for i, p in enumerate(self.params) if not p.requires_grad]
-        if frozen:
-            raise ValueError(
-                f"{frozen[0]} does not require a gradient; emsa's CUDA tables update every "
-                "parameter they hold, so with step_in_backward=True give the optimizer only "
-                "trainable parameters ([p for p in model.parameters() if p.requires_grad])")
-        return [(self.host_slots if host else self.table_slots)[k] for host, k in self.order]
+        return self.buckets
 
-    def begin_pass(self, param_groups: list[dict]) -> None:
-        self._check_groups(param_groups)
-        with _on(self.index):
-            stream = torch.cuda.current_stream(self.device)
-            self._follow(stream)
-            handle = stream.cuda_stream
-            self.step_times.tick(stream)
-            self._send_hyper(param_groups, handle)
-            if self.host is not None:
-                self._claim_unwaited(stream)
-                self.host.begin_step(self.hyper, [s + 1 for s in self.group_steps])
-            check(lib.emsa_device_step(self.scalars, self.step_array, 0, 0, handle))
-            self.calls += 1
-            self.noop_last = False
-            self.last_stream = stream
-            self.steps.add_(1.0)
-            self.group_steps = [s + 1 for s in self.group_steps]
-
-    def step_bucket(self, b: int) -> None:
-        host, t = self.order[b]
-        if host:
-            self._step_host_bucket(t)
-            return
-        members = self.table_slots[t]
-        grads = self._bucket_grads(members)
-        with _on(self.index):
-            stream = torch.cuda.current_stream(self.device)
-            self._follow(stream)
-            handle = stream.cuda_stream
-            self._point_table(t, [g.data_ptr() for g in grads], handle)
-            self._refresh_stale_masters(members)
-            check(lib.emsa_device_table_update(self.tables[t], self.scalars, handle))
-            self.last_stream = stream
-        del grads  # copies made for the kernels are freed in stream order, after the update
-
-    def _bucket_grads(self, members: list[int]) -> list[torch.Tensor]:
-        """Step in backward: the bucket's gradients as the kernels read them (all final: the
-        hooks fired), after checking each parameter is where emsa planned it."""
+    def _bucket_grads(self, members: list[int]) -> list[torch.Tensor | None]:
+        """A bucket's gradients as the kernels read them (None: absent), after checking each
+        parameter is where emsa planned it."""
         grads = []
         for i in members:
             p = self.params[i]
             if (p.data_ptr() != self.ptrs[i] or p.shape != self.shapes[i]
                     or p.stride() != self.strides[i]):
                 self._moved(i, p)
-            if p.grad is None:
-                raise RuntimeError(f"emsa internal error: {self.names[i]} has no gradient in "
-                                   "its hook; please report it")
-            grads.append(kernel_grad(self.names[i], p.grad, p, self.strides[i]))
+            g = p.grad
+            grads.append(None if g is None else kernel_grad(self.names[i], g, p,
+                                                            self.strides[i]))
         return grads
 
     def _refresh_stale_masters(self, slots) -> None:
@@ -686,16 +752,6 @@ class CudaBackend(Backend):
                 RuntimeWarning, stacklevel=4)
         self.host.wait_all(stream)
 
-    def _step_host_bucket(self, t: int) -> None:
-        members = self.host_slots[t]
-        grads = self._bucket_grads(members)
-        self._refresh_stale_masters(members)  # the tier is idle: begin_step waited for it
-        with _on(self.index):
-            stream = torch.cuda.current_stream(self.device)
-            self._follow(stream)
-            self.host.submit(t, grads, stream)
-            self.last_stream = stream
-
 
 def _pacing_hold(plan: Plan) -> int:
     """How many bytes of gradients paced copies may keep waiting on the device: the plan counts
@@ -707,41 +763,3 @@ def _pacing_hold(plan: Plan) -> int:
         return in_flight
     peak = int(plan.json["prediction"]["peak_device_bytes"])
     return max(0, int(plan.json["budget_bytes"]) - peak) + in_flight
-
-
-class _StepClock:
-    """GPU time from each step's start to the next's: an event per step, read once complete.
-    Events come from a small pool and are reused, so steps allocate none once it is warm."""
-
-    def __init__(self):
-        self.free: list[torch.cuda.Event] = []
-        self.pending: collections.deque = collections.deque()  # (step, event, peak bytes)
-        self.done: list[tuple[int, float | None, int]] = []
-        self.count = 0
-
-    def tick(self, stream: torch.cuda.Stream) -> None:
-        event = self.free.pop() if self.free else torch.cuda.Event(enable_timing=True)
-        event.record(stream)
-        self.count += 1
-        self.pending.append((self.count, event, torch.cuda.max_memory_allocated(stream.device)))
-        self._collect(wait=False)
-
-    def _collect(self, wait: bool) -> None:
-        # A step's time is known once the next step's start event has completed.
-        while len(self.pending) >= 2:
-            (step, start, peak), (_, end, _) = self.pending[0], self.pending[1]
-            if wait:
-                end.synchronize()
-            elif not end.query():
-                return
-            self.done.append((step, start.elapsed_time(end) * 1e-3, peak))
-            self.pending.popleft()
-            self.free.append(start)
-
-    def read(self) -> list[tuple[int, float | None, int]]:
-        self._collect(wait=True)
-        out, self.done = self.done, []
-        if self.pending:
-            step, _, peak = self.pending[-1]
-            out.append((step, None, peak))
-        return out

@@ -21,6 +21,14 @@ parent's forward does not wait for the whole model). Nothing here
 synchronizes the compute stream with the host; wait() may block the host only while the worker
 has not yet enqueued the upload that forward is about to need.
 
+Gated steps (begin_step(..., gated=True): clipping, the non-finite check or a loss scale need
+every gradient of the step before any update): submit() enqueues each bucket's copies whole (no
+pacing), the CPU updates nothing until release() hands libemsa the step header the GPU finished
+(found_inf: the whole step is skipped; else gradients are multiplied by its grad_multiplier),
+and a bucket becomes pending only at the release. Device-updated buckets are enqueued by
+libemsa after the release, so their gradients are held until then. Step counts are per tensor
+and kept by libemsa (read_steps, set_steps): an absent tensor (None gradient) keeps its count.
+
 A parameter read outside a module's forward (a functional use, model.state_dict()) is not seen
 by the hook: call synchronize() first (the optimizer's synchronize() does).
 """
@@ -51,6 +59,7 @@ class HostTier:
         # libemsa has enqueued what reads them (the worker's copies, the streamer's kernels);
         # record_stream then holds their memory until those have read it.
         self.held: dict[int, list[torch.Tensor]] = {}
+        self.held_gated: set[int] = set()  # held for a gated step's device-updated kernels
         self.device = device
         self.buckets = buckets
         self.d2h = torch.cuda.Stream(device)
@@ -94,8 +103,12 @@ class HostTier:
         on_gpu = {int(t.bucket) for t in tensors if t.device_update}
         self.on_gpu = [b in on_gpu for b in range(len(buckets))]
         self.grad_arrays = [(ctypes.c_void_p * len(m))() for m in buckets]
-        self.steps = (ctypes.c_int64 * group_count)()
+        self.group_count = group_count
+        self.tensor_count = len(tensors)
+        self.gated = False  # the current step is gated
+        self.awaiting = False  # ... and its release has not been given yet
         self.pending: set[int] = set()  # uploads the next forward has not waited for yet
+        self.unreleased: set[int] = set()  # submitted in the current gated step, not released
         self._enqueued_seen = -1  # emsa_host_tier_copies_enqueued at the last look
         self.read = 0  # stats read so far (steps)
         bucket_of = {}
@@ -116,39 +129,86 @@ class HostTier:
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
 
     # ---- per step ---------------------------------------------------------------------------
-    def begin_step(self, hypers, group_steps: list[int]) -> None:
+    def begin_step(self, hypers, gated: bool = False) -> None:
         """Waits for the previous step's CPU updates (normally long done), then takes each
-        group's hyperparameters (a ctypes Hyperparams array) and step number."""
-        self.steps[:] = group_steps
-        check(lib.emsa_host_tier_begin_step(self.handle, hypers, self.steps, len(group_steps)))
+        group's hyperparameters (a ctypes Hyperparams array); the step counts are the tier's own,
+        per tensor. gated: the step's updates wait for release() (or are dropped by discard()).
+        A gated step still waiting for its verdict (its pass or step() raised before it) is
+        discarded first: nothing of it is applied."""
+        self.discard()
+        check(lib.emsa_host_tier_begin_step_gated(self.handle, hypers, self.group_count,
+                                                  int(gated)))
+        self.gated = gated
+        self.awaiting = gated
         self._release_copied()  # all enqueued: begin_step waited for the worker
 
-    def submit(self, b: int, grads: list[torch.Tensor], stream: torch.cuda.Stream) -> None:
+    def submit(self, b: int, grads: list[torch.Tensor | None],
+               stream: torch.cuda.Stream) -> None:
+        """Bucket b's gradients, final on `stream`; None for a tensor absent this step (no
+        gradient: not copied, updated or uploaded, its step count stays)."""
         array = self.grad_arrays[b]
         on_gpu = self.on_gpu[b]
         # Its memory is reused only after what reads it has: the copy, or the device update.
         reader = self.update_stream if on_gpu else self.d2h
         for k, g in enumerate(grads):
+            if g is None:
+                array[k] = None
+                continue
             array[k] = g.data_ptr()
             g.record_stream(reader)
         check(lib.emsa_host_tier_submit(self.handle, b, array, len(grads), stream.cuda_stream))
-        self.pending.add(b)
-        if self.paced:  # read later, by the paced copies or the streamer's kernels
+        # A gated step's uploads exist only after its release: nothing to wait for before.
+        (self.unreleased if self.gated else self.pending).add(b)
+        # Read later by the paced copies, or (gated) by the device-updated bucket's kernels,
+        # enqueued only after the release: held until libemsa has enqueued them.
+        if self.paced or (self.gated and on_gpu):
             self.held[b] = grads
+            if self.gated and on_gpu:
+                self.held_gated.add(b)
             self._release_copied()
 
+    def release(self, scalars, stream: torch.cuda.Stream) -> None:
+        """The verdict of the current gated step, after the statistics finished on `stream`:
+        the CPU updates (or skips the step) once the stream has reached this point."""
+        check(lib.emsa_host_tier_release(self.handle, scalars, stream.cuda_stream))
+        self.awaiting = False
+        self.pending |= self.unreleased
+        self.unreleased.clear()
+
+    def discard(self) -> None:
+        """The current gated step, if it still waits for its verdict, gets none (its pass was
+        abandoned): skipped, nothing of it updated, no step count advanced."""
+        if not self.awaiting:
+            return
+        check(lib.emsa_host_tier_release_values(self.handle, 1.0, 1))
+        self.awaiting = False
+        self.unreleased.clear()
+
+    def read_steps(self) -> list[int]:
+        """Each tensor's step count, tensor order of creation (after synchronize())."""
+        out = (ctypes.c_int64 * max(self.tensor_count, 1))()
+        check(lib.emsa_host_tier_read_steps(self.handle, out, self.tensor_count))
+        return list(out[:self.tensor_count])
+
+    def set_steps(self, steps: list[int]) -> None:
+        """Each tensor's step count (load_state_dict), between steps (after synchronize())."""
+        array = (ctypes.c_int64 * max(len(steps), 1))(*steps)
+        check(lib.emsa_host_tier_set_steps(self.handle, array, len(steps)))
+
     def _release_copied(self) -> None:
-        """Drops the gradients whose copies the worker has enqueued (one cheap call unless
-        some were enqueued since the last look)."""
+        """Drops the gradients whose copies (or device updates) libemsa has enqueued: one cheap
+        call unless some were enqueued since the last look, or a gated step's device-updated
+        bucket waits (its kernels are enqueued after the release, which that count misses)."""
         if not self.held:  # unpaced, or nothing waiting: no call at all
             return
         seen = lib.emsa_host_tier_copies_enqueued(self.handle)
-        if seen == self._enqueued_seen:
+        if seen == self._enqueued_seen and not self.held_gated:
             return
         self._enqueued_seen = seen
         for b in [b for b in self.held if lib.emsa_host_tier_bucket_copies_enqueued(
                 self.handle, b) != 0]:
             del self.held[b]
+            self.held_gated.discard(b)
 
     def wait_grads_copied(self, stream: torch.cuda.Stream) -> None:
         check(lib.emsa_host_tier_wait_grads_copied(self.handle, stream.cuda_stream))
@@ -221,6 +281,7 @@ class HostTier:
         if handle:
             lib.emsa_host_tier_destroy(handle)  # waits for the worker's queue
         self.held = {}
+        self.held_gated = set()
         updater, self.updater = self.updater, ctypes.c_void_p()
         if updater:
             lib.emsa_cpu_updater_destroy(updater)

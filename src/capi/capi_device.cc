@@ -37,6 +37,96 @@ emsa_status WithHyper(emsa_device_scalars* scalars, const emsa_hyperparams* hype
   });
 }
 
+// The tables handle list: non-NULL where count > 0, no NULL entry.
+emsa_status CheckTables(emsa_device_table* const* tables, size_t count) {
+  if (tables == nullptr && count > 0) {
+    return Fail(EMSA_INVALID_ARGUMENT, "tables is NULL but count is " + std::to_string(count));
+  }
+  for (size_t i = 0; i < count; ++i) {
+    if (tables[i] == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "tables[" + std::to_string(i) + "] is NULL");
+    }
+  }
+  return EMSA_OK;
+}
+
+// finish_stats, the group steps' advance, then each table's update.
+emsa::Status FinishStep(emsa::DeviceScalars& sc, emsa_device_table* const* tables, size_t count,
+                        cudaStream_t s) {
+  EMSA_RETURN_IF_ERROR(sc.FinishGradStats(s));
+  EMSA_RETURN_IF_ERROR(sc.AdvanceSteps(s));
+  for (size_t i = 0; i < count; ++i) EMSA_RETURN_IF_ERROR(tables[i]->table->Update(sc, s));
+  return emsa::Status::Ok();
+}
+
+// The C scalars' groups as HyperParams, then DeviceScalars::Create.
+emsa_status CreateScalars(const emsa_hyperparams* groups, size_t count, size_t slot_count,
+                          emsa_device_scalars** scalars_out) {
+  return Guard([&] {
+    if (scalars_out == nullptr || (groups == nullptr && count > 0)) {
+      return Fail(EMSA_INVALID_ARGUMENT, "groups and scalars_out must not be NULL");
+    }
+    std::vector<emsa::HyperParams> hypers(count);
+    for (size_t i = 0; i < count; ++i) {
+      emsa::Status st = ToHyper(&groups[i], "groups[" + std::to_string(i) + "]", &hypers[i]);
+      if (!st.ok()) return Report(st);
+    }
+    auto scalars = emsa::DeviceScalars::Create(hypers.data(), count, slot_count);
+    if (!scalars.ok()) return Report(scalars.status());
+    *scalars_out = new emsa_device_scalars{std::move(scalars).value()};
+    return Report(emsa::Status::Ok());
+  });
+}
+
+// The C table options checked and converted (NULL: the defaults).
+emsa_status ToTableOptions(const emsa_device_table_options* options, emsa::DeviceTableOptions* o) {
+  if (options == nullptr) return EMSA_OK;
+  if (emsa_status s =
+          CheckSize(options, "emsa_device_table_options", "emsa_device_table_options_init")) {
+    return s;
+  }
+  auto opt = ToOptimizer(options->optimizer);
+  if (!opt.ok()) return Report(opt.status());
+  if (!IsRounding(options->rounding)) {
+    return Fail(EMSA_INVALID_ARGUMENT, "rounding must be an EMSA_ROUNDING_* value");
+  }
+  if (!IsFlag(options->bulk_copy)) return Fail(EMSA_INVALID_ARGUMENT, "bulk_copy must be 0 or 1");
+  if (!IsFlag(options->stats_only)) {
+    return Fail(EMSA_INVALID_ARGUMENT, "stats_only must be 0 or 1");
+  }
+  CopyFields(*options, o);
+  return EMSA_OK;
+}
+
+// emsa_device_table_create(_slots): slots NULL for group steps.
+emsa_status CreateTable(const emsa_tensor_update* tensors, const int32_t* groups,
+                        const int64_t* slots, size_t count, size_t slot_count,
+                        const emsa_device_table_options* options, emsa_device_table** table_out) {
+  return Guard([&] {
+    if (table_out == nullptr || (tensors == nullptr && count > 0)) {
+      return Fail(EMSA_INVALID_ARGUMENT, "tensors and table_out must not be NULL");
+    }
+    emsa::DeviceTableOptions o;
+    if (emsa_status s = ToTableOptions(options, &o)) return s;
+    for (size_t i = 0; slots != nullptr && i < count; ++i) {
+      if (slots[i] < 0 || static_cast<uint64_t>(slots[i]) >= slot_count) {
+        return Fail(EMSA_INVALID_ARGUMENT, "slots[" + std::to_string(i) + "] is " +
+                                               std::to_string(slots[i]) + "; slots are in [0, " +
+                                               std::to_string(slot_count) + ")");
+      }
+    }
+    std::vector<emsa::TensorUpdate> updates(count);  // bind time: allocation is fine here
+    for (size_t i = 0; i < count; ++i) {
+      emsa::Status st = ConvertTensor(tensors[i], i, false, &updates[i], nullptr);
+      if (!st.ok()) return Report(st);
+    }
+    auto table = emsa::DeviceUpdateTable::Create(updates.data(), groups, count, o, slots);
+    if (!table.ok()) return Report(table.status());
+    *table_out = new emsa_device_table{std::move(table).value()};
+    return Report(emsa::Status::Ok());
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -57,20 +147,12 @@ void emsa_device_step_report_init(emsa_device_step_report* r) {
 
 emsa_status emsa_device_scalars_create(const emsa_hyperparams* groups, size_t count,
                                        emsa_device_scalars** scalars_out) {
-  return Guard([&] {
-    if (scalars_out == nullptr || (groups == nullptr && count > 0)) {
-      return Fail(EMSA_INVALID_ARGUMENT, "groups and scalars_out must not be NULL");
-    }
-    std::vector<emsa::HyperParams> hypers(count);
-    for (size_t i = 0; i < count; ++i) {
-      emsa::Status st = ToHyper(&groups[i], "groups[" + std::to_string(i) + "]", &hypers[i]);
-      if (!st.ok()) return Report(st);
-    }
-    auto scalars = emsa::DeviceScalars::Create(hypers.data(), count);
-    if (!scalars.ok()) return Report(scalars.status());
-    *scalars_out = new emsa_device_scalars{std::move(scalars).value()};
-    return Report(emsa::Status::Ok());
-  });
+  return CreateScalars(groups, count, 0, scalars_out);
+}
+
+emsa_status emsa_device_scalars_create_slots(const emsa_hyperparams* groups, size_t group_count,
+                                             size_t slot_count, emsa_device_scalars** scalars_out) {
+  return CreateScalars(groups, group_count, slot_count, scalars_out);
 }
 
 void emsa_device_scalars_destroy(emsa_device_scalars* scalars) { delete scalars; }
@@ -93,24 +175,89 @@ emsa_status emsa_device_scalars_set_inputs(emsa_device_scalars* scalars, float g
 emsa_status emsa_device_step(emsa_device_scalars* scalars, emsa_device_table** tables, size_t count,
                              int32_t check_stats, void* stream) {
   return Guard([&] {
-    if (scalars == nullptr || (tables == nullptr && count > 0)) {
-      return Fail(EMSA_INVALID_ARGUMENT, "scalars and tables must not be NULL");
-    }
-    for (size_t i = 0; i < count; ++i) {
-      if (tables[i] == nullptr) {
-        return Fail(EMSA_INVALID_ARGUMENT, "tables[" + std::to_string(i) + "] is NULL");
-      }
-    }
+    if (scalars == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "scalars is NULL");
+    if (emsa_status e = CheckTables(tables, count)) return e;
     auto s = static_cast<cudaStream_t>(stream);
     emsa::DeviceScalars& sc = *scalars->scalars;
     emsa::Status st = sc.BeginStep(s);
     for (size_t i = 0; st.ok() && check_stats && i < count; ++i) {
       st = tables[i]->table->AccumulateGradStats(sc, s);
     }
-    if (st.ok()) st = sc.FinishGradStats(s);
-    if (st.ok()) st = sc.AdvanceSteps(s);
-    for (size_t i = 0; st.ok() && i < count; ++i) st = tables[i]->table->Update(sc, s);
+    if (st.ok()) st = FinishStep(sc, tables, count, s);
     return Report(st);
+  });
+}
+
+emsa_status emsa_device_begin_step(emsa_device_scalars* scalars, void* stream) {
+  return OnHandle(scalars, "scalars",
+                  [&](auto& h) { return h.scalars->BeginStep(static_cast<cudaStream_t>(stream)); });
+}
+
+emsa_status emsa_device_table_accumulate_stats(emsa_device_table* table,
+                                               emsa_device_scalars* scalars, void* stream) {
+  return Guard([&] {
+    if (table == nullptr || scalars == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "table and scalars must not be NULL");
+    }
+    return Report(
+        table->table->AccumulateGradStats(*scalars->scalars, static_cast<cudaStream_t>(stream)));
+  });
+}
+
+emsa_status emsa_device_finish_stats(emsa_device_scalars* scalars, void* stream) {
+  return OnHandle(scalars, "scalars", [&](auto& h) {
+    return h.scalars->FinishGradStats(static_cast<cudaStream_t>(stream));
+  });
+}
+
+emsa_status emsa_device_finish_step(emsa_device_scalars* scalars, emsa_device_table** tables,
+                                    size_t count, void* stream) {
+  return Guard([&] {
+    if (scalars == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "scalars is NULL");
+    if (emsa_status e = CheckTables(tables, count)) return e;
+    return Report(FinishStep(*scalars->scalars, tables, count, static_cast<cudaStream_t>(stream)));
+  });
+}
+
+emsa_status emsa_device_scalars_set_unscale_from(emsa_device_scalars* scalars,
+                                                 const float* device_scale, void* stream) {
+  return Guard([&] {
+    if (scalars == nullptr || device_scale == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "scalars and device_scale must not be NULL");
+    }
+    return Report(
+        scalars->scalars->SetUnscaleFrom(device_scale, static_cast<cudaStream_t>(stream)));
+  });
+}
+
+emsa_status emsa_device_scalars_write_found_inf(const emsa_device_scalars* scalars,
+                                                float* device_dst, void* stream) {
+  return Guard([&] {
+    if (scalars == nullptr || device_dst == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "scalars and device_dst must not be NULL");
+    }
+    return Report(scalars->scalars->WriteFoundInf(device_dst, static_cast<cudaStream_t>(stream)));
+  });
+}
+
+emsa_status emsa_device_scalars_read_slot_steps(const emsa_device_scalars* scalars,
+                                                int64_t* steps_out, size_t count, void* stream) {
+  return Guard([&] {
+    if (scalars == nullptr || (steps_out == nullptr && count > 0)) {
+      return Fail(EMSA_INVALID_ARGUMENT, "scalars and steps_out must not be NULL");
+    }
+    return Report(
+        scalars->scalars->ReadSlotSteps(steps_out, count, static_cast<cudaStream_t>(stream)));
+  });
+}
+
+emsa_status emsa_device_scalars_set_slot_steps(emsa_device_scalars* scalars, const int64_t* steps,
+                                               size_t count, void* stream) {
+  return Guard([&] {
+    if (scalars == nullptr || (steps == nullptr && count > 0)) {
+      return Fail(EMSA_INVALID_ARGUMENT, "scalars and steps must not be NULL");
+    }
+    return Report(scalars->scalars->SetSlotSteps(steps, count, static_cast<cudaStream_t>(stream)));
   });
 }
 
@@ -148,34 +295,19 @@ emsa_status emsa_device_scalars_read(const emsa_device_scalars* scalars,
 emsa_status emsa_device_table_create(const emsa_tensor_update* tensors, const int32_t* groups,
                                      size_t count, const emsa_device_table_options* options,
                                      emsa_device_table** table_out) {
+  return CreateTable(tensors, groups, nullptr, count, 0, options, table_out);
+}
+
+emsa_status emsa_device_table_create_slots(const emsa_tensor_update* tensors, const int32_t* groups,
+                                           const int64_t* slots, size_t count, size_t slot_count,
+                                           const emsa_device_table_options* options,
+                                           emsa_device_table** table_out) {
   return Guard([&] {
-    if (table_out == nullptr || (tensors == nullptr && count > 0)) {
-      return Fail(EMSA_INVALID_ARGUMENT, "tensors and table_out must not be NULL");
+    if (slots == nullptr && count > 0) {
+      return Fail(EMSA_INVALID_ARGUMENT,
+                  "slots is NULL; pass one slot per tensor (or use emsa_device_table_create)");
     }
-    emsa::DeviceTableOptions o;
-    if (options != nullptr) {
-      if (emsa_status s =
-              CheckSize(options, "emsa_device_table_options", "emsa_device_table_options_init")) {
-        return s;
-      }
-      auto opt = ToOptimizer(options->optimizer);
-      if (!opt.ok()) return Report(opt.status());
-      if (!IsRounding(options->rounding)) {
-        return Fail(EMSA_INVALID_ARGUMENT, "rounding must be an EMSA_ROUNDING_* value");
-      }
-      if (!IsFlag(options->bulk_copy))
-        return Fail(EMSA_INVALID_ARGUMENT, "bulk_copy must be 0 or 1");
-      CopyFields(*options, &o);
-    }
-    std::vector<emsa::TensorUpdate> updates(count);  // bind time: allocation is fine here
-    for (size_t i = 0; i < count; ++i) {
-      emsa::Status st = ConvertTensor(tensors[i], i, false, &updates[i], nullptr);
-      if (!st.ok()) return Report(st);
-    }
-    auto table = emsa::DeviceUpdateTable::Create(updates.data(), groups, count, o);
-    if (!table.ok()) return Report(table.status());
-    *table_out = new emsa_device_table{std::move(table).value()};
-    return Report(emsa::Status::Ok());
+    return CreateTable(tensors, groups, slots, count, slot_count, options, table_out);
   });
 }
 

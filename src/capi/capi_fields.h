@@ -93,6 +93,7 @@ struct Fields<emsa_device_table_options> {
     fn(c.optimizer, cpp.optimizer);
     fn(c.rounding, cpp.rounding);
     fn(c.bulk_copy, cpp.bulk_copy);
+    fn(c.stats_only, cpp.stats_only);
   }
 };
 
@@ -114,6 +115,7 @@ struct Fields<emsa_host_tier_options> {
     fn(c.stream_piece_elements, cpp.stream_piece_elements);
     fn(c.stream_slots, cpp.stream_slots);
     fn(c.device_update_stream, cpp.device_update_stream);
+    fn(c.gated, cpp.gated);
   }
 };
 

@@ -217,22 +217,43 @@ def test_gradient_addresses_do_not_change_the_result():
     assert_bitwise(run("misaligned"), in_place, "misaligned gradients vs aligned ones")
 
 
-def test_parameters_without_gradients():
+def test_parameters_without_gradients_are_skipped_as_torch_does():
+    """A parameter whose .grad is None in a step is not updated, its state stays and its own
+    step count stays, as in torch.optim; a step with no gradient at all does nothing."""
     torch.manual_seed(0)
-    model = SmallCNN().to(DEVICE)
-    model.unused = nn.Linear(4, 4).to(DEVICE)  # never in forward: its grad stays None
-    opt = emsa.AdamW(model.named_parameters(), lr=1e-2)
-    before = [p.detach().clone() for p in model.parameters()]
+    ref = SmallCNN().to(DEVICE)
+    ref.unused = nn.Linear(4, 4).to(DEVICE)  # never in forward: its grad stays None
+    ours = copy.deepcopy(ref)
+    opt = emsa.AdamW(ours.named_parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in ours.parameters()]
     opt.zero_grad()
     opt.step()  # no gradient at all: nothing to do, as in torch
     assert not opt.last_step_skipped
-    cnn_loss(model, on_device(cnn_batches(1)[0])).backward()
-    with pytest.raises(ValueError, match=r"unused.weight has no gradient .* updates every "
-                                         r"parameter each step \(2 of 10 have none now\)"):
-        opt.step()
-    for p, q in zip(model.parameters(), before):
+    for p, q in zip(ours.parameters(), before):
         assert torch.equal(p, q)
-    assert {st["step"].item() for st in opt.state_dict()["state"].values()} == {0}
+    for k, batch in enumerate(cnn_batches(6)):
+        ref_opt.zero_grad()
+        cnn_loss(ref, on_device(batch)).backward()
+        if k % 2:  # fc too sits out the odd steps
+            ref.fc.weight.grad = None
+        opt.zero_grad()
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            p.grad = None if q.grad is None else q.grad.clone()
+        opt.step()
+        ref_opt.step()
+    assert_params_close(ours, ref, rtol=1e-6, atol=1e-7)
+    assert torch.equal(ours.unused.weight, before[-2]) and torch.equal(ours.unused.bias,
+                                                                       before[-1])
+    state = opt.state_dict()["state"]
+    ref_state = ref_opt.state_dict()["state"]
+    names = [n for n, _ in ours.named_parameters()]
+    for i, name in enumerate(names):
+        want = ref_state[i]["step"].item() if i in ref_state else 0.0
+        got = state[i]["step"].item() if i in state else 0.0
+        assert got == want, f"{name}: step {got} but torch counts {want}"
+    fc = names.index("fc.weight")
+    assert state[fc]["step"].item() == 3
 
 
 def test_parameter_storage_replaced_or_reshaped_is_refused():
@@ -436,7 +457,9 @@ def test_emsa_round_trip_is_bitwise_and_outlives_the_optimizer():
     del junk
 
 
-def test_loading_different_steps_within_a_group_is_refused():
+def test_different_steps_within_a_group_load_and_continue_as_torch():
+    """torch.optim keeps a step count per parameter (a parameter that missed steps has fewer):
+    emsa loads such a state and continues it as torch does."""
     torch.manual_seed(0)
     model = SmallCNN().to(DEVICE)
     ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -444,13 +467,26 @@ def test_loading_different_steps_within_a_group_is_refused():
         ref_opt.zero_grad()
         cnn_loss(model, on_device(batch)).backward()
         ref_opt.step()
-    sd = ref_opt.state_dict()
+    sd = saved(ref_opt.state_dict())
     sd["state"][2]["step"] = torch.tensor(5.0)
-    opt = emsa.AdamW(model.parameters(), lr=1e-2)
-    with pytest.raises(ValueError, match=r"step 2 for .* but 5 for .*one step count per param "
-                                         r"group"):
-        opt.load_state_dict(sd)
-    assert {st["step"].item() for st in opt.state_dict()["state"].values()} == {0}
+    ref_opt.load_state_dict(sd)
+    ours = copy.deepcopy(model)
+    opt = emsa.AdamW(ours.parameters(), lr=1e-2)
+    opt.load_state_dict(sd)
+    assert [st["step"].item() for st in opt.state_dict()["state"].values()] == \
+        [st["step"].item() for st in ref_opt.state_dict()["state"].values()]
+    for batch in cnn_batches(3):
+        ref_opt.zero_grad()
+        cnn_loss(model, on_device(batch)).backward()
+        opt.zero_grad()
+        for p, q in zip(ours.parameters(), model.parameters()):
+            p.grad = q.grad.clone()
+        opt.step()
+        ref_opt.step()
+    assert_params_close(ours, model, rtol=1e-6, atol=1e-7)
+    steps = [st["step"].item() for st in opt.state_dict()["state"].values()]
+    assert steps == [st["step"].item() for st in ref_opt.state_dict()["state"].values()]
+    assert steps[2] == 8 and steps[0] == 5
 
 
 # ---- planning ------------------------------------------------------------------------------------

@@ -78,15 +78,15 @@ def split_budget(model, batch, profile, in_backward):
     return record, (device_peak + host_peak) // 2
 
 
-def host_optimizer(model, tier, profile, batch, step_in_backward=False):
+def host_optimizer(model, tier, profile, batch, step_in_backward=False, **extra):
     """emsa.AdamW with all state on the host (tier="host", unprobed: it plans at the first
     step, or at construction with step_in_backward) or split by a budget (probed)."""
     if tier == "host":
         return emsa.AdamW(model.parameters(), **HYPER, tier="host",
-                          step_in_backward=step_in_backward)
+                          step_in_backward=step_in_backward, **extra)
     record, budget = split_budget(model, batch, profile, step_in_backward)
     return emsa.AdamW(model.parameters(), **HYPER, probe=record, budget=budget,
-                      step_in_backward=step_in_backward)
+                      step_in_backward=step_in_backward, **extra)
 
 
 def assert_tiers(opt, tier):
@@ -122,14 +122,19 @@ def shared_step(model, opts, others, batch):
 
 # ---- numerics under race-provoking timing ------------------------------------------------------
 
-VARIANTS = ["step", "step_in_backward", "scheduler", "zero_grad_keep", "free_running"]
+VARIANTS = ["step", "step_in_backward", "scheduler", "zero_grad_keep", "free_running",
+            "clipped", "clipped_in_backward"]
+MAX_NORM = 0.5
+# Gated steps: the updates wait for the verdict of every gradient (clipping, the non-finite
+# check); in backward the host tier's copies then go down whole and its CPU waits for the release.
+GATED = dict(max_grad_norm=MAX_NORM, skip_nonfinite=True)
 
 
-def twin_optimizer(model, step_in_backward):
+def twin_optimizer(model, step_in_backward, **extra):
     """The same optimizer with every state on the device: emsa's CUDA and CPU kernels give the
     same bits, so the host tier must match it bitwise whenever nothing raced."""
     return emsa.AdamW(model.parameters(), **HYPER, tier="device",
-                      step_in_backward=step_in_backward)
+                      step_in_backward=step_in_backward, **extra)
 
 
 def assert_params_equal(ours, twin, what):
@@ -154,15 +159,19 @@ def test_matches_torch_every_step(tier, variant, profile):
     step: compared after every step; step_in_backward: buckets updated from the gradient hooks
     (torch gets no gradients there: check (1) only); scheduler: lr changes every step;
     zero_grad_keep: zero_grad(set_to_none=False), the gradients stay at one address;
-    free_running: all steps back to back, nothing waits in between, compared at the end."""
-    in_backward = variant == "step_in_backward"
+    free_running: all steps back to back, nothing waits in between, compared at the end;
+    clipped, clipped_in_backward: gated steps (max_grad_norm and the non-finite check), in
+    step() and in backward: the host tier's updates wait for the release of the device's
+    verdict, whose clip coefficient (computed from bitwise equal gradients) the twin shares."""
+    in_backward = variant in ("step_in_backward", "clipped_in_backward")
     set_to_none = variant != "zero_grad_keep"
+    extra = GATED if variant.startswith("clipped") else {}
     ref = race_model()
     ours = copy.deepcopy(ref)
     twin = copy.deepcopy(ref)
     data = batches(STEPS)
-    opt = host_optimizer(ours, tier, profile, data[0], step_in_backward=in_backward)
-    twin_opt = twin_optimizer(twin, in_backward)
+    opt = host_optimizer(ours, tier, profile, data[0], step_in_backward=in_backward, **extra)
+    twin_opt = twin_optimizer(twin, in_backward, **extra)
     ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
     scheds = ([torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine(5, STEPS))
                for o in (opt, twin_opt, ref_opt)] if variant == "scheduler" else [])
@@ -191,6 +200,8 @@ def test_matches_torch_every_step(tier, variant, profile):
         twin_loss = train_step(twin, twin_opt, batch, set_to_none)
         assert torch.equal(loss, twin_loss), f"step {k + 1}: loss {loss} != twin's {twin_loss}"
         if not in_backward:
+            if extra:
+                torch.nn.utils.clip_grad_norm_(list(ref.parameters()), MAX_NORM)
             ref_opt.step()
             ref_opt.zero_grad()
         for s in scheds:

@@ -44,6 +44,7 @@ constexpr int VariantIndex(Variant v) {
 // DeviceTensor::flags
 constexpr uint32_t kTensorVector = 1u;      // every stream 16-byte aligned: vector path
 constexpr uint32_t kTensorGradVector = 2u;  // the grad 16-byte aligned (grad statistics)
+constexpr uint32_t kTensorAbsent = 4u;      // no gradient this step: updates and stats skip it
 
 #if defined(__CUDACC__)
 #define EMSA_TABLE_HD __host__ __device__ inline
@@ -64,6 +65,15 @@ EMSA_TABLE_HD uint16_t TensorFlags(const void* param, const void* grad, const vo
                                (Aligned16(grad) ? kTensorGradVector : 0u));
 }
 
+// The flags with absence: a null gradient of a tensor that has elements (numel 0 has nothing to
+// read and is never absent).
+EMSA_TABLE_HD uint16_t TensorFlags(const void* param, const void* grad, const void* exp_avg,
+                                   const void* exp_avg_sq, const void* master, int64_t numel) {
+  const bool absent = grad == nullptr && numel > 0;
+  return static_cast<uint16_t>(TensorFlags(param, grad, exp_avg, exp_avg_sq, master) |
+                               (absent ? kTensorAbsent : 0u));
+}
+
 struct alignas(16) DeviceTensor {
   void* param;
   const void* grad;
@@ -74,7 +84,8 @@ struct alignas(16) DeviceTensor {
   int32_t group;        // index into DeviceScalars' groups
   uint16_t flags;       // kTensor*
   uint16_t grad_dtype;  // DType, for the grad statistics kernel
-  int64_t reserved;     // pads to 64 bytes: four 16-byte loads
+  int32_t slot;         // index into DeviceScalars' slot steps (tables with slots), else 0
+  int32_t reserved;     // pads to 64 bytes: four 16-byte loads
 };
 static_assert(sizeof(DeviceTensor) == 64, "DeviceTensor is a device-memory layout");
 
@@ -109,8 +120,9 @@ struct UpdateLaunch {
   const DeviceTensor* tensors;
   const DeviceStepHeader* header;
   const DeviceGroupScalars* groups;
-  int32_t stochastic_state;  // bf16 state stores round stochastically
-  int32_t bulk;              // the bulk-copy kernel (BulkUpdateKernel), not the per-thread one
+  const int64_t* slot_steps;  // tables with slots: each tensor's step; null: its group's step
+  int32_t stochastic_state;   // bf16 state stores round stochastically
+  int32_t bulk;               // the bulk-copy kernel (BulkUpdateKernel), not the per-thread one
   int grid;
 };
 
@@ -156,6 +168,11 @@ Status LaunchBeginStep(DeviceStepHeader* header, cudaStream_t stream);
 Status LaunchFinishGradStats(DeviceStepHeader* header, cudaStream_t stream);
 Status LaunchAdvanceSteps(const DeviceStepHeader* header, DeviceGroupScalars* groups,
                           int64_t group_count, cudaStream_t stream);
+// Unless found_inf: ++slot_steps[tensors[i].slot] for every tensor i < count not absent.
+Status LaunchAdvanceSlots(const DeviceStepHeader* header, const DeviceTensor* tensors,
+                          int64_t count, int64_t* slot_steps, cudaStream_t stream);
+Status LaunchSetUnscaleFrom(DeviceStepHeader* header, const float* scale, cudaStream_t stream);
+Status LaunchWriteFoundInf(const DeviceStepHeader* header, float* dst, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace emsa

@@ -1,6 +1,6 @@
-// device_update.cc — DeviceScalars and DeviceUpdateTable: the bind-time uploads and the
-// per-step launches (host side; the kernels are in the .cu files beside this one). Validation
-// runs first (device_validate.h); a build without CUDA has device_update_nocuda.cc instead.
+// device_update.cc — DeviceUpdateTable: the bind-time uploads and the per-step launches (host
+// side; the kernels are in the .cu files beside this one; DeviceScalars is device_scalars.cc).
+// Validation runs first (device_validate.h); a build without CUDA has device_update_nocuda.cc.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -21,12 +21,8 @@ namespace {
 
 using cuda::ParamKind;
 using cuda::Variant;
-using device_checks::CheckGroupIndex;
 using device_checks::Name;
-using device_checks::Num;
 using device_checks::TableShape;
-using device_checks::ValidateGroupHyper;
-using device_checks::ValidateGroups;
 using device_checks::ValidateTable;
 
 }  // namespace
@@ -34,103 +30,18 @@ using device_checks::ValidateTable;
 
 #if EMSA_HAVE_CUDA
 
+#include "kernels/cuda/device_host.h"
+
 namespace emsa {
 namespace {
 
-Status NoDevice(const char* what) {
-  return Status::Unsupported(std::string(what) +
-                             ": no usable CUDA device (no driver, or no GPU visible to this "
-                             "process); the device tier needs one, the host tier does not");
-}
-
-// Device memory that frees itself. Errors of the free are ignored: nothing can act on them.
-struct DeviceMemory {
-  void* ptr = nullptr;
-  DeviceMemory() = default;
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
-  ~DeviceMemory() {
-    if (ptr != nullptr) (void)cudaFree(ptr);
-  }
-  void* release() {
-    void* p = ptr;
-    ptr = nullptr;
-    return p;
-  }
-};
-
-Status Allocate(DeviceMemory* mem, size_t bytes, const char* what) {
-  const cudaError_t err = cudaMalloc(&mem->ptr, bytes);
-  if (err == cudaErrorMemoryAllocation) {
-    (void)cudaGetLastError();
-    return Status::OutOfMemory(std::string(what) + ": cudaMalloc of " + std::to_string(bytes) +
-                               " bytes failed; free device memory first");
-  }
-  return CudaStatus(err, what);
-}
-
-// A bind-time upload. A synchronous cudaMemcpy from pageable memory may return before its DMA
-// lands, and the caller's non-blocking streams are not ordered after the legacy stream: so copy
-// on the legacy stream and wait for it (Finish below) before the object is handed out.
-Status Upload(void* dst, const void* src, size_t bytes, const char* what) {
-  if (bytes == 0) return Status::Ok();
-  return CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cudaStreamLegacy),
-                    what);
-}
-Status FinishUploads(const char* what) {
-  return CudaStatus(cudaStreamSynchronize(cudaStreamLegacy), what);
-}
-
-Status CurrentDevice(int expected, const char* what) {
-  int current = -1;
-  EMSA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&current));
-  if (current != expected) {
-    return Status::InvalidArgument(std::string(what) + ": the current device is " +
-                                   std::to_string(current) + " but the object lives on device " +
-                                   std::to_string(expected) + "; call cudaSetDevice(" +
-                                   std::to_string(expected) + ") first");
-  }
-  return Status::Ok();
-}
-
-// Lets this thread make a pure query while a stream capture may be active: in global or
-// thread-local capture mode the runtime may refuse calls it counts as unsafe (and invalidate
-// the capture). The pointer query below changes nothing, so relaxing the thread's mode for it
-// is sound; the previous mode is restored.
-class RelaxedCaptureScope {
- public:
-  RelaxedCaptureScope() { ok_ = cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess; }
-  ~RelaxedCaptureScope() {
-    if (ok_) (void)cudaThreadExchangeStreamCaptureMode(&mode_);
-  }
-  RelaxedCaptureScope(const RelaxedCaptureScope&) = delete;
-  RelaxedCaptureScope& operator=(const RelaxedCaptureScope&) = delete;
-
- private:
-  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
-  bool ok_ = false;
-};
-
-// Pinned (page-locked or registered) host memory: what an asynchronous, capturable copy needs.
-Status CheckPinned(const void* p, const char* what) {
-  if (p == nullptr) return Status::InvalidArgument(std::string(what) + ": source is null");
-  cudaPointerAttributes attr{};
-  cudaError_t err;
-  {
-    RelaxedCaptureScope relaxed;
-    err = cudaPointerGetAttributes(&attr, p);
-  }
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    return CudaStatus(err, what);
-  }
-  if (attr.type != cudaMemoryTypeHost) {
-    return Status::InvalidArgument(std::string(what) +
-                                   ": the source is not pinned host memory; allocate it with "
-                                   "cudaHostAlloc or register it with cudaHostRegister");
-  }
-  return Status::Ok();
-}
+using device_host::Allocate;
+using device_host::CurrentDevice;
+using device_host::DeviceMemory;
+using device_host::FinishUploads;
+using device_host::NoDevice;
+using device_host::RoundUp;
+using device_host::Upload;
 
 // Each pointer the update touches must be memory of `device` that kernels can read.
 Status CheckDevicePointer(size_t i, const char* field, const void* p, int device) {
@@ -165,133 +76,9 @@ uint64_t BytesPerElement(const TensorUpdate& t, OptimizerKind optimizer) {
   return state + grad + param;
 }
 
-size_t RoundUp(size_t x, size_t to) { return (x + to - 1) / to * to; }
-
 constexpr int kGradSlots = DeviceUpdateTable::kGradStagingSlots;
 
 }  // namespace
-
-// ---- DeviceScalars -----------------------------------------------------------------------------
-
-Result<std::unique_ptr<DeviceScalars>> DeviceScalars::Create(const HyperParams* hypers,
-                                                             size_t group_count) {
-  EMSA_RETURN_IF_ERROR(ValidateGroups(hypers, group_count));
-  std::vector<DeviceGroupScalars> groups(group_count);
-  for (size_t i = 0; i < group_count; ++i) groups[i] = ToDeviceScalars(hypers[i], 0);
-  if (!CudaDeviceUsable()) return NoDevice("DeviceScalars::Create");
-
-  std::unique_ptr<DeviceScalars> s(new DeviceScalars());
-  EMSA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&s->device_));
-  // The groups start 64 bytes in: each record in one 32-byte sector.
-  const size_t groups_at = RoundUp(sizeof(DeviceStepHeader), 64);
-  const size_t bytes = groups_at + group_count * sizeof(DeviceGroupScalars);
-  DeviceMemory mem;
-  EMSA_RETURN_IF_ERROR(Allocate(&mem, bytes, "DeviceScalars::Create"));
-  std::vector<unsigned char> host(bytes);
-  const DeviceStepHeader header;
-  std::memcpy(host.data(), &header, sizeof header);
-  std::memcpy(host.data() + groups_at, groups.data(), group_count * sizeof(DeviceGroupScalars));
-  EMSA_RETURN_IF_ERROR(Upload(mem.ptr, host.data(), bytes, "DeviceScalars::Create: upload"));
-  EMSA_RETURN_IF_ERROR(FinishUploads("DeviceScalars::Create: upload"));
-
-  s->group_count_ = group_count;
-  s->memory_ = mem.release();
-  s->header_ = static_cast<DeviceStepHeader*>(s->memory_);
-  s->groups_ = reinterpret_cast<DeviceGroupScalars*>(static_cast<char*>(s->memory_) + groups_at);
-  return s;
-}
-
-DeviceScalars::~DeviceScalars() {
-  if (memory_ != nullptr) (void)cudaFree(memory_);
-}
-
-Status DeviceScalars::SetGroup(size_t group, const HyperParams& hyper, int64_t step,
-                               cudaStream_t stream) {
-  EMSA_RETURN_IF_ERROR(CheckGroupIndex(group, group_count_));
-  EMSA_RETURN_IF_ERROR(ValidateGroupHyper(hyper, "hyper."));
-  if (step < 0) {
-    return Status::InvalidArgument("step is " + std::to_string(step) +
-                                   "; it must be >= 0 (AdvanceSteps adds 1 before each update)");
-  }
-  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::SetGroup"));
-  return cuda::LaunchSetGroup(groups_, static_cast<int64_t>(group), ToDeviceScalars(hyper, step),
-                              stream);
-}
-
-Status DeviceScalars::SetGroupHyper(size_t group, const HyperParams& hyper, cudaStream_t stream) {
-  EMSA_RETURN_IF_ERROR(CheckGroupIndex(group, group_count_));
-  EMSA_RETURN_IF_ERROR(ValidateGroupHyper(hyper, "hyper."));
-  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::SetGroupHyper"));
-  return cuda::LaunchSetGroupHyper(groups_, static_cast<int64_t>(group), ToDeviceScalars(hyper, 0),
-                                   stream);
-}
-
-Status DeviceScalars::CopyHeader(DeviceStepHeader* dst, cudaStream_t stream) const {
-  if (dst == nullptr) return Status::InvalidArgument("DeviceScalars::CopyHeader: dst is null");
-  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::CopyHeader"));
-  EMSA_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(dst, header_, sizeof(DeviceStepHeader), cudaMemcpyDefault, stream));
-  return Status::Ok();
-}
-
-Status DeviceScalars::SetInputs(float grad_unscale, float max_norm, uint64_t seed,
-                                cudaStream_t stream) {
-  if (!std::isfinite(grad_unscale)) {
-    return Status::InvalidArgument("grad_unscale is " + Num(grad_unscale) +
-                                   "; it must be finite (1 / loss_scale)");
-  }
-  if (std::isnan(max_norm)) {
-    return Status::InvalidArgument("max_norm is nan; use a positive number, or 0 for no clipping");
-  }
-  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::SetInputs"));
-  return cuda::LaunchSetInputs(header_, grad_unscale, max_norm, seed, stream);
-}
-
-Status DeviceScalars::UploadHeader(const DeviceStepHeader* pinned, cudaStream_t stream) {
-  EMSA_RETURN_IF_ERROR(CheckPinned(pinned, "DeviceScalars::UploadHeader"));
-  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::UploadHeader"));
-  EMSA_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(header_, pinned, sizeof(DeviceStepHeader), cudaMemcpyHostToDevice, stream));
-  return Status::Ok();
-}
-
-Status DeviceScalars::UploadGroups(const DeviceGroupScalars* pinned, cudaStream_t stream) {
-  EMSA_RETURN_IF_ERROR(CheckPinned(pinned, "DeviceScalars::UploadGroups"));
-  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::UploadGroups"));
-  EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-      groups_, pinned, group_count_ * sizeof(DeviceGroupScalars), cudaMemcpyHostToDevice, stream));
-  return Status::Ok();
-}
-
-Status DeviceScalars::BeginStep(cudaStream_t stream) {
-  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::BeginStep"));
-  return cuda::LaunchBeginStep(header_, stream);
-}
-
-Status DeviceScalars::FinishGradStats(cudaStream_t stream) {
-  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::FinishGradStats"));
-  return cuda::LaunchFinishGradStats(header_, stream);
-}
-
-Status DeviceScalars::AdvanceSteps(cudaStream_t stream) {
-  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::AdvanceSteps"));
-  return cuda::LaunchAdvanceSteps(header_, groups_, static_cast<int64_t>(group_count_), stream);
-}
-
-Status DeviceScalars::Read(DeviceStepHeader* header, DeviceGroupScalars* groups,
-                           cudaStream_t stream) const {
-  if (header == nullptr) return Status::InvalidArgument("DeviceScalars::Read: header is null");
-  EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceScalars::Read"));
-  EMSA_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(header, header_, sizeof(DeviceStepHeader), cudaMemcpyDeviceToHost, stream));
-  if (groups != nullptr) {
-    EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(groups, groups_,
-                                              group_count_ * sizeof(DeviceGroupScalars),
-                                              cudaMemcpyDeviceToHost, stream));
-  }
-  EMSA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  return Status::Ok();
-}
 
 namespace {
 
@@ -303,13 +90,16 @@ struct TableImage {
 };
 
 // Each pointer an update touches must be memory of `device` that kernels can read.
-Status CheckTablePointers(const TensorUpdate* tensors, size_t count, OptimizerKind optimizer,
-                          int device) {
+// (A stats_only table reads only the gradients.)
+Status CheckTablePointers(const TensorUpdate* tensors, size_t count,
+                          const DeviceTableOptions& options, int device) {
+  const OptimizerKind optimizer = options.optimizer;
   for (size_t i = 0; i < count; ++i) {
     const TensorUpdate& t = tensors[i];
     if (t.numel == 0) continue;
-    EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "param", t.param, device));
     EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "grad", t.grad, device));
+    if (options.stats_only) continue;
+    EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "param", t.param, device));
     EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "exp_avg", t.exp_avg, device));
     if (optimizer != OptimizerKind::kLion) {
       EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "exp_avg_sq", t.exp_avg_sq, device));
@@ -319,27 +109,33 @@ Status CheckTablePointers(const TensorUpdate* tensors, size_t count, OptimizerKi
   return Status::Ok();
 }
 
-TableImage MakeTableImage(const TensorUpdate* tensors, const int32_t* groups, size_t count,
-                          OptimizerKind optimizer) {
+// A stats_only table keeps only the gradients; its chunks all go to variant 0, which it never
+// launches (the statistics walk every chunk whatever the variant).
+TableImage MakeTableImage(const TensorUpdate* tensors, const int32_t* groups, const int64_t* slots,
+                          size_t count, const DeviceTableOptions& options) {
   TableImage image;
   image.tensors.resize(count);
   image.variant_of.resize(count);
+  const bool stats = options.stats_only;
   for (size_t i = 0; i < count; ++i) {
     const TensorUpdate& t = tensors[i];
-    const bool lion = optimizer == OptimizerKind::kLion;
+    const bool lion = options.optimizer == OptimizerKind::kLion;
     cuda::DeviceTensor& d = image.tensors[i];
-    d.param = t.param;
+    d.param = stats ? nullptr : t.param;
     d.grad = t.grad;
-    d.exp_avg = t.exp_avg;
-    d.exp_avg_sq = lion ? nullptr : t.exp_avg_sq;
-    d.master = t.master;
+    d.exp_avg = stats ? nullptr : t.exp_avg;
+    d.exp_avg_sq = stats || lion ? nullptr : t.exp_avg_sq;
+    d.master = stats ? nullptr : t.master;
     d.numel = t.numel;
     d.group = groups != nullptr ? groups[i] : 0;
-    d.flags = cuda::TensorFlags(d.param, d.grad, d.exp_avg, d.exp_avg_sq, d.master);
+    d.flags = cuda::TensorFlags(d.param, d.grad, d.exp_avg, d.exp_avg_sq, d.master, d.numel);
     d.grad_dtype = static_cast<uint16_t>(t.grad_dtype);
+    d.slot = slots != nullptr ? static_cast<int32_t>(slots[i]) : 0;
+    d.reserved = 0;
+    if (stats) continue;
     image.variant_of[i] = cuda::VariantIndex(
         {ParamKindOf(t), t.grad_dtype == DType::kFloat32, t.state_dtype == DType::kBFloat16});
-    image.bytes += static_cast<uint64_t>(t.numel) * BytesPerElement(t, optimizer);
+    image.bytes += static_cast<uint64_t>(t.numel) * BytesPerElement(t, options.optimizer);
   }
   return image;
 }
@@ -506,20 +302,21 @@ Status DeviceUpdateTable::Impl::UploadImage(const TableImage& image,
 
 Result<std::unique_ptr<DeviceUpdateTable>> DeviceUpdateTable::Create(
     const TensorUpdate* tensors, const int32_t* groups, size_t count,
-    const DeviceTableOptions& options) {
+    const DeviceTableOptions& options, const int64_t* slots) {
   TableShape shape;
-  EMSA_RETURN_IF_ERROR(ValidateTable(tensors, groups, count, options, &shape));
+  EMSA_RETURN_IF_ERROR(ValidateTable(tensors, groups, slots, count, options, &shape));
   if (!CudaDeviceUsable()) return NoDevice("DeviceUpdateTable::Create");
   int device = -1;
   EMSA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  EMSA_RETURN_IF_ERROR(CheckTablePointers(tensors, count, options.optimizer, device));
+  EMSA_RETURN_IF_ERROR(CheckTablePointers(tensors, count, options, device));
 
   std::unique_ptr<DeviceUpdateTable> table(new DeviceUpdateTable());
   table->impl_ = std::make_unique<Impl>();
   Impl& impl = *table->impl_;
-  const TableImage image = MakeTableImage(tensors, groups, count, options.optimizer);
+  const TableImage image = MakeTableImage(tensors, groups, slots, count, options);
   const std::vector<cuda::DeviceChunk> dev_chunks =
       impl.SortChunks(tensors, count, image.variant_of, shape.chunks);
+  if (options.stats_only) impl.launches.clear();  // statistics only: nothing to launch
   EMSA_RETURN_IF_ERROR(impl.SizeGrids(options, device, shape.chunks));
   EMSA_RETURN_IF_ERROR(impl.AllocateMemory(count, dev_chunks.size()));
   EMSA_RETURN_IF_ERROR(impl.KeepGrads(tensors, count));
@@ -534,12 +331,19 @@ Result<std::unique_ptr<DeviceUpdateTable>> DeviceUpdateTable::Create(
   for (const Impl::Launch& l : impl.launches) table->bulk_launch_count_ += l.bulk ? 1 : 0;
   table->bytes_per_update_ = image.bytes;
   table->groups_needed_ = count > 0 ? static_cast<size_t>(shape.max_group) + 1 : 0;
+  table->slots_needed_ = static_cast<size_t>(shape.slots_needed);
+  table->has_slots_ = slots != nullptr;
   return table;
 }
 
 DeviceUpdateTable::~DeviceUpdateTable() = default;
 
 Status DeviceUpdateTable::Update(const DeviceScalars& scalars, cudaStream_t stream) {
+  if (options_.stats_only) {
+    return Status::InvalidArgument(
+        "Update: this table was made with stats_only (gradient statistics only); update the "
+        "tensors with a table made without it");
+  }
   if (scalars.device() != device_) {
     return Status::InvalidArgument("Update: the scalars live on device " +
                                    std::to_string(scalars.device()) + ", the table on device " +
@@ -550,7 +354,21 @@ Status DeviceUpdateTable::Update(const DeviceScalars& scalars, cudaStream_t stre
                                    std::to_string(groups_needed_ - 1) + " but the scalars have " +
                                    std::to_string(scalars.group_count()) + " groups");
   }
+  if (scalars.slot_count() < slots_needed_) {
+    return Status::InvalidArgument("Update: the table uses slot " +
+                                   std::to_string(slots_needed_ - 1) + " but the scalars have " +
+                                   std::to_string(scalars.slot_count()) +
+                                   " slots; make them with DeviceScalars::Create(..., slot_count)");
+  }
   EMSA_RETURN_IF_ERROR(CurrentDevice(device_, "DeviceUpdateTable::Update"));
+  // Slots: the present tensors' steps advance first, on the same stream, so the update kernels
+  // below read the advanced steps (torch adds 1 before the update).
+  int64_t* slot_steps = has_slots_ ? scalars.device_slot_steps() : nullptr;
+  if (slot_steps != nullptr) {
+    EMSA_RETURN_IF_ERROR(cuda::LaunchAdvanceSlots(scalars.device_header(), impl_->tensors,
+                                                  static_cast<int64_t>(tensor_count_), slot_steps,
+                                                  stream));
+  }
   for (const Impl::Launch& l : impl_->launches) {
     cuda::UpdateLaunch launch;
     launch.chunks = impl_->chunks + l.first_chunk;
@@ -558,6 +376,7 @@ Status DeviceUpdateTable::Update(const DeviceScalars& scalars, cudaStream_t stre
     launch.tensors = impl_->tensors;
     launch.header = scalars.device_header();
     launch.groups = scalars.device_groups();
+    launch.slot_steps = slot_steps;
     launch.stochastic_state = options_.rounding == Rounding::kStochastic ? 1 : 0;
     launch.bulk = l.bulk ? 1 : 0;
     launch.grid = l.grid;
@@ -611,13 +430,7 @@ Status DeviceUpdateTable::SetGradPointers(const void* const* grads, size_t count
   Impl& impl = *impl_;
   bool changed = false;
   for (size_t i = 0; i < count; ++i) {
-    const void* g = grads[i];
-    if (g == nullptr && impl.numels[i] > 0) {
-      return Status::InvalidArgument("SetGradPointers: grads[" + std::to_string(i) +
-                                     "] is null but tensors[" + std::to_string(i) + "] has " +
-                                     std::to_string(impl.numels[i]) +
-                                     " elements; pass its gradient");
-    }
+    const void* g = grads[i];  // null: the tensor is absent this step (numel 0: nothing to read)
     if (reinterpret_cast<uintptr_t>(g) % impl.grad_sizes[i] != 0) {
       return Status::InvalidArgument(
           "SetGradPointers: grads[" + std::to_string(i) + "] is not aligned to its " +

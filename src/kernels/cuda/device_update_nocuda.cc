@@ -11,8 +11,11 @@
 namespace emsa {
 namespace {
 
+using device_checks::CheckSlotCount;
+using device_checks::CheckSlotSteps;
 using device_checks::TableShape;
 using device_checks::ValidateGroups;
+using device_checks::ValidateSlotCount;
 using device_checks::ValidateTable;
 
 Status NoCuda(const char* what) {
@@ -25,8 +28,10 @@ Status NoCuda(const char* what) {
 struct DeviceUpdateTable::Impl {};
 
 Result<std::unique_ptr<DeviceScalars>> DeviceScalars::Create(const HyperParams* hypers,
-                                                             size_t group_count) {
+                                                             size_t group_count,
+                                                             size_t slot_count) {
   EMSA_RETURN_IF_ERROR(ValidateGroups(hypers, group_count));
+  EMSA_RETURN_IF_ERROR(ValidateSlotCount(slot_count));
   return NoCuda("DeviceScalars::Create");
 }
 DeviceScalars::~DeviceScalars() = default;
@@ -56,12 +61,26 @@ Status DeviceScalars::AdvanceSteps(cudaStream_t) { return NoCuda("DeviceScalars:
 Status DeviceScalars::Read(DeviceStepHeader*, DeviceGroupScalars*, cudaStream_t) const {
   return NoCuda("DeviceScalars::Read");
 }
+Status DeviceScalars::ReadSlotSteps(int64_t*, size_t count, cudaStream_t) const {
+  EMSA_RETURN_IF_ERROR(CheckSlotCount(count, slot_count_, "ReadSlotSteps"));
+  return NoCuda("DeviceScalars::ReadSlotSteps");
+}
+Status DeviceScalars::SetSlotSteps(const int64_t* steps, size_t count, cudaStream_t) {
+  EMSA_RETURN_IF_ERROR(CheckSlotSteps(steps, count, slot_count_));
+  return NoCuda("DeviceScalars::SetSlotSteps");
+}
+Status DeviceScalars::SetUnscaleFrom(const float*, cudaStream_t) {
+  return NoCuda("DeviceScalars::SetUnscaleFrom");
+}
+Status DeviceScalars::WriteFoundInf(float*, cudaStream_t) const {
+  return NoCuda("DeviceScalars::WriteFoundInf");
+}
 
 Result<std::unique_ptr<DeviceUpdateTable>> DeviceUpdateTable::Create(
     const TensorUpdate* tensors, const int32_t* groups, size_t count,
-    const DeviceTableOptions& options) {
+    const DeviceTableOptions& options, const int64_t* slots) {
   TableShape shape;
-  EMSA_RETURN_IF_ERROR(ValidateTable(tensors, groups, count, options, &shape));
+  EMSA_RETURN_IF_ERROR(ValidateTable(tensors, groups, slots, count, options, &shape));
   return NoCuda("DeviceUpdateTable::Create");
 }
 DeviceUpdateTable::~DeviceUpdateTable() = default;

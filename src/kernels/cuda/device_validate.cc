@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "kernels/cuda/device_table.h"
 
@@ -17,6 +18,15 @@ bool IsDType(DType d) {
   return d == DType::kFloat32 || d == DType::kBFloat16 || d == DType::kFloat16;
 }
 
+// A stats_only table's tensor: only numel, grad and grad_dtype are read.
+Status ValidateStatsTensor(size_t i, const TensorUpdate& t) {
+  if (!IsDType(t.grad_dtype)) {
+    return Status::InvalidArgument(Name(i) + ".grad_dtype is not a DType value");
+  }
+  if (t.numel > 0 && t.grad == nullptr) return Status::InvalidArgument(Name(i) + ".grad is null");
+  return Status::Ok();
+}
+
 Status ValidateTensor(size_t i, const TensorUpdate& t, int32_t group, const DeviceTableOptions& o) {
   const auto invalid = [&](const std::string& what) {
     return Status::InvalidArgument(Name(i) + "." + what);
@@ -26,6 +36,7 @@ Status ValidateTensor(size_t i, const TensorUpdate& t, int32_t group, const Devi
     return Status::InvalidArgument("groups[" + std::to_string(i) + "] is " + std::to_string(group) +
                                    "; group indices are >= 0");
   }
+  if (o.stats_only) return ValidateStatsTensor(i, t);
   if (!IsDType(t.param_dtype) || !IsDType(t.grad_dtype) || !IsDType(t.state_dtype)) {
     return invalid("param_dtype, grad_dtype or state_dtype is not a DType value");
   }
@@ -92,8 +103,40 @@ Status ValidateGroups(const HyperParams* hypers, size_t group_count) {
   return Status::Ok();
 }
 
-Status ValidateTable(const TensorUpdate* tensors, const int32_t* groups, size_t count,
-                     const DeviceTableOptions& options, TableShape* shape) {
+namespace {
+
+// Each slot in [0, 2^31) and held by one tensor of the table only (its Update advances each
+// present tensor's slot once: a second tensor would advance it twice).
+Status ValidateSlots(const int64_t* slots, size_t count, const DeviceTableOptions& options,
+                     int64_t* slots_needed) {
+  *slots_needed = 0;
+  if (slots == nullptr) return Status::Ok();
+  if (options.stats_only) {
+    return Status::InvalidArgument(
+        "slots given for a stats_only table, which has no steps; pass null slots");
+  }
+  for (size_t i = 0; i < count; ++i) {
+    if (slots[i] < 0 || slots[i] > std::numeric_limits<int32_t>::max()) {
+      return Status::InvalidArgument("slots[" + std::to_string(i) + "] is " +
+                                     std::to_string(slots[i]) + "; slots are in [0, 2^31)");
+    }
+    *slots_needed = std::max(*slots_needed, slots[i] + 1);
+  }
+  std::vector<int64_t> sorted(slots, slots + count);  // bind time: allocation is fine here
+  std::sort(sorted.begin(), sorted.end());
+  const auto twice = std::adjacent_find(sorted.begin(), sorted.end());
+  if (twice != sorted.end()) {
+    return Status::InvalidArgument("slot " + std::to_string(*twice) +
+                                   " is given to two tensors of the table; each tensor needs its "
+                                   "own slot (its own step count)");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ValidateTable(const TensorUpdate* tensors, const int32_t* groups, const int64_t* slots,
+                     size_t count, const DeviceTableOptions& options, TableShape* shape) {
   EMSA_RETURN_IF_ERROR(ValidateOptimizer(options.optimizer, "options.optimizer"));
   if (options.rounding != Rounding::kNearest && options.rounding != Rounding::kStochastic) {
     return Status::InvalidArgument("options.rounding is " +
@@ -117,6 +160,38 @@ Status ValidateTable(const TensorUpdate* tensors, const int32_t* groups, size_t 
     shape->total += tensors[i].numel;
     shape->chunks += (tensors[i].numel + cuda::kChunkElems - 1) / cuda::kChunkElems;
     shape->max_group = std::max(shape->max_group, group);
+  }
+  return ValidateSlots(slots, count, options, &shape->slots_needed);
+}
+
+Status ValidateSlotCount(size_t slot_count) {
+  if (slot_count > (size_t{1} << 31)) {
+    return Status::InvalidArgument("slot_count " + std::to_string(slot_count) +
+                                   " exceeds 2^31 slots");
+  }
+  return Status::Ok();
+}
+
+Status CheckSlotCount(size_t count, size_t slot_count, const char* what) {
+  if (count != slot_count) {
+    return Status::InvalidArgument(std::string(what) + ": count is " + std::to_string(count) +
+                                   " but the scalars hold " + std::to_string(slot_count) +
+                                   " slot steps; pass one per slot");
+  }
+  return Status::Ok();
+}
+
+Status CheckSlotSteps(const int64_t* steps, size_t count, size_t slot_count) {
+  EMSA_RETURN_IF_ERROR(CheckSlotCount(count, slot_count, "SetSlotSteps"));
+  if (count > 0 && steps == nullptr) {
+    return Status::InvalidArgument("SetSlotSteps: steps is null");
+  }
+  for (size_t i = 0; i < count; ++i) {
+    if (steps[i] < 0) {
+      return Status::InvalidArgument("SetSlotSteps: steps[" + std::to_string(i) + "] is " +
+                                     std::to_string(steps[i]) +
+                                     "; steps are >= 0 (an update adds 1 before using it)");
+    }
   }
   return Status::Ok();
 }

@@ -1,7 +1,7 @@
 // grad_pointers.cu — points a table's tensors at new gradients (DeviceUpdateTable::
 // SetGradPointers): one thread per tensor copies the staged pointer in and re-derives the
 // tensor's flags, so a gradient that breaks the 16-byte alignment of the vector path takes the
-// scalar path instead of a misaligned vector load.
+// scalar path instead of a misaligned vector load, and a null gradient marks the tensor absent.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(kSetGradsThreads)
     DeviceTensor& t = tensors[i];
     const void* grad = grads[i];
     t.grad = grad;
-    t.flags = TensorFlags(t.param, grad, t.exp_avg, t.exp_avg_sq, t.master);
+    t.flags = TensorFlags(t.param, grad, t.exp_avg, t.exp_avg_sq, t.master, t.numel);
   }
 }
 

@@ -109,6 +109,7 @@ __global__ void __launch_bounds__(kStatsThreads) GradStatsKernel(const GradStats
   for (int64_t ci = blockIdx.x; ci < a.chunk_count; ci += gridDim.x) {
     const DeviceChunk chunk = a.chunks[ci];
     const DeviceTensor& t = a.tensors[chunk.tensor];
+    if (t.flags & kTensorAbsent) continue;  // no gradient this step: nothing to count
     const int64_t left = t.numel - chunk.begin;
     const int n = static_cast<int>(left < kChunkElems ? left : kChunkElems);
     const bool vector = (t.flags & kTensorGradVector) != 0;

@@ -34,9 +34,11 @@ __global__ void SetInputsKernel(DeviceStepHeader* h, float grad_unscale, float m
   h->seed = seed;
 }
 
+// A grad_unscale that is not finite (SetUnscaleFrom's mark of an unusable loss scale) skips the
+// step from the start: nothing may be multiplied by it.
 __global__ void BeginStepKernel(DeviceStepHeader* h) {
   h->grad_multiplier = h->grad_unscale;
-  h->found_inf = 0;
+  h->found_inf = isfinite(h->grad_unscale) ? 0 : 1;
   h->sum_sq = 0.0;
   h->nonfinite_count = 0;
   h->grad_norm = 0.0;
@@ -49,7 +51,7 @@ __global__ void BeginStepKernel(DeviceStepHeader* h) {
 __global__ void FinishGradStatsKernel(DeviceStepHeader* h) {
   const double unscale = h->grad_unscale;
   const double norm = sqrt(h->sum_sq) * fabs(unscale);
-  const bool bad = h->nonfinite_count > 0 || !isfinite(h->sum_sq);
+  const bool bad = h->nonfinite_count > 0 || !isfinite(h->sum_sq) || !isfinite(unscale);
   if (bad) h->found_inf = 1;
   float coef = 1.0f;
   const float max_norm = h->max_norm;
@@ -71,6 +73,35 @@ __global__ void AdvanceStepsKernel(const DeviceStepHeader* h, DeviceGroupScalars
        i += int64_t{kAdvanceThreads} * gridDim.x) {
     groups[i].step += 1;
   }
+}
+
+// Tables with slots: each present tensor's own step, advanced before its update (one thread per
+// tensor; a table holds each slot at most once, so no two threads write one slot).
+__global__ void AdvanceSlotsKernel(const DeviceStepHeader* h, const DeviceTensor* tensors,
+                                   int64_t count, int64_t* slot_steps) {
+  if (h->found_inf != 0) return;
+  for (int64_t i = blockIdx.x * int64_t{kAdvanceThreads} + threadIdx.x; i < count;
+       i += int64_t{kAdvanceThreads} * gridDim.x) {
+    const DeviceTensor& t = tensors[i];
+    if ((t.flags & kTensorAbsent) == 0) slot_steps[t.slot] += 1;
+  }
+}
+
+// torch's GradScaler unscales by scale.double().reciprocal().float(); the same here. A scale it
+// would never hold (not finite, <= 0, or too small for a finite reciprocal) becomes NaN, which
+// BeginStep turns into a skipped step.
+__global__ void SetUnscaleFromKernel(DeviceStepHeader* h, const float* scale) {
+  const float s = *scale;
+  float unscale = __int_as_float(0x7fc00000);  // NaN
+  if (isfinite(s) && s > 0.0f) {
+    const float r = __double2float_rn(__ddiv_rn(1.0, static_cast<double>(s)));
+    if (isfinite(r)) unscale = r;
+  }
+  h->grad_unscale = unscale;
+}
+
+__global__ void WriteFoundInfKernel(const DeviceStepHeader* h, float* dst) {
+  *dst = h->found_inf != 0 ? 1.0f : 0.0f;
 }
 
 // A <<<>>> launch reports its errors through cudaGetLastError, which also clears them.
@@ -113,6 +144,25 @@ Status LaunchAdvanceSteps(const DeviceStepHeader* header, DeviceGroupScalars* gr
   const unsigned blocks = static_cast<unsigned>(blocks64 < 1024 ? blocks64 : 1024);
   AdvanceStepsKernel<<<blocks, kAdvanceThreads, 0, stream>>>(header, groups, group_count);
   return Checked("AdvanceSteps kernel launch");
+}
+
+Status LaunchAdvanceSlots(const DeviceStepHeader* header, const DeviceTensor* tensors,
+                          int64_t count, int64_t* slot_steps, cudaStream_t stream) {
+  if (count <= 0) return Status::Ok();
+  const int64_t blocks64 = (count + kAdvanceThreads - 1) / kAdvanceThreads;
+  const unsigned blocks = static_cast<unsigned>(blocks64 < 1024 ? blocks64 : 1024);
+  AdvanceSlotsKernel<<<blocks, kAdvanceThreads, 0, stream>>>(header, tensors, count, slot_steps);
+  return Checked("AdvanceSlots kernel launch");
+}
+
+Status LaunchSetUnscaleFrom(DeviceStepHeader* header, const float* scale, cudaStream_t stream) {
+  SetUnscaleFromKernel<<<1, 1, 0, stream>>>(header, scale);
+  return Checked("SetUnscaleFrom kernel launch");
+}
+
+Status LaunchWriteFoundInf(const DeviceStepHeader* header, float* dst, cudaStream_t stream) {
+  WriteFoundInfKernel<<<1, 1, 0, stream>>>(header, dst);
+  return Checked("WriteFoundInf kernel launch");
 }
 
 }  // namespace cuda

@@ -9,7 +9,9 @@
 // n % kVec elements of a tensor, take the scalar path (same arithmetic, element by element).
 //
 // The kernel reads found_inf, grad_multiplier and the seed once, and a group's constants
-// (two double pow) only when the chunk's group differs from the block's previous chunk.
+// (two double pow) only when the chunk's group or step differs from the block's previous chunk
+// (the step is the group's, or in a table with slots the tensor's own slot step). Chunks of
+// absent tensors (kTensorAbsent: no gradient this step) are skipped whole.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -293,6 +295,22 @@ __device__ __forceinline__ void UpdateVectors(const ChunkPtrs& t, const StepCons
 
 // ---- the kernel --------------------------------------------------------------------------------
 
+// The constants of tensor t's step, recomputed only when its group or step differs from the
+// ones `c` was made for. With slots the tensor's slot step stands in for the group's: the same
+// double arithmetic and one rounding, so a slot step equal to the group step gives the same bits.
+template <OptimizerKind kOpt>
+__device__ __forceinline__ void TensorConsts(const UpdateLaunch& a, const DeviceTensor& t,
+                                             float grad_multiplier, int32_t& group, int64_t& step,
+                                             StepConsts& c) {
+  const int64_t s = a.slot_steps != nullptr ? a.slot_steps[t.slot] : 0;
+  if (t.group == group && s == step) return;
+  group = t.group;
+  step = s;
+  DeviceGroupScalars g = a.groups[group];
+  if (a.slot_steps != nullptr) g.step = s;
+  c = MakeStepConsts<kOpt>(g, grad_multiplier);
+}
+
 template <OptimizerKind kOpt, ParamKind kP, bool kGradF32, bool kStateBf16>
 __global__ void EMSA_UPDATE_LAUNCH_BOUNDS FusedUpdateKernel(const UpdateLaunch a) {
   using L = Layout<kP, kGradF32, kStateBf16>;
@@ -303,14 +321,13 @@ __global__ void EMSA_UPDATE_LAUNCH_BOUNDS FusedUpdateKernel(const UpdateLaunch a
   constexpr bool kNeedKeys = kStateBf16 || L::kParamRounded;
 
   int32_t group = -1;
+  int64_t step = 0;
   StepConsts c{};
   for (int64_t ci = blockIdx.x; ci < a.chunk_count; ci += gridDim.x) {
     const DeviceChunk chunk = a.chunks[ci];
     const DeviceTensor& t = a.tensors[chunk.tensor];
-    if (t.group != group) {
-      group = t.group;
-      c = MakeStepConsts<kOpt>(a.groups[group], grad_multiplier);
-    }
+    if (t.flags & kTensorAbsent) continue;
+    TensorConsts<kOpt>(a, t, grad_multiplier, group, step, c);
     const int64_t begin = chunk.begin;
     const int64_t left = t.numel - begin;
     const int n = static_cast<int>(left < kChunkElems ? left : kChunkElems);
@@ -384,11 +401,12 @@ struct TileCursor {
   __device__ int64_t first() const { return begin + int64_t{tile} * kBulkTile; }
 };
 
-// Loads chunk ci into the cursor; false when it has no whole vector on the bulk path.
+// Loads chunk ci into the cursor; false when it has no whole vector on the bulk path (or its
+// tensor is absent). A tile never leaves its chunk, so it never spans two tensors.
 __device__ __forceinline__ bool LoadChunk(const UpdateLaunch& a, int64_t ci, TileCursor& c) {
   const DeviceChunk chunk = a.chunks[ci];
   const DeviceTensor* t = &a.tensors[chunk.tensor];
-  if ((t->flags & kTensorVector) == 0) return false;
+  if ((t->flags & kTensorVector) == 0 || (t->flags & kTensorAbsent) != 0) return false;
   const int64_t left = t->numel - chunk.begin;
   const int n = static_cast<int>(left < kChunkElems ? left : kChunkElems);
   c.vec_elems = n & ~3;
@@ -444,23 +462,22 @@ __device__ __forceinline__ void UpdateSharedTile(const StepConsts& c, const floa
 }
 
 // What the tiles left: whole chunks of tensors off 16-byte alignment, and the last n % 4
-// elements of the others. `group` and `c` carry the last group's constants over.
+// elements of the others (absent tensors: nothing). `group`, `step` and `c` carry the last
+// constants over.
 template <OptimizerKind kOpt>
 __device__ __forceinline__ void UpdateTileLeftovers(const UpdateLaunch& a, float grad_multiplier,
-                                                    int32_t& group, StepConsts& c) {
+                                                    int32_t& group, int64_t& step, StepConsts& c) {
   constexpr bool kLion = kOpt == OptimizerKind::kLion;
   const Keys keys{0u, 0u};  // fp32 stores do not round
   for (int64_t ci = blockIdx.x; ci < a.chunk_count; ci += gridDim.x) {
     const DeviceChunk chunk = a.chunks[ci];
     const DeviceTensor& t = a.tensors[chunk.tensor];
+    if (t.flags & kTensorAbsent) continue;
     const int64_t left = t.numel - chunk.begin;
     const int n = static_cast<int>(left < kChunkElems ? left : kChunkElems);
     const int from = (t.flags & kTensorVector) ? (n & ~3) : 0;
     if (from == n) continue;
-    if (t.group != group) {
-      group = t.group;
-      c = MakeStepConsts<kOpt>(a.groups[group], grad_multiplier);
-    }
+    TensorConsts<kOpt>(a, t, grad_multiplier, group, step, c);
     ChunkPtrs p;
     p.param = static_cast<float*>(t.param) + chunk.begin;
     p.grad = static_cast<const float*>(t.grad) + chunk.begin;
@@ -513,14 +530,12 @@ __global__ void EMSA_UPDATE_LAUNCH_BOUNDS BulkUpdateKernel(const UpdateLaunch a)
   }
 
   int32_t group = -1;
+  int64_t step = 0;
   StepConsts c{};
   float* const outputs = smem + kBulkStages * S::kIn * kBulkTile;
   for (int64_t k = 0; more; ++k) {
     const int st = static_cast<int>(k % kBulkStages);
-    if (use.tensor->group != group) {
-      group = use.tensor->group;
-      c = MakeStepConsts<kOpt>(a.groups[group], grad_multiplier);
-    }
+    TensorConsts<kOpt>(a, *use.tensor, grad_multiplier, group, step, c);
     const int vecs = use.elems() / 4;
     MbarWait(&full[st], static_cast<uint32_t>((k / kBulkStages) & 1));
     const float4* in = reinterpret_cast<const float4*>(smem + st * S::kIn * kBulkTile);
@@ -545,7 +560,7 @@ __global__ void EMSA_UPDATE_LAUNCH_BOUNDS BulkUpdateKernel(const UpdateLaunch a)
     more = NextTile(a, use);
   }
   if (tid == 0) BulkWait<0>();  // shared memory must outlive the stores' reads
-  UpdateTileLeftovers<kOpt>(a, grad_multiplier, group, c);
+  UpdateTileLeftovers<kOpt>(a, grad_multiplier, group, step, c);
 #endif
 }
 
