@@ -423,23 +423,10 @@ requires_emsa_hf = pytest.mark.skipif(not HAS_EMSA_HF, reason="emsa.hf (issue 19
 TRAINER_STEPS = 50
 
 
-def _recipe_callback():
-    """emsa.hf's TrainerCallback (the one that hands args.max_grad_norm to emsa)."""
-    import transformers
-
-    import emsa.hf as hf
-
-    found = [v for v in vars(hf).values() if isinstance(v, type)
-             and issubclass(v, transformers.TrainerCallback)
-             and v is not transformers.TrainerCallback]
-    assert len(found) == 1, f"emsa.hf should define one TrainerCallback, found {found}"
-    return found[0]()
-
-
 def _trainer_losses(device, tmp_path, emsa_kw=None):
     """50 logged losses of a tiny Llama trained by Trainer (max_grad_norm=1.0, warmup+cosine,
     its two param groups): with torch AdamW (emsa_kw None) or emsa.AdamW(**emsa_kw) and the
-    emsa.hf recipe. Returns the losses and the optimizer."""
+    emsa.hf recipe. Returns the losses and the emsa optimizer (None for torch's run)."""
     import transformers
 
     torch.manual_seed(0)
@@ -452,7 +439,7 @@ def _trainer_losses(device, tmp_path, emsa_kw=None):
         lr_scheduler_type="cosine", max_grad_norm=1.0, logging_steps=1, report_to=[],
         save_strategy="no", use_cpu=device == "cpu", seed=0, dataloader_num_workers=0,
         disable_tqdm=True, optim="adamw_torch")
-    kw = {}
+    kw, opt = {}, None
     if emsa_kw is not None:
         probe = transformers.Trainer(model=model, args=args)  # only for its param groups
         decay = set(probe.get_decay_parameter_names(model))
@@ -463,7 +450,9 @@ def _trainer_losses(device, tmp_path, emsa_kw=None):
         model = model.to(device)
         opt = emsa.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), eps=1e-8,
                          **emsa_kw)
-        kw = dict(optimizers=(opt, None), callbacks=[_recipe_callback()])
+        from emsa.hf import EmsaTrainerCallback
+
+        kw = dict(optimizers=(opt, None), callbacks=[EmsaTrainerCallback()])
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data, **kw)
     with warnings.catch_warnings():
         # emsa's warning that clipping was asked of consumed gradients: the recipe avoids it.
@@ -471,7 +460,7 @@ def _trainer_losses(device, tmp_path, emsa_kw=None):
         trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == TRAINER_STEPS
-    return losses, trainer.optimizer
+    return losses, opt
 
 
 _TORCH_TRAINER_LOSSES: dict[str, list[float]] = {}
