@@ -79,8 +79,13 @@ class EmsaTrainerCallback(TrainerCallback):
             self._restore = args.max_grad_norm
             args.max_grad_norm = 0.0
         scaler = getattr(optimizer, "scaler", None)
-        if opt._in_backward and scaler is not None and opt.grad_scaler is None:
-            opt.grad_scaler = scaler
+        if opt._in_backward and scaler is not None:
+            if opt.grad_scaler is None:
+                opt.grad_scaler = scaler
+            # Trainer's logged norm (accelerator.clip_grad_norm_ with max_norm=inf) calls
+            # scaler.unscale_ after backward; emsa warns about that because clipping there
+            # would act on nothing, but here emsa does the clipping: nothing to warn about.
+            opt._warned.add("unscale")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         opt = self._opt

@@ -130,6 +130,10 @@ _TORCH_IMPL_OPTIONS = {
 }
 
 
+# The autograd node being run on this thread (None outside backward, and at the end of a
+# top-level backward); torch versions without it run no reentrant check.
+_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
 # A loaded step count must be a whole number the engines' int64 counters and torch's float
 # "step" both hold exactly: at most the largest integer a float64 holds exactly.
 _MAX_STEP = 2**53
@@ -174,6 +178,7 @@ class _EmsaOptimizer(Optimizer):
         self._warned: set[str] = set()
         self._norms: list[tuple[float | None, bool]] = []  # (grad_norm, clipped) per step()
         self._frozen: list[_binding.Slot] = []
+        self._slots: list[_binding.Slot] = []
         self._picks: list[list[int] | None] = []  # planned positions of each group
         self._sizes: list[int] = []  # each group's length when planned
         self._pass_open = False
@@ -304,7 +309,7 @@ class _EmsaOptimizer(Optimizer):
         for i, s in enumerate(slots):
             self.state[s.param] = backend.state(i)
         self._plan, self._backend, self._record = plan, backend, planned
-        self._frozen = frozen
+        self._frozen, self._slots = frozen, slots
         self._sizes = [len(g["params"]) for g in self.param_groups]
         held = [[] for _ in self.param_groups]
         for s in slots:
@@ -425,11 +430,16 @@ class _EmsaOptimizer(Optimizer):
                 self._open_pass()
             fired = self._fired
             if i in fired:
+                if not self._in_backward:
+                    # step() mode: the backend checks at step() that the gradient it gathered
+                    # statistics of is unchanged (its _version), and rescans it if not.
+                    return
                 raise RuntimeError(
-                    f"emsa: {self._names[i]} got a second gradient within one backward pass "
-                    "(reentrant backward calls reaching the same parameter); emsa updates each "
-                    "parameter once per backward() call: call backward once per micro-batch, "
-                    "or use step_in_backward=False")
+                    f"emsa: {self._names[i]} got a second gradient within one backward() call "
+                    "(a parameter used in several segments of checkpoint(use_reentrant=True) "
+                    "gets one per segment), after emsa had updated from the first; emsa updates "
+                    "each parameter once per backward: use checkpoint(use_reentrant=False), or "
+                    "step_in_backward=False")
             fired.add(i)
             if not self._updating:
                 return
@@ -471,7 +481,7 @@ class _EmsaOptimizer(Optimizer):
         engine = torch.autograd.Variable._execution_engine
 
         def end_of_backward():
-            node = torch._C._current_autograd_node()
+            node = _current_node()
             if node is not None:
                 # A reentrant backward (checkpoint(use_reentrant=True)) ended inside the node
                 # `node` of an outer one: the pass ends with the outer backward. A post hook of
@@ -512,11 +522,11 @@ class _EmsaOptimizer(Optimizer):
             backend.end_pass()
         for p in backend.params:
             p.grad = None
+        skips = backend.finished_skips()  # deferred engines: those known by now
         if not backend.deferred:
-            skips = backend.finished_skips()
             self._last_skipped = bool(skips)
-            if self._grad_scaler is None:
-                self._warn_skipped(skips, stacklevel=3)
+        if self._grad_scaler is None:  # a scaler's skips are routine: no warning
+            self._warn_skipped(skips, stacklevel=3)
 
     def _pass_scaling(self) -> dict:
         """The in-backward pass's loss scale and found_inf output, from grad_scaler=."""
@@ -691,8 +701,7 @@ class _EmsaOptimizer(Optimizer):
         state, converting dtypes as needed. Everything is checked before anything changes."""
         if self._backend is None:
             self._bind(None)
-        slots = _binding.slots_of(self.param_groups)
-        self._engine_groups()  # the groups are still the planned ones
+        slots = self._slots  # as planned: requires_grad may have changed since
         sources = self._check_state_dict(state_dict, slots)
         self._backend.check_loadable_steps(
             [float(sources.get(i, {}).get("step", 0)) for i in range(len(slots))])

@@ -108,14 +108,25 @@ def test_frozen_and_absent_follow_torch(in_backward, clip):
 
 
 @pytest.mark.numerics
-def test_accumulate_with_frozen_and_clipping():
-    ref, _ = train(lambda ps: torch.optim.AdamW(ps, lr=1e-2), accumulate=2, clip=0.05)
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_accumulate_with_frozen_and_clipping(clip):
+    """accumulate=3 in backward; the branch is used in micro-batches k + m even, so on odd
+    steps its gradient comes only from the middle pass, not the updating (last) one."""
+    ref = Branchy()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     model = Branchy()
-    opt = emsa.AdamW(model.parameters(), lr=1e-2, max_grad_norm=0.05, step_in_backward=True,
-                     accumulate=2, profile=str(CPU_PROFILE))
+    opt = emsa.AdamW(model.parameters(), lr=1e-2, max_grad_norm=clip, step_in_backward=True,
+                     accumulate=3, profile=str(CPU_PROFILE))
     for k, (ids, y) in enumerate(branchy_data()):
-        for _ in range(2):
-            ((model(ids, k) - y) ** 2).mean().backward()
+        for m in (ref, model):
+            for micro in range(3):
+                ((m(ids, k + micro) - y) ** 2).mean().backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert int(opt.state[model.branch.weight]["step"]) == int(
+        ref_opt.state[ref.branch.weight]["step"]) == STEPS
     for (name, a), b in zip(ref.named_parameters(), model.parameters()):
         assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
 

@@ -287,3 +287,30 @@ def test_frozen_parameters_are_not_waited_for():
         (a * a).sum().backward()
     assert int(opt.state[a]["step"]) == 3
     assert torch.equal(frozen.detach(), torch.ones(2))
+
+
+def test_parameter_reached_twice_in_one_backward_is_refused():
+    """A parameter used inside two reentrant checkpoint segments gets two gradients in one
+    backward; in backward that is refused (the first was already used), in step() mode fine
+    (on CUDA step() mode hooks gather statistics; on the CPU it has no hooks)."""
+    from torch.utils.checkpoint import checkpoint
+
+    w = torch.nn.Parameter(torch.full((3,), 0.5))
+    x = torch.ones(3, requires_grad=True)  # reentrant checkpoint needs an input that does
+
+    def loss_of():
+        h = checkpoint(lambda h: torch.tanh(h * w), x, use_reentrant=True)
+        return checkpoint(lambda h: torch.tanh(h * w), h, use_reentrant=True).sum()
+
+    opt = emsa.AdamW([w], step_in_backward=True, profile=str(CPU_PROFILE))
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        loss_of().backward()
+    w.grad = None
+    ref = w.detach().clone().requires_grad_()
+    step_opt = emsa.AdamW([ref], profile=str(CPU_PROFILE))
+    for _ in range(2):
+        h = checkpoint(lambda h: torch.tanh(h * ref), x, use_reentrant=True)
+        checkpoint(lambda h: torch.tanh(h * ref), h, use_reentrant=True).sum().backward()
+        step_opt.step()
+        step_opt.zero_grad()
+    assert int(step_opt.state[ref]["step"]) == 2
