@@ -99,10 +99,11 @@ struct DeviceStepHeader {
   // FinishGradStats multiplies in the clip coefficient.
   float grad_multiplier = 1.0f;
   // Nonzero (any bits: a float 1.0 copied in from torch's found_inf works): Update() writes
-  // nothing and AdvanceSteps() leaves the steps. BeginStep clears it; FinishGradStats sets it
-  // when a gradient element is inf or nan.
+  // nothing and AdvanceSteps() leaves the steps (slot steps too). BeginStep clears it (sets it
+  // when grad_unscale is not finite); FinishGradStats sets it when a gradient element is inf or
+  // nan.
   int32_t found_inf = 0;
-  float grad_unscale = 1.0f;    // input: 1 / loss_scale (1 without AMP)
+  float grad_unscale = 1.0f;    // input: 1 / loss_scale (1 without AMP; NaN: an unusable scale)
   float max_norm = 0.0f;        // input: clip the global norm to this; <= 0 or inf: no clipping
   uint64_t seed = 0;            // input: the stochastic-rounding stream
   double sum_sq = 0.0;          // output: sum of squares of the raw (still scaled) gradients

@@ -309,10 +309,12 @@ EMSA_API emsa_status emsa_device_step(emsa_device_scalars* scalars, emsa_device_
                                       size_t count, int32_t check_stats, void* stream);
 EMSA_API emsa_status emsa_device_scalars_read(const emsa_device_scalars* scalars,
                                               emsa_device_step_report* report, void* stream);
-/* Updates one table with the scalars as they stand: no begin, statistics or step advance.
+/* Updates one table with the scalars as they stand: no begin, statistics or group step advance
+ * (a table made with slots advances its present tensors' slot steps itself, unless found_inf).
  * For updates made per bucket as gradients become ready (step in backward): call
  * emsa_device_step(scalars, NULL, 0, 0, stream) once per step first (it begins the step and
- * advances the step counts), then this once per table. Asynchronous on `stream`. */
+ * advances the step counts), then this once per table. Asynchronous on `stream`.
+ * EMSA_INVALID_ARGUMENT for a stats_only table. */
 EMSA_API emsa_status emsa_device_table_update(emsa_device_table* table,
                                               const emsa_device_scalars* scalars, void* stream);
 
@@ -426,7 +428,8 @@ EMSA_API emsa_status emsa_device_finish_step(emsa_device_scalars* scalars,
  * begin_step (which copies grad_unscale into grad_multiplier). A scale that is not finite, or
  * <= 0, or whose reciprocal is not finite sets grad_unscale to NaN instead, and the next
  * begin_step then sets found_inf: the step is skipped (nothing updated, no step advanced) rather
- * than dividing into garbage. device_scale must stay allocated until the stream has run it. */
+ * than dividing into garbage; every begin_step skips until set_inputs or set_unscale_from gives a
+ * usable value. device_scale must stay allocated until the stream has run it. */
 EMSA_API emsa_status emsa_device_scalars_set_unscale_from(emsa_device_scalars* scalars,
                                                           const float* device_scale, void* stream);
 /* Enqueues a tiny kernel writing 1.0f (found_inf set) or 0.0f into the float32 at device_dst

@@ -186,6 +186,7 @@ class HostTierOptions(ctypes.Structure):
         ("stream_piece_elements", ctypes.c_int64),
         ("stream_slots", ctypes.c_int32),
         ("device_update_stream", ctypes.c_void_p),
+        ("gated", ctypes.c_int32),
     ]
 
 
@@ -203,6 +204,8 @@ class HostTierStepStats(ctypes.Structure):
         ("worker_s", ctypes.c_double),
         ("device_buckets", ctypes.c_int64),
         ("stream_up_s", ctypes.c_double),
+        ("gated", ctypes.c_int32),
+        ("skipped", ctypes.c_int32),
     ]
 
 
@@ -353,6 +356,13 @@ _TABLE = {
     "emsa_host_tier_destroy": (None, [_P]),
     "emsa_host_tier_begin_step": (
         _S, [_P, ctypes.POINTER(Hyperparams), ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t]),
+    "emsa_host_tier_begin_step_gated": (
+        _S, [_P, ctypes.POINTER(Hyperparams), ctypes.c_size_t, ctypes.c_int32]),
+    "emsa_host_tier_release": (_S, [_P, _P, _P]),
+    "emsa_host_tier_release_values": (_S, [_P, ctypes.c_float, ctypes.c_int32]),
+    "emsa_host_tier_read_steps": (_S, [_P, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t]),
+    "emsa_host_tier_set_steps": (_S, [_P, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t]),
+    "emsa_host_tier_last_skipped": (ctypes.c_int32, [_P]),
     "emsa_host_tier_submit": (_S, [_P, ctypes.c_size_t, ctypes.POINTER(_P), ctypes.c_size_t, _P]),
     "emsa_host_tier_wait": (_S, [_P, ctypes.c_size_t, _P]),
     "emsa_host_tier_wait_grads_copied": (_S, [_P, _P]),

@@ -41,7 +41,8 @@ from backward where possible, so that they cost no extra pass over the gradients
     the host tier its verdict. The device-tier gradients are therefore held until backward ends
     in such a pass (freed once step_in_backward's end_pass has updated from them).
 A loss scale (a 0-d float32 on the device: GradScaler's scale) is read on the device, never on
-the host; found_inf_out (GradScaler's found_inf) receives the verdict as 1.0/0.0.
+the host; found_inf_out (a float32 on the device) is set to 1.0 when the step is skipped, else
+left as it was.
 
 Skipped steps and norms are learned late (emsa._cuda_stats.HeaderRing): the GPU skips a step
 whose gradients hold inf/nan without telling the host at once. The warning for a skipped step is

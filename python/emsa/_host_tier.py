@@ -59,7 +59,6 @@ class HostTier:
         # libemsa has enqueued what reads them (the worker's copies, the streamer's kernels);
         # record_stream then holds their memory until those have read it.
         self.held: dict[int, list[torch.Tensor]] = {}
-        self.held_gated: set[int] = set()  # held for a gated step's device-updated kernels
         self.device = device
         self.buckets = buckets
         self.d2h = torch.cuda.Stream(device)
@@ -163,8 +162,6 @@ class HostTier:
         # enqueued only after the release: held until libemsa has enqueued them.
         if self.paced or (self.gated and on_gpu):
             self.held[b] = grads
-            if self.gated and on_gpu:
-                self.held_gated.add(b)
             self._release_copied()
 
     def release(self, scalars, stream: torch.cuda.Stream) -> None:
@@ -196,19 +193,17 @@ class HostTier:
         check(lib.emsa_host_tier_set_steps(self.handle, array, len(steps)))
 
     def _release_copied(self) -> None:
-        """Drops the gradients whose copies (or device updates) libemsa has enqueued: one cheap
-        call unless some were enqueued since the last look, or a gated step's device-updated
-        bucket waits (its kernels are enqueued after the release, which that count misses)."""
+        """Drops the gradients whose copies (or device updates) libemsa has enqueued (one cheap
+        call unless some were enqueued since the last look)."""
         if not self.held:  # unpaced, or nothing waiting: no call at all
             return
         seen = lib.emsa_host_tier_copies_enqueued(self.handle)
-        if seen == self._enqueued_seen and not self.held_gated:
+        if seen == self._enqueued_seen:
             return
         self._enqueued_seen = seen
         for b in [b for b in self.held if lib.emsa_host_tier_bucket_copies_enqueued(
                 self.handle, b) != 0]:
             del self.held[b]
-            self.held_gated.discard(b)
 
     def wait_grads_copied(self, stream: torch.cuda.Stream) -> None:
         check(lib.emsa_host_tier_wait_grads_copied(self.handle, stream.cuda_stream))
@@ -281,7 +276,6 @@ class HostTier:
         if handle:
             lib.emsa_host_tier_destroy(handle)  # waits for the worker's queue
         self.held = {}
-        self.held_gated = set()
         updater, self.updater = self.updater, ctypes.c_void_p()
         if updater:
             lib.emsa_cpu_updater_destroy(updater)

@@ -53,6 +53,7 @@ emsa_status emsa_host_tier_create(emsa_cpu_updater* updater, const emsa_host_tie
     if (!IsFlag(options->device_delta)) {
       return Fail(EMSA_INVALID_ARGUMENT, "device_delta must be 0 or 1");
     }
+    if (!IsFlag(options->gated)) return Fail(EMSA_INVALID_ARGUMENT, "gated must be 0 or 1");
     CopyFields(*options, &o);
     std::vector<emsa::HostTierTensor> converted(count);
     for (size_t i = 0; i < count; ++i) {
@@ -102,6 +103,56 @@ emsa_status emsa_host_tier_begin_step(emsa_host_tier* tier, const emsa_hyperpara
     }
     return Report(tier->tier->BeginStep(h.data(), steps, group_count));
   });
+}
+
+emsa_status emsa_host_tier_begin_step_gated(emsa_host_tier* tier, const emsa_hyperparams* hypers,
+                                            size_t group_count, int32_t gated) {
+  return Guard([&] {
+    if (tier == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "tier is NULL");
+    if (hypers == nullptr && group_count > 0) {
+      return Fail(EMSA_INVALID_ARGUMENT, "hypers must not be NULL");
+    }
+    if (!IsFlag(gated)) return Fail(EMSA_INVALID_ARGUMENT, "gated must be 0 or 1");
+    std::vector<emsa::HyperParams>& h = tier->hypers;  // sized at create: no allocation here
+    if (group_count != h.size()) {
+      return Report(tier->tier->BeginStepGated(nullptr, group_count, gated == 1));  // names it
+    }
+    for (size_t g = 0; g < group_count; ++g) {
+      emsa::Status st = ToHyper(&hypers[g], "hypers[" + std::to_string(g) + "]", &h[g]);
+      if (!st.ok()) return Report(st);
+    }
+    return Report(tier->tier->BeginStepGated(h.data(), group_count, gated == 1));
+  });
+}
+
+emsa_status emsa_host_tier_release(emsa_host_tier* tier, const emsa_device_scalars* scalars,
+                                   void* stream) {
+  if (scalars == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "scalars is NULL");
+  return OnHandle(tier, "tier", [&](auto& h) {
+    return h.tier->Release(scalars->scalars->device_header(), static_cast<cudaStream_t>(stream));
+  });
+}
+
+emsa_status emsa_host_tier_release_values(emsa_host_tier* tier, float grad_multiplier,
+                                          int32_t found_inf) {
+  if (!IsFlag(found_inf)) return Fail(EMSA_INVALID_ARGUMENT, "found_inf must be 0 or 1");
+  return OnHandle(tier, "tier",
+                  [&](auto& h) { return h.tier->ReleaseValues(grad_multiplier, found_inf == 1); });
+}
+
+emsa_status emsa_host_tier_read_steps(const emsa_host_tier* tier, int64_t* out, size_t count) {
+  if (tier == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "tier is NULL");
+  if (out == nullptr && count > 0) return Fail(EMSA_INVALID_ARGUMENT, "out is NULL");
+  return Guard([&] { return Report(tier->tier->ReadSteps(out, count)); });
+}
+
+emsa_status emsa_host_tier_set_steps(emsa_host_tier* tier, const int64_t* steps, size_t count) {
+  if (steps == nullptr && count > 0) return Fail(EMSA_INVALID_ARGUMENT, "steps is NULL");
+  return OnHandle(tier, "tier", [&](auto& h) { return h.tier->SetSteps(steps, count); });
+}
+
+int32_t emsa_host_tier_last_skipped(const emsa_host_tier* tier) {
+  return tier == nullptr ? -1 : (tier->tier->last_skipped() ? 1 : 0);
 }
 
 emsa_status emsa_host_tier_submit(emsa_host_tier* tier, size_t bucket, const void* const* grads,
@@ -195,6 +246,8 @@ emsa_status emsa_host_tier_stats(const emsa_host_tier* tier, int64_t first,
       out[i].worker_s = got[i].worker_s;
       out[i].device_buckets = got[i].device_buckets;
       out[i].stream_up_s = got[i].stream_up_s;
+      out[i].gated = got[i].gated ? 1 : 0;
+      out[i].skipped = got[i].skipped ? 1 : 0;
     }
     *count_out = n;
     return Report(emsa::Status::Ok());

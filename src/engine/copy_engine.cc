@@ -67,6 +67,13 @@ class CudaEngine final : public CopyEngine {
     return Status::OutOfMemory(cudaGetErrorString(err));
   }
   void FreeDevice(void* ptr) override { (void)cudaFree(ptr); }
+  Status AllocatePinned(size_t bytes, void** out) override {
+    const cudaError_t err = cudaHostAlloc(out, bytes, cudaHostAllocDefault);
+    if (err == cudaSuccess) return Status::Ok();
+    (void)cudaGetLastError();
+    return Status::OutOfMemory(cudaGetErrorString(err));
+  }
+  void FreePinned(void* ptr) override { (void)cudaFreeHost(ptr); }
 };
 
 }  // namespace
@@ -108,6 +115,8 @@ class NoCudaEngine final : public CopyEngine {
   }
   Status AllocateDevice(size_t, void**) override { return NoCuda(); }
   void FreeDevice(void*) override {}
+  Status AllocatePinned(size_t, void**) override { return NoCuda(); }
+  void FreePinned(void*) override {}
 };
 
 }  // namespace

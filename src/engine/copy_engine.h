@@ -1,6 +1,6 @@
 // copy_engine.h — what the host tier's scheduling core asks of the copy engine: events (record,
 // wait, query, synchronize, elapsed time), async copies on a stream, the device-delta kernel and
-// its device staging buffer.
+// its device staging buffer, pinned host memory for the release of a gated step.
 //
 // The product's engine is CUDA's (CudaCopyEngine: each call is the CUDA runtime call it names).
 // Tests pass one of their own (tests/cpp/fake_copy_engine.h: copies on threads, events kept
@@ -49,6 +49,10 @@ class CopyEngine {
   // Device memory (kOutOfMemory with the engine's reason when there is none).
   virtual Status AllocateDevice(size_t bytes, void** out) = 0;
   virtual void FreeDevice(void* ptr) = 0;
+  // Pinned host memory, which CopyToHost may fill from device memory (the release of a gated
+  // step copies the device's step header there, records an event after it and waits for it).
+  virtual Status AllocatePinned(size_t bytes, void** out) = 0;
+  virtual void FreePinned(void* ptr) = 0;
 };
 
 // CUDA's engine (one for the process); without CUDA, one that refuses every call with

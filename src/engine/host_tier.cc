@@ -10,8 +10,10 @@
 #include "emsa/host_tier.h"
 
 #include <algorithm>
+#include <new>
 #include <string>
 
+#include "emsa/cuda_update.h"
 #include "engine/copy_engine.h"
 #include "engine/host_tier_impl.h"
 #include "kernels/cpu/kernels.h"
@@ -75,6 +77,17 @@ Status CheckDeviceUpdated(const std::string& where, const TensorUpdate& u,
 
 HostTier::Impl::~Impl() {
   {
+    std::lock_guard<std::mutex> lock(shared.mu);
+    StepVerdict& v = shared.verdict;
+    if (!v.open()) {  // never released: released as skipped, so that nothing waits forever
+      v.released = v.known = v.found_inf = true;
+      v.grad_multiplier = 1.0f;
+      shared.stats.Of(shared.step).skipped = true;
+    }
+  }
+  shared.cv.notify_all();
+  if (device != nullptr) (void)device->EnqueueDeferred();  // skipped: only marked done
+  {
     std::unique_lock<std::mutex> lock(shared.mu);
     shared.cv.wait(lock, [&] { return shared.pending == 0; });
     shared.stop = true;
@@ -83,6 +96,7 @@ HostTier::Impl::~Impl() {
   if (worker.joinable()) worker.join();
   device.reset();  // joins the streamer, waits for its last copies
   if (delta_staging != nullptr) engine->FreeDevice(delta_staging);
+  if (pinned_header != nullptr) engine->FreePinned(pinned_header);
 }
 
 // ---- Create's steps -----------------------------------------------------------------------------
@@ -131,6 +145,8 @@ Status HostTier::Impl::AddTensor(size_t i, const HostTierTensor& t, TensorSummar
   into.updates.push_back(u);
   into.device_params.push_back(t.device_param);
   into.groups.push_back(t.group);
+  into.tensors.push_back(i);
+  into.present.push_back(1);
   return Status::Ok();
 }
 
@@ -180,7 +196,7 @@ Status HostTier::Impl::InitBucket(TierBucket& b) {
 // Submit's checks; *after_upload: the bucket's last upload read deltas from the gradient staging
 // buffer its copies are about to overwrite.
 Status HostTier::Impl::CheckSubmit(size_t bucket, const void* const* grads, size_t count,
-                                   bool* after_upload) {
+                                   bool* after_upload, bool* gated) {
   if (bucket >= buckets.size()) {
     return Status::InvalidArgument("bucket " + std::to_string(bucket) + " does not exist (" +
                                    std::to_string(buckets.size()) + " buckets)");
@@ -196,18 +212,24 @@ Status HostTier::Impl::CheckSubmit(size_t bucket, const void* const* grads, size
     EMSA_RETURN_IF_ERROR(shared.error);
     if (shared.step == 0) return Status::InvalidArgument("Submit before the first BeginStep");
     *after_upload = delta_staging != nullptr && b.uploaded > 0;
+    *gated = shared.verdict.gated;
     if (b.submitted == shared.step) {
       return Status::InvalidArgument("bucket " + std::to_string(bucket) +
                                      " was submitted already in this step");
     }
-  }
-  for (size_t k = 0; k < count; ++k) {
-    if (grads[k] == nullptr && b.updates[k].numel > 0) {
-      return Status::InvalidArgument("bucket " + std::to_string(bucket) + ": gradient " +
-                                     std::to_string(k) + " is null");
-    }
+    MarkPresent(buckets[bucket], grads);
   }
   return Status::Ok();
+}
+
+void HostTier::Impl::MarkPresent(TierBucket& b, const void* const* grads) {
+  b.all_present = true;
+  for (size_t k = 0; k < b.updates.size(); ++k) {
+    const bool present = grads[k] != nullptr || b.updates[k].numel == 0;
+    b.present[k] = present ? 1 : 0;
+    b.all_present = b.all_present && present;
+    if (present) b.updates[k].step = steps[b.tensors[k]] + 1;
+  }
 }
 
 // Pacing: whether bucket b's gradients may wait on the device for the worker's copies without
@@ -231,6 +253,7 @@ Status HostTier::Impl::CopyAtSubmit(size_t index, const void* const* grads, bool
   EMSA_RETURN_IF_ERROR(engine->StreamWait(d2h, b.ready.get()));
   if (after_upload) EMSA_RETURN_IF_ERROR(engine->StreamWait(d2h, b.upload.done()));
   EMSA_RETURN_IF_ERROR(b.grads.EnqueueAll(grads, d2h));
+  b.grads.SetAllEnqueued();  // for the worker's reading under pacing
   {
     std::lock_guard<std::mutex> lock(shared.mu);
     b.copied = shared.step;  // before the count moves: a caller that sees it sees this too
@@ -291,6 +314,12 @@ Result<std::unique_ptr<HostTier>> HostTier::CreateWithEngine(
     return Status::Unsupported("device-updated tensors (HostTierTensor::device_update) need CUDA");
   }
   EMSA_RETURN_IF_ERROR(engine->SetDevice(options.device));
+  impl->steps.assign(count, 0);
+  void* pinned = nullptr;
+  EMSA_RETURN_IF_ERROR(engine->AllocatePinned(sizeof(DeviceStepHeader), &pinned));
+  impl->pinned_header = new (pinned) DeviceStepHeader();
+  // The worker waits on it: blocking sync, so it sleeps.
+  EMSA_RETURN_IF_ERROR(impl->released.Create(engine, /*timed=*/false, /*blocking=*/true));
   if (summary.any_delta) EMSA_RETURN_IF_ERROR(impl->MakeDeltaStaging());
   for (TierBucket& b : impl->buckets) EMSA_RETURN_IF_ERROR(impl->InitBucket(b));
   impl->waiting.reserve(bucket_count);
@@ -310,54 +339,41 @@ HostTier::HostTier(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 HostTier::~HostTier() = default;
 
 size_t HostTier::bucket_count() const { return impl_->buckets.size(); }
+size_t HostTier::tensor_count() const { return impl_->steps.size(); }
 size_t HostTier::bucket_size(size_t bucket) const {
   return bucket < impl_->buckets.size() ? impl_->buckets[bucket].updates.size() : 0;
 }
 
 Status HostTier::BeginStep(const HyperParams* hypers, const int64_t* steps, size_t group_count) {
   Impl& m = *impl_;
-  if (group_count != m.hypers.size() || hypers == nullptr || steps == nullptr) {
-    return Status::InvalidArgument("BeginStep needs " + std::to_string(m.hypers.size()) +
-                                   " groups' hyperparameters and steps, got " +
-                                   std::to_string(group_count));
+  if (group_count != m.hypers.size()) {  // Begin's message names the count
+    return m.Begin(hypers, group_count, false, nullptr);
   }
+  if (steps == nullptr) return Status::InvalidArgument("BeginStep: steps is null");
   for (size_t g = 0; g < group_count; ++g) {
     if (steps[g] < 1) {
       return Status::InvalidArgument("steps[" + std::to_string(g) + "] is " +
                                      std::to_string(steps[g]) + "; it must be >= 1");
     }
   }
-  std::unique_lock<std::mutex> lock(m.shared.mu);
-  m.Drain(lock);
-  EMSA_RETURN_IF_ERROR(m.shared.error);
-  for (size_t g = 0; g < group_count; ++g) {
-    m.hypers[g] = hypers[g];
-    TensorUpdate probe;  // the decay exactly as the CPU kernels round it
-    probe.hyper = &m.hypers[g];
-    probe.step = steps[g];
-    m.decays[g] = cpu::MakeUpdateArgs(probe, m.step_options).decay;
-  }
-  for (TierBucket& b : m.buckets) {
-    for (size_t k = 0; k < b.updates.size(); ++k) {
-      b.updates[k].step = steps[static_cast<size_t>(b.groups[k])];
-    }
-  }
-  ++m.shared.step;
-  m.shared.step_start = std::chrono::steady_clock::now();
-  for (TierBucket& b : m.buckets) b.t_submit = b.t_start = b.t_end = -1;
-  m.shared.stats.Begin(m.shared.step);
-  return Status::Ok();
+  return m.Begin(hypers, group_count, m.options.gated, steps);
+}
+
+Status HostTier::BeginStepGated(const HyperParams* hypers, size_t group_count, bool gated) {
+  return impl_->Begin(hypers, group_count, gated, nullptr);
 }
 
 Status HostTier::Submit(size_t bucket, const void* const* grads, size_t count,
                         cudaStream_t compute) {
   Impl& m = *impl_;
-  bool after_upload = false;
-  EMSA_RETURN_IF_ERROR(m.CheckSubmit(bucket, grads, count, &after_upload));
+  bool after_upload = false, gated = false;
+  EMSA_RETURN_IF_ERROR(m.CheckSubmit(bucket, grads, count, &after_upload, &gated));
   TierBucket& b = m.buckets[bucket];
   EMSA_RETURN_IF_ERROR(m.engine->Record(b.ready.get(), compute));
   if (b.device_update) return m.device->Submit(bucket, grads, count);
-  if (m.options.paced() && m.HoldForPacing(b)) {  // the worker copies them, a few pieces ahead
+  // Paced, the worker copies them, a few pieces ahead. Gated, not: the CPU cannot consume them
+  // before the release anyway, and the device gradients are freed once copied.
+  if (m.options.paced() && !gated && m.HoldForPacing(b)) {
     b.grads.Hold(grads, count);
     {
       std::lock_guard<std::mutex> lock(m.shared.mu);
@@ -377,6 +393,7 @@ Status HostTier::Wait(size_t bucket, cudaStream_t stream) {
   TierBucket& b = m.buckets[bucket];
   {
     std::unique_lock<std::mutex> lock(m.shared.mu);
+    if (b.submitted == m.shared.step) EMSA_RETURN_IF_ERROR(m.CheckReleased("Wait"));
     auto ready = [&] { return !m.shared.error.ok() || b.uploaded >= b.submitted; };
     if (!ready()) {
       auto t0 = std::chrono::steady_clock::now();
@@ -395,6 +412,11 @@ Status HostTier::WaitGradsCopied(cudaStream_t stream) {
   {
     std::unique_lock<std::mutex> lock(m.shared.mu);
     s = m.shared.step;
+    for (const TierBucket& b : m.buckets) {
+      if (b.device_update && b.submitted == s) {
+        EMSA_RETURN_IF_ERROR(m.CheckReleased("WaitGradsCopied"));
+      }
+    }
     // Under pacing the worker enqueues the copies: wait until it has (their events are
     // recorded), or failed.
     m.shared.cv.wait(lock, [&] {
@@ -419,8 +441,10 @@ Status HostTier::Synchronize() {
   Impl& m = *impl_;
   {
     std::unique_lock<std::mutex> lock(m.shared.mu);
+    EMSA_RETURN_IF_ERROR(m.CheckReleased("Synchronize"));
     m.Drain(lock);
     EMSA_RETURN_IF_ERROR(m.shared.error);
+    EMSA_RETURN_IF_ERROR(m.Settle(lock));
   }
   for (TierBucket& b : m.buckets) EMSA_RETURN_IF_ERROR(m.TimeUpload(b));
   if (m.device != nullptr) EMSA_RETURN_IF_ERROR(m.device->Synchronize());

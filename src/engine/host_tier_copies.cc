@@ -55,6 +55,7 @@ Status GradCopies::EnqueuePiece(const Piece& piece, const void* const* grads, cu
   if (piece.start) EMSA_RETURN_IF_ERROR(engine_->Record(piece.start.get(), d2h));
   for (size_t c = piece.copy_begin; c < piece.copy_end; ++c) {
     const Copy& copy = copies_[c];
+    if (grads[copy.tensor] == nullptr) continue;  // absent this step
     EMSA_RETURN_IF_ERROR(engine_->CopyToHost(
         staging_[copy.tensor] + copy.offset,
         static_cast<const char*>(grads[copy.tensor]) + copy.offset, copy.bytes, d2h));
@@ -94,24 +95,26 @@ Status Uploads::Init(CopyEngine* engine, const std::vector<TensorUpdate>& update
     const TensorUpdate& u = updates[k];
     if (u.numel == 0) continue;
     if (u.delta == nullptr) {
-      copies_.push_back(
-          {device_params[k], u.param, static_cast<size_t>(u.numel) * DTypeSize(u.param_dtype)});
+      copies_.push_back({device_params[k], u.param,
+                         static_cast<size_t>(u.numel) * DTypeSize(u.param_dtype), nullptr, 0, k});
       continue;
     }
     for (int64_t at = 0; at < u.numel; at += staging_elements) {
       copies_.push_back(
           {staging, u.delta + at,
            static_cast<size_t>(std::min(u.numel - at, staging_elements)) * sizeof(float),
-           static_cast<float*>(device_params[k]) + at, groups[k]});
+           static_cast<float*>(device_params[k]) + at, groups[k], k});
     }
   }
   EMSA_RETURN_IF_ERROR(start_.Create(engine, /*timed=*/true, /*blocking=*/false));
   return done_.Create(engine, true, true);  // the worker and Synchronize wait on it
 }
 
-Status Uploads::Enqueue(const std::vector<float>& decays, cudaStream_t h2d) {
+Status Uploads::Enqueue(const std::vector<float>& decays, const std::vector<uint8_t>& present,
+                        cudaStream_t h2d) {
   EMSA_RETURN_IF_ERROR(engine_->Record(start_.get(), h2d));
   for (const Copy& copy : copies_) {
+    if (present[copy.tensor] == 0) continue;  // not updated this step
     EMSA_RETURN_IF_ERROR(engine_->CopyToDevice(copy.dst, copy.src, copy.bytes, h2d));
     if (copy.apply != nullptr) {
       EMSA_RETURN_IF_ERROR(engine_->ApplyDelta(copy.apply, static_cast<const float*>(copy.dst),

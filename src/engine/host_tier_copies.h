@@ -28,7 +28,8 @@ class GradCopies {
   // Paced: Submit's device pointers, read when the pieces are enqueued; the next piece is the
   // first.
   void Hold(const void* const* grads, size_t count);
-  // Enqueues every piece on `d2h` from `grads` (Submit's device pointers, one per tensor).
+  // Enqueues every piece on `d2h` from `grads` (Submit's device pointers, one per tensor; a
+  // null one, an absent tensor, is not copied).
   Status EnqueueAll(const void* const* grads, cudaStream_t d2h);
   // Paced: enqueues the next piece on `d2h` from the held pointers.
   Status EnqueueNext(cudaStream_t d2h);
@@ -82,8 +83,10 @@ class Uploads {
               const std::vector<void*>& device_params, const std::vector<int32_t>& groups,
               float* staging, int64_t staging_elements, bool copies);
   // Enqueues the copies (and kernels) on h2d between its start and done events; decays: per
-  // group, this step's 1 - lr*wd as the CPU kernels round it.
-  Status Enqueue(const std::vector<float>& decays, cudaStream_t h2d);
+  // group, this step's 1 - lr*wd as the CPU kernels round it; present: per tensor, whether it
+  // was updated this step (the others are not uploaded).
+  Status Enqueue(const std::vector<float>& decays, const std::vector<uint8_t>& present,
+                 cudaStream_t h2d);
   // The upload is done (for a GPU-updated bucket: its kernels).
   cudaEvent_t done() const { return done_.get(); }
   // The last upload's time, once done.
@@ -96,6 +99,7 @@ class Uploads {
     size_t bytes;
     float* apply = nullptr;  // device parameters p = p * decay + dst, bytes / 4 of them
     int32_t group = 0;
+    size_t tensor = 0;  // of the bucket
   };
   CopyEngine* engine_ = nullptr;
   std::vector<Copy> copies_;

@@ -24,6 +24,7 @@ DeviceUpdatePath::~DeviceUpdatePath() {
   Join();
   if (down_ != nullptr) (void)cudaStreamSynchronize(down_);  // the device updates' last copies
   if (staging_ != nullptr) (void)cudaFree(staging_);
+  if (header_ != nullptr) (void)cudaFree(header_);
   for (cudaStream_t st : {up_, own_kernels_ ? kernels_ : nullptr, down_}) {
     if (st != nullptr) (void)cudaStreamDestroy(st);
   }
@@ -49,6 +50,10 @@ Status DeviceUpdatePath::Init(DType state_dtype, int64_t largest) {
     EMSA_RETURN_IF_ERROR(runs_[i].written_back.Create(cudaEventDisableTiming));
     runs_[i].grads.assign(buckets_[i].updates.size(), nullptr);
   }
+  EMSA_RETURN_IF_ERROR(kernels_mark_.Create(cudaEventDisableTiming));
+  void* header = nullptr;
+  EMSA_CUDA_RETURN_IF_ERROR(cudaMalloc(&header, sizeof(DeviceStepHeader)));
+  header_ = static_cast<DeviceStepHeader*>(header);
   waiting_.reserve(buckets_.size());
   if (options_.paced()) streamer_ = std::thread([this] { Stream(); });
   return Status::Ok();
@@ -119,7 +124,7 @@ void DeviceUpdatePath::TimeSlot(Slot& slot) {
 // the kernel (the bucket's first after its gradients are final on the compute stream), moments
 // down. Recording an event only moves what later waits on it refer to, and every wait below is
 // enqueued after the record it is meant for, so the slots' events can be reused in turn.
-Status DeviceUpdatePath::EnqueueRun(size_t index, size_t r, int64_t s) {
+Status DeviceUpdatePath::EnqueueRun(size_t index, size_t r, int64_t s, const RunVerdict& v) {
   TierBucket& b = buckets_[index];
   Runs& runs = runs_[index];
   const Span& run = runs.spans[r];
@@ -129,9 +134,11 @@ Status DeviceUpdatePath::EnqueueRun(size_t index, size_t r, int64_t s) {
   const size_t state = DTypeSize(u.state_dtype);
   const size_t bytes = static_cast<size_t>(run.count) * state;
   const size_t at = static_cast<size_t>(run.first) * state;
+  const bool first = !runs.started;
+  runs.started = true;
   TimeSlot(slot);  // what it last carried, before its events move on
   EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(up_, slot.free.get(), 0));
-  if (r == 0 && b.uploaded > 0) {  // written_back was recorded by its last update
+  if (first && b.uploaded > 0) {  // written_back was recorded by its last update
     EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(up_, runs.written_back.get(), 0));
   }
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.up_start.get(), up_));
@@ -146,7 +153,7 @@ Status DeviceUpdatePath::EnqueueRun(size_t index, size_t r, int64_t s) {
   }
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.in_done.get(), up_));
   EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(kernels_, slot.in_done.get(), 0));
-  if (r == 0) EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(kernels_, b.ready.get(), 0));
+  if (first) EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(kernels_, b.ready.get(), 0));
   cuda::StreamRun k;
   k.param = static_cast<float*>(b.device_params[run.tensor]) + run.first;
   k.grad = static_cast<const float*>(runs.grads[run.tensor]) + run.first;
@@ -154,9 +161,10 @@ Status DeviceUpdatePath::EnqueueRun(size_t index, size_t r, int64_t s) {
   k.exp_avg_sq = u.exp_avg_sq != nullptr ? slot.exp_avg_sq : nullptr;
   k.first = run.first;
   k.count = run.count;
+  k.header = v.header;
   EMSA_RETURN_IF_ERROR(cuda::LaunchStreamUpdate(
       options_.optimizer, u.state_dtype, options_.rounding == Rounding::kStochastic, options_.seed,
-      ToDeviceScalars(*u.hyper, u.step), step_options_.grad_multiplier, k, kernels_));
+      ToDeviceScalars(*u.hyper, u.step), v.grad_multiplier, k, kernels_));
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.updated.get(), kernels_));
   slot.used = true;
   EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(down_, slot.updated.get(), 0));
@@ -168,11 +176,42 @@ Status DeviceUpdatePath::EnqueueRun(size_t index, size_t r, int64_t s) {
                                               down_));
   }
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.free.get(), down_));
-  if (r + 1 == runs.spans.size()) {
-    EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.upload.done(), kernels_));
-    EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(runs.written_back.get(), down_));
-  }
   return Status::Ok();
+}
+
+Status DeviceUpdatePath::FinishRuns(size_t index) {
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(buckets_[index].upload.done(), kernels_));
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(runs_[index].written_back.get(), down_));
+  return Status::Ok();
+}
+
+size_t DeviceUpdatePath::NextPresent(size_t index, size_t r) const {
+  const Runs& runs = runs_[index];
+  const std::vector<uint8_t>& present = buckets_[index].present;
+  while (r < runs.spans.size() && present[runs.spans[r].tensor] == 0) ++r;
+  return r;
+}
+
+Status DeviceUpdatePath::EnqueueBucket(size_t index, int64_t s, const RunVerdict& v) {
+  if (v.skip) return Status::Ok();
+  const size_t n = runs_[index].spans.size();
+  for (size_t r = NextPresent(index, 0); r < n; r = NextPresent(index, r + 1)) {
+    EMSA_RETURN_IF_ERROR(EnqueueRun(index, r, s, v));
+  }
+  return FinishRuns(index);
+}
+
+void DeviceUpdatePath::MarkDone(size_t index, int64_t s) {
+  TierBucket& b = buckets_[index];
+  b.uploaded = b.copied = s;
+  shared_.copies_total.fetch_add(1, std::memory_order_release);
+}
+
+DeviceUpdatePath::RunVerdict DeviceUpdatePath::VerdictLocked() const {
+  const StepVerdict& v = shared_.verdict;
+  if (!v.gated) return {nullptr, step_options_.grad_multiplier, false};
+  if (v.from_device) return {header_, 1.0f, false};  // the kernel multiplies in the header's
+  return {nullptr, v.grad_multiplier, v.found_inf};
 }
 
 Status DeviceUpdatePath::Submit(size_t index, const void* const* grads, size_t count) {
@@ -180,13 +219,20 @@ Status DeviceUpdatePath::Submit(size_t index, const void* const* grads, size_t c
   Runs& runs = runs_[index];
   std::copy(grads, grads + count, runs.grads.begin());
   // Under pacing the streamer enqueues its runs (the caller keeps the gradients until then);
-  // else they are enqueued here, in submission order.
+  // else they are enqueued here, in submission order, or in a gated step not yet released by
+  // the release (EnqueueDeferred).
   const bool streamed = streamer_.joinable() && !runs.spans.empty();
   const int64_t s = shared_.step;  // written by this thread only
-  Status st;
-  for (size_t r = 0; !streamed && r < runs.spans.size() && st.ok(); ++r) {
-    st = EnqueueRun(index, r, s);
+  bool open = false;
+  RunVerdict v;
+  {
+    std::lock_guard<std::mutex> lock(shared_.mu);
+    open = shared_.verdict.open();
+    v = VerdictLocked();
   }
+  runs.started = false;
+  Status st;
+  if (!streamed && open) st = EnqueueBucket(index, s, v);
   {
     std::lock_guard<std::mutex> lock(shared_.mu);
     shared_.Fail(st);
@@ -197,10 +243,47 @@ Status DeviceUpdatePath::Submit(size_t index, const void* const* grads, size_t c
     if (streamed) {
       waiting_.push_back(index);
       ++shared_.pending;
+    } else if (open || !shared_.error.ok()) {
+      MarkDone(index, s);
     } else {
-      b.uploaded = b.copied = s;
-      shared_.copies_total.fetch_add(1, std::memory_order_release);
+      runs.deferred = true;
     }
+  }
+  shared_.cv.notify_all();
+  return st;
+}
+
+Status DeviceUpdatePath::CopyHeader(const DeviceStepHeader* device_header, cudaStream_t stream) {
+  // Every kernel of earlier steps is enqueued (the tier drained at BeginStep) and none of this
+  // step's yet (they wait for this release): the mark orders the overwrite after their reads.
+  EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(kernels_mark_.get(), kernels_));
+  EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, kernels_mark_.get(), 0));
+  EMSA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(header_, device_header, sizeof(DeviceStepHeader),
+                                            cudaMemcpyDeviceToDevice, stream));
+  return Status::Ok();
+}
+
+Status DeviceUpdatePath::WaitRelease(cudaEvent_t released) {
+  EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(kernels_, released, 0));
+  return Status::Ok();
+}
+
+Status DeviceUpdatePath::EnqueueDeferred() {
+  Status st;
+  for (size_t i = buckets_.size(); i-- > 0;) {
+    RunVerdict v;
+    int64_t s = 0;
+    {
+      std::lock_guard<std::mutex> lock(shared_.mu);
+      if (!runs_[i].deferred) continue;
+      v = VerdictLocked();
+      s = shared_.step;
+    }
+    if (st.ok()) st = EnqueueBucket(i, s, v);  // after a failure only marked done
+    std::lock_guard<std::mutex> lock(shared_.mu);
+    shared_.Fail(st);
+    runs_[i].deferred = false;
+    MarkDone(i, s);
   }
   shared_.cv.notify_all();
   return st;
@@ -231,14 +314,17 @@ size_t DeviceUpdatePath::PickBucket() const {
 // The streamer: enqueues the device-updated buckets' runs with at most one run per staging
 // slot in flight, so that what comes next is chosen when a slot frees up: during backward the
 // buckets as their gradients become final, after it what the next forward needs first (as the
-// worker chooses for the CPU). A failed bucket is marked done so no Wait blocks on it.
+// worker chooses for the CPU). In a gated step it takes nothing before the release. A failed
+// bucket is marked done so no Wait blocks on it.
 void DeviceUpdatePath::Stream() {
   Status set = CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice (host tier streamer)");
   std::unique_lock<std::mutex> lock(shared_.mu);
   shared_.Fail(set);
   for (;;) {
-    shared_.cv.wait(lock, [&] { return shared_.stop || !waiting_.empty(); });
-    if (waiting_.empty()) return;  // stop, and nothing left
+    shared_.cv.wait(lock, [&] {
+      return shared_.stop || (!waiting_.empty() && (shared_.verdict.open() || !shared_.error.ok()));
+    });
+    if (waiting_.empty()) return;  // stop, and nothing left (the tier releases before stop)
     Status st = shared_.error;
     const Slot& slot = slots_[next_slot_];
     if (st.ok() && slot.used) {  // the slot's last kernel is done: choose now, not earlier
@@ -249,21 +335,27 @@ void DeviceUpdatePath::Stream() {
     const size_t index = PickBucket();
     TierBucket& b = buckets_[index];
     Runs& runs = runs_[index];
-    const size_t r = runs.next;
-    if (st.ok()) {
+    const RunVerdict v = VerdictLocked();
+    const size_t n = runs.spans.size();
+    const size_t r = v.skip ? n : NextPresent(index, runs.next);
+    if (st.ok() && r < n) {
       lock.unlock();
-      st = EnqueueRun(index, r, b.submitted);
+      st = EnqueueRun(index, r, b.submitted, v);
+      lock.lock();
+    }
+    const size_t after = r < n ? NextPresent(index, r + 1) : n;
+    if (st.ok() && after == n && !v.skip) {  // the bucket's last run: its events
+      lock.unlock();
+      st = FinishRuns(index);
       lock.lock();
     }
     shared_.Fail(st);
-    if (shared_.error.ok() && r + 1 < runs.spans.size()) {
-      runs.next = r + 1;
+    if (shared_.error.ok() && after < n) {
+      runs.next = after;
       continue;
     }
     waiting_.erase(std::find(waiting_.begin(), waiting_.end(), index));
-    b.uploaded = b.submitted;
-    b.copied = b.submitted;
-    shared_.copies_total.fetch_add(1, std::memory_order_release);
+    MarkDone(index, b.submitted);
     --shared_.pending;
     shared_.cv.notify_all();
   }

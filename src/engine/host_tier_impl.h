@@ -49,6 +49,12 @@ struct HostTier::Impl {
   float* delta_staging = nullptr;  // device, delta_staging_elements floats (deltas only)
   TierShared shared;
   std::unique_ptr<DeviceUpdatePath> device;  // when some bucket is GPU-updated
+  std::vector<int64_t> steps;  // per tensor, creation order: its step count (under mu)
+  // The release: the step header copied here (pinned) and the event after it; verdict_mu
+  // orders the one read of it (the worker's, or Synchronize's with the worker idle).
+  DeviceStepHeader* pinned_header = nullptr;
+  EngineEvent released;
+  std::mutex verdict_mu;
 
   // The queue. Submitted buckets the worker has not taken, oldest first (capacity reserved at
   // Create; under mu).
@@ -68,11 +74,25 @@ struct HostTier::Impl {
   Status InitBucket(TierBucket& b);
 
   // The caller's side.
-  Status CheckSubmit(size_t bucket, const void* const* grads, size_t count, bool* after_upload);
+  Status CheckSubmit(size_t bucket, const void* const* grads, size_t count, bool* after_upload,
+                     bool* gated);
   bool HoldForPacing(TierBucket& b);
   Status CopyAtSubmit(size_t index, const void* const* grads, bool after_upload);
   // Under mu: bucket `index` is submitted in this step and joins the worker's queue.
   void JoinQueue(size_t index);
+  // Under mu: the current step is gated and not yet released (what waits on it never returns
+  // until then): kInvalidArgument for `call`, else Ok.
+  Status CheckReleased(const char* call) const;
+  // Bucket b's present tensors and their update's step (count + 1), for this Submit. Under mu.
+  void MarkPresent(TierBucket& b, const void* const* grads);
+  // The current step's verdict, read from the release's pinned header once its event has
+  // completed (a gated, released step; the worker, or the caller with the worker idle).
+  Status ReadVerdict();
+  // Under mu, the workers idle: advances the counts of the present tensors of the step's
+  // submitted buckets, unless it was skipped (reads the verdict first; may unlock meanwhile).
+  Status Settle(std::unique_lock<std::mutex>& lock);
+  Status Begin(const HyperParams* hypers, size_t group_count, bool gated,
+               const int64_t* group_steps);
   // Under mu: blocks until the worker has no bucket left, or failed.
   void Drain(std::unique_lock<std::mutex>& lock) {
     shared.cv.wait(lock, [&] { return shared.pending == 0 || !shared.error.ok(); });
@@ -83,9 +103,14 @@ struct HostTier::Impl {
   Result<size_t> Choose(std::unique_lock<std::mutex>& lock);
   Result<size_t> TakeReady(size_t* oldest);
   cudaEvent_t Gate(const TierBucket& b) const;
-  Status Process(size_t index, int64_t s);
-  Status UpdateAsLanded(TierBucket& b, bool landed, int64_t s, double* cpu_seconds,
-                        double* wait_seconds);
+  Status Process(size_t index, int64_t s, const StepOptions& options);
+  Status Skip(size_t index, int64_t s);
+  // The worker's verdict for a bucket it takes in step s: *options with its multiplier, *skip.
+  Status Verdict(std::unique_lock<std::mutex>& lock, StepOptions* options, bool* skip);
+  Status UpdateAsLanded(TierBucket& b, bool landed, int64_t s, const StepOptions& options,
+                        double* cpu_seconds, double* wait_seconds);
+  // StepRange over [first, last) of b's elements, the absent tensors left out.
+  Status StepPresent(const TierBucket& b, const StepOptions& options, int64_t first, int64_t last);
   Status Feed(TierBucket& b, size_t consumed, int64_t s);
   Status EnqueuePiece(TierBucket& b, int64_t s);
   Status TimeUpload(TierBucket& b);

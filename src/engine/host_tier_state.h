@@ -25,6 +25,12 @@ struct TierBucket {
   std::vector<TensorUpdate> updates;  // its tensors, in creation order
   std::vector<void*> device_params;
   std::vector<int32_t> groups;
+  std::vector<size_t> tensors;  // the tier's index of each (creation order): its step count
+  // This step's Submit: which tensors have a gradient (non-null, or numel 0); the rest are not
+  // copied, updated or uploaded. Written by Submit, read by whoever the queue hands b to.
+  std::vector<uint8_t> present;
+  bool all_present = true;
+  int64_t settled = 0;         // step whose counts were last advanced for b (under mu)
   bool device_update = false;  // the GPU updates it (HostTierTensor::device_update)
   EngineEvent ready;           // on the compute stream: the gradients are final
   int64_t grad_bytes = 0;      // its gradients, on the device
@@ -38,6 +44,20 @@ struct TierBucket {
   double t_submit = -1, t_start = -1, t_end = -1;
 };
 
+// The current step's verdict (gated steps): what the updates wait for. Under mu.
+struct StepVerdict {
+  bool gated = false;     // the step's updates wait for a release
+  bool released = false;  // Release or ReleaseValues has been called
+  // Release: the verdict is in device memory (the device path's kernels read its copy there);
+  // the host learns it once the release's event completes (known).
+  bool from_device = false;
+  bool known = false;  // grad_multiplier and found_inf hold the verdict
+  float grad_multiplier = 1.0f;
+  bool found_inf = false;
+  // Whether the step's updates may run (ungated, or released).
+  bool open() const { return !gated || released; }
+};
+
 struct TierShared {
   std::mutex mu;
   std::condition_variable cv;
@@ -48,6 +68,8 @@ struct TierShared {
   StatsRing stats;      // under mu
   std::chrono::steady_clock::time_point step_start;  // the current step's BeginStep
   std::atomic<int64_t> copies_total{0};              // buckets whose copies were all enqueued, ever
+  StepVerdict verdict;                               // the current step's (under mu)
+  bool last_skipped = false;  // the last step whose verdict is known was skipped (under mu)
 
   // Seconds since the current step's BeginStep.
   double Since() const {

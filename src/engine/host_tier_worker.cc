@@ -78,7 +78,8 @@ Status HostTier::Impl::Feed(TierBucket& b, size_t consumed, int64_t s) {
 // still on their way (the CPU caught up with the D2H stream, as at the start of a step, or the
 // copies are paced) it follows them piece by piece instead of idling until the last has landed,
 // and under pacing copies more as each piece is updated.
-Status HostTier::Impl::UpdateAsLanded(TierBucket& b, bool landed, int64_t s, double* cpu_seconds,
+Status HostTier::Impl::UpdateAsLanded(TierBucket& b, bool landed, int64_t s,
+                                      const StepOptions& step, double* cpu_seconds,
                                       double* wait_seconds) {
   const bool paced = options.paced();
   const int64_t total = b.grads.elements();
@@ -93,8 +94,7 @@ Status HostTier::Impl::UpdateAsLanded(TierBucket& b, bool landed, int64_t s, dou
       last = std::min(last, b.grads.last(g));
     }
     const auto t0 = std::chrono::steady_clock::now();
-    EMSA_RETURN_IF_ERROR(
-        updater->StepRange(b.updates.data(), b.updates.size(), step_options, first, last));
+    EMSA_RETURN_IF_ERROR(StepPresent(b, step, first, last));
     *cpu_seconds += Seconds(std::chrono::steady_clock::now() - t0);
     if (paced && last == b.grads.last(g)) EMSA_RETURN_IF_ERROR(Feed(b, g + 1, s));
     first = last;
@@ -102,8 +102,41 @@ Status HostTier::Impl::UpdateAsLanded(TierBucket& b, bool landed, int64_t s, dou
   return Status::Ok();
 }
 
+Status HostTier::Impl::StepPresent(const TierBucket& b, const StepOptions& step, int64_t first,
+                                   int64_t last) {
+  const size_t n = b.updates.size();
+  if (b.all_present) return updater->StepRange(b.updates.data(), n, step, first, last);
+  int64_t start = 0;  // the bucket's element where tensor k starts
+  for (size_t k = 0; k < n;) {
+    if (b.present[k] == 0) {
+      start += b.updates[k++].numel;
+      continue;
+    }
+    const int64_t run_first = start;  // a run of present tensors, [k, j)
+    for (; k < n && b.present[k] != 0; ++k) start += b.updates[k].numel;
+    const int64_t lo = std::max(first, run_first), hi = std::min(last, start);
+    if (lo < hi) EMSA_RETURN_IF_ERROR(updater->StepRange(b.updates.data(), n, step, lo, hi));
+  }
+  return Status::Ok();
+}
+
+// A skipped step's bucket `index` (submitted in step s): nothing is updated or uploaded; its
+// copies are timed and it is marked done (Wait then has nothing to wait for).
+Status HostTier::Impl::Skip(size_t index, int64_t s) {
+  TierBucket& b = buckets[index];
+  EMSA_RETURN_IF_ERROR(TimeUpload(b));  // the last upload's time goes to its own step
+  EMSA_RETURN_IF_ERROR(engine->Synchronize(b.grads.all_landed(), "the gradient copy"));
+  double d2h_seconds = 0.0;
+  EMSA_RETURN_IF_ERROR(b.grads.Seconds(&d2h_seconds));
+  std::lock_guard<std::mutex> lock(shared.mu);
+  shared.stats.Of(s).d2h_s += d2h_seconds;
+  shared.stats.AddUpload(s, shared.step, 0.0);
+  b.uploaded = s;  // h2d_timed stays: no upload of this step to time
+  return Status::Ok();
+}
+
 // The worker's part for bucket `index`, submitted in step s: its update, then its upload.
-Status HostTier::Impl::Process(size_t index, int64_t s) {
+Status HostTier::Impl::Process(size_t index, int64_t s, const StepOptions& step) {
   TierBucket& b = buckets[index];
   const bool paced = options.paced();
   bool landed = false;  // paced: follow the pieces, copying more as each is updated
@@ -117,8 +150,8 @@ Status HostTier::Impl::Process(size_t index, int64_t s) {
   const auto started = std::chrono::steady_clock::now();
   double cpu_seconds = 0.0;
   double wait_seconds = 0.0;  // blocked until a gradient piece had landed
-  EMSA_RETURN_IF_ERROR(UpdateAsLanded(b, landed, s, &cpu_seconds, &wait_seconds));
-  EMSA_RETURN_IF_ERROR(b.upload.Enqueue(decays, h2d));
+  EMSA_RETURN_IF_ERROR(UpdateAsLanded(b, landed, s, step, &cpu_seconds, &wait_seconds));
+  EMSA_RETURN_IF_ERROR(b.upload.Enqueue(decays, b.present, h2d));
   b.t_end = shared.Since();
   // Done long since (the update read every piece).
   EMSA_RETURN_IF_ERROR(engine->Synchronize(b.grads.all_landed(), "the gradient copy"));
@@ -188,8 +221,31 @@ Result<size_t> HostTier::Impl::Choose(std::unique_lock<std::mutex>& lock) {
   }
 }
 
-// The worker: takes buckets as Choose says until the tier stops; after a failure it only marks
-// the buckets it takes done, so that no Wait blocks on them forever.
+// A gated step's verdict, waited for before the worker takes any bucket of it (the tier's
+// destructor releases a step never released, so this wait ends). Under mu, unlocked meanwhile.
+Status HostTier::Impl::Verdict(std::unique_lock<std::mutex>& lock, StepOptions* step, bool* skip) {
+  const StepVerdict& v = shared.verdict;
+  if (!v.gated) return Status::Ok();
+  if (!v.released) {
+    const auto w0 = std::chrono::steady_clock::now();
+    shared.cv.wait(lock, [&] { return v.released || !shared.error.ok(); });
+    choose_wait_seconds += Seconds(std::chrono::steady_clock::now() - w0);
+    EMSA_RETURN_IF_ERROR(shared.error);
+  }
+  if (!v.known) {
+    lock.unlock();
+    const Status st = ReadVerdict();
+    lock.lock();
+    EMSA_RETURN_IF_ERROR(st);
+  }
+  step->grad_multiplier = v.grad_multiplier;
+  *skip = v.found_inf;
+  return Status::Ok();
+}
+
+// The worker: takes buckets as Choose says until the tier stops (in a gated step, once its
+// verdict is known); after a failure it only marks the buckets it takes done, so that no Wait
+// blocks on them forever.
 void HostTier::Impl::Run() {
   Status set = engine->SetDevice(options.device);
   std::unique_lock<std::mutex> lock(shared.mu);
@@ -197,8 +253,11 @@ void HostTier::Impl::Run() {
   for (;;) {
     shared.cv.wait(lock, [&] { return shared.stop || !waiting.empty() || next != kNoBucket; });
     if (waiting.empty() && next == kNoBucket) return;  // stop, and nothing left
-    size_t index = waiting.empty() ? next : waiting.front();
     int64_t s = shared.step;
+    StepOptions step = step_options;  // ungated: multiplier 1, as ever
+    bool skip = false;
+    if (shared.error.ok()) shared.Fail(Verdict(lock, &step, &skip));
+    size_t index = waiting.empty() ? next : waiting.front();
     bool failed = !shared.error.ok();
     if (next != kNoBucket) {  // taken already (its first pieces are on their way)
       index = next;
@@ -217,7 +276,7 @@ void HostTier::Impl::Run() {
       if (it != waiting.end()) waiting.erase(it);
     }
     lock.unlock();
-    Status st = failed ? Status::Ok() : Process(index, s);
+    Status st = failed ? Status::Ok() : skip ? Skip(index, s) : Process(index, s, step);
     lock.lock();
     shared.Fail(st);
     if (!shared.error.ok()) buckets[index].uploaded = s;  // so no Wait() blocks on it forever

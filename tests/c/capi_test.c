@@ -526,6 +526,30 @@ static void test_host_tier(void) {
   size_t n = 7;
   CHECK(emsa_host_tier_stats(NULL, 1, NULL, 0, &n) == EMSA_INVALID_ARGUMENT);
   CHECK(n == 7);
+  /* Gated steps, their release, per-tensor counts: the checks before any device. */
+  emsa_host_tier_options_init(&o);
+  CHECK(o.gated == 0);
+  o.gated = 2;
+  CHECK(emsa_host_tier_create(up, &t, 1, 1, 1, NULL, NULL, &o, &tier) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "gated must be 0 or 1") != NULL && tier == NULL);
+  emsa_hyperparams hp;
+  emsa_hyperparams_init(&hp);
+  CHECK(emsa_host_tier_begin_step_gated(NULL, &hp, 1, 1) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "tier is NULL") != NULL);
+  CHECK(emsa_host_tier_release(NULL, NULL, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_host_tier_release_values(NULL, 1.0f, 0) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "tier is NULL") != NULL);
+  CHECK(emsa_host_tier_release_values(NULL, 1.0f, 2) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "found_inf must be 0 or 1") != NULL);
+  int64_t counts[2] = {7, 7};
+  CHECK(emsa_host_tier_read_steps(NULL, counts, 2) == EMSA_INVALID_ARGUMENT);
+  CHECK(counts[0] == 7 && counts[1] == 7); /* out-parameters untouched on failure */
+  CHECK(emsa_host_tier_set_steps(NULL, counts, 2) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_host_tier_set_steps(NULL, NULL, 2) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_host_tier_last_skipped(NULL) == -1);
+  emsa_host_tier_step_stats stats;
+  emsa_host_tier_step_stats_init(&stats);
+  CHECK(stats.struct_size == sizeof stats && stats.gated == 0 && stats.skipped == 0);
   emsa_host_tier_destroy(NULL); /* a no-op */
   emsa_cpu_updater_destroy(up);
 }
@@ -556,6 +580,94 @@ static void test_cli_run(void) {
   CHECK(emsa_cli_run(1, version, &code, NULL, &err) == EMSA_INVALID_ARGUMENT);
 }
 
+/* The device tier's recipe calls (issue 19): argument checks that hold with or without a GPU,
+ * and on a GPU the slot-step checks that need a scalars object. */
+static void test_device_recipe(void) {
+  emsa_device_table_options o;
+  emsa_device_table_options_init(&o);
+  CHECK(o.struct_size == sizeof o && o.stats_only == 0 && o.bulk_copy == 1);
+
+  emsa_hyperparams h;
+  emsa_hyperparams_init(&h);
+  emsa_device_scalars* sc = NULL;
+  CHECK(emsa_device_scalars_create_slots(NULL, 1, 4, &sc) == EMSA_INVALID_ARGUMENT && sc == NULL);
+  CHECK(emsa_device_scalars_create_slots(&h, 1, 4, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_device_scalars_create_slots(&h, 1, ((size_t)1 << 31) + 1, &sc) ==
+        EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "slot_count") != NULL && sc == NULL);
+
+  /* Tables: checked before any device is touched (fake device addresses). */
+  emsa_tensor_update t[3];
+  for (int i = 0; i < 3; ++i) {
+    emsa_tensor_update_init(&t[i]);
+    t[i].param = (void*)(uintptr_t)(0x100000 + 0x10000 * i);
+    t[i].grad = (void*)(uintptr_t)(0x200000 + 0x10000 * i);
+    t[i].exp_avg = (void*)(uintptr_t)(0x300000 + 0x10000 * i);
+    t[i].exp_avg_sq = (void*)(uintptr_t)(0x400000 + 0x10000 * i);
+    t[i].numel = 16;
+  }
+  emsa_device_table* table = (emsa_device_table*)(uintptr_t)1; /* must stay untouched */
+  emsa_device_table* const untouched = table;
+  const int64_t slots[3] = {0, 5, 2};
+  CHECK(emsa_device_table_create_slots(t, NULL, NULL, 3, 8, NULL, &table) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "slots is NULL") != NULL && table == untouched);
+  CHECK(emsa_device_table_create_slots(t, NULL, slots, 3, 4, NULL, &table) ==
+        EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "slots[1] is 5") != NULL && table == untouched);
+  const int64_t twice[3] = {1, 0, 1};
+  CHECK(emsa_device_table_create_slots(t, NULL, twice, 3, 4, NULL, &table) ==
+        EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "two tensors") != NULL && table == untouched);
+  o.stats_only = 2;
+  CHECK(emsa_device_table_create(t, NULL, 3, &o, &table) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "stats_only must be 0 or 1") != NULL && table == untouched);
+  o.stats_only = 1;
+  CHECK(emsa_device_table_create_slots(t, NULL, slots, 3, 8, &o, &table) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "stats_only") != NULL && table == untouched);
+  /* stats_only: a tensor with only grad, numel and grad_dtype passes the checks (then the
+   * device check, or no device, refuses these fake addresses). */
+  t[0].param = t[0].exp_avg = t[0].exp_avg_sq = NULL;
+  CHECK(emsa_device_table_create(t, NULL, 1, &o, &table) != EMSA_OK && table == untouched);
+  CHECK(strstr(emsa_last_error(), "param") == NULL);
+
+  /* NULL handles and lists. */
+  CHECK(emsa_device_begin_step(NULL, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_device_finish_stats(NULL, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_device_table_accumulate_stats(NULL, NULL, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_device_finish_step(NULL, NULL, 0, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_device_scalars_set_unscale_from(NULL, NULL, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_device_scalars_write_found_inf(NULL, NULL, NULL) == EMSA_INVALID_ARGUMENT);
+  int64_t steps[2] = {7, 7};
+  CHECK(emsa_device_scalars_read_slot_steps(NULL, steps, 2, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(steps[0] == 7 && steps[1] == 7);
+  CHECK(emsa_device_scalars_set_slot_steps(NULL, steps, 2, NULL) == EMSA_INVALID_ARGUMENT);
+
+  const emsa_status st = emsa_device_scalars_create_slots(&h, 1, 2, &sc);
+  if (st != EMSA_OK) {
+    CHECK(st == EMSA_UNSUPPORTED && sc == NULL);
+    return;
+  }
+  /* A GPU: the list checks, the slot-step checks, and a round trip. */
+  CHECK(emsa_device_finish_step(sc, NULL, 1, NULL) == EMSA_INVALID_ARGUMENT);
+  emsa_device_table* none[1] = {NULL};
+  CHECK(emsa_device_finish_step(sc, none, 1, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "tables[0] is NULL") != NULL);
+  CHECK(emsa_device_scalars_set_unscale_from(sc, NULL, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_device_scalars_write_found_inf(sc, NULL, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_device_scalars_set_slot_steps(sc, steps, 1, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "count is 1") != NULL);
+  const int64_t negative[2] = {3, -1};
+  CHECK(emsa_device_scalars_set_slot_steps(sc, negative, 2, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_device_scalars_set_slot_steps(sc, steps, 2, NULL) == EMSA_OK);
+  int64_t back[2] = {0, 0};
+  CHECK(emsa_device_scalars_read_slot_steps(sc, back, 1, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_device_scalars_read_slot_steps(sc, back, 2, NULL) == EMSA_OK);
+  CHECK(back[0] == 7 && back[1] == 7);
+  CHECK(emsa_device_begin_step(sc, NULL) == EMSA_OK);
+  CHECK(emsa_device_finish_step(sc, NULL, 0, NULL) == EMSA_OK);
+  emsa_device_scalars_destroy(sc);
+}
+
 int main(void) {
   test_library();
   test_cli_run();
@@ -564,6 +676,7 @@ int main(void) {
   test_dlpack_exports();
   test_model_probe();
   test_host_tier();
+  test_device_recipe();
   printf("capi_test: %d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

@@ -189,6 +189,8 @@ class FakeCopyEngine final : public CopyEngine {
     std::lock_guard<std::mutex> lock(mu_);
     allocations_.push_back(ptr);
   }
+  Status AllocatePinned(size_t bytes, void** out) override { return AllocateDevice(bytes, out); }
+  void FreePinned(void* ptr) override { FreeDevice(ptr); }
 
  private:
   struct Stream {

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "emsa/cpu_update.h"
+#include "emsa/cuda_update.h"
 #include "emsa/host_tier.h"
 #include "fake_copy_engine.h"
 #include "kernels/cpu/numerics.h"
@@ -165,12 +167,35 @@ class HostTierCpu : public ::testing::Test {
     EXPECT_STATUS_OK(ref_updater_->Step(u.data(), u.size(), StepOptions{}));
   }
 
+  // The reference's step for gradients of `seed`: tensor i (unless absent[i]) at step steps[i],
+  // its gradients multiplied by `multiplier`.
+  void ReferenceStepOf(int seed, const std::vector<int64_t>& steps, const HyperParams& hyper,
+                       float multiplier, const std::vector<bool>& absent) {
+    std::vector<TensorUpdate> u;
+    for (size_t i = 0; i < cases_.size(); ++i) {
+      if (absent[i]) continue;
+      const std::vector<uint8_t> g = Grads(seed, i);
+      std::memcpy(ref_.grad[i].data(), g.data(), g.size());
+      u.push_back(Update(ref_, i));
+      u.back().step = steps[i];
+      u.back().hyper = &hyper;
+    }
+    StepOptions o;
+    o.grad_multiplier = multiplier;
+    EXPECT_STATUS_OK(ref_updater_->Step(u.data(), u.size(), o));
+  }
+
   // Bucket b's gradients for `step`, written on `stream` (after `late_us` there), then
-  // submitted as final on it.
-  Status Submit(size_t b, int step, cudaStream_t stream, int late_us) {
+  // submitted as final on it; tensors with absent[i] get a null pointer.
+  Status Submit(size_t b, int step, cudaStream_t stream, int late_us,
+                const std::vector<bool>* absent = nullptr) {
     std::vector<const void*> grads;
     for (size_t i = 0; i < cases_.size(); ++i) {
       if (static_cast<size_t>(cases_[i].bucket) != b) continue;
+      if (absent != nullptr && (*absent)[i]) {
+        grads.push_back(nullptr);
+        continue;
+      }
       grads.push_back(device_grads_[i].data());
       std::vector<uint8_t> g = Grads(step, i);
       uint8_t* dst = device_grads_[i].data();
@@ -259,6 +284,41 @@ class HostTierCpu : public ::testing::Test {
         EXPECT_TRUE(tier_.master[i] == ref_.master[i]) << "master " << i;
       }
     }
+  }
+
+  // Everything of the tier a step may change: device parameters, moments, masters (the fp32
+  // tensors' host copies among them), the bf16 staging.
+  struct State {
+    std::vector<std::vector<uint8_t>> device, param;
+    std::vector<std::vector<float>> m, v, master;
+    bool operator==(const State& o) const {
+      return device == o.device && param == o.param && m == o.m && v == o.v && master == o.master;
+    }
+  };
+  State TierState() const { return {device_params_, tier_.param, tier_.m, tier_.v, tier_.master}; }
+
+  std::vector<int64_t> Steps() const {
+    std::vector<int64_t> steps(host_tier_->tensor_count(), -1);
+    const Status st = host_tier_->ReadSteps(steps.data(), steps.size());
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    return steps;
+  }
+
+  // The ways a tier is built for the gated tests: copies at Submit or paced, deltas or not.
+  static std::vector<HostTierOptions> Variants() {
+    std::vector<HostTierOptions> all;
+    for (bool paced : {false, true}) {
+      for (bool delta : {false, true}) {
+        HostTierOptions o = paced ? Paced(delta) : HostTierOptions{};
+        o.device_delta = delta;
+        o.delta_staging_elements = 384;
+        all.push_back(o);
+      }
+    }
+    return all;
+  }
+  static std::string Name(const HostTierOptions& o) {
+    return std::string(o.paced() ? "paced" : "at Submit") + (o.device_delta ? ", delta" : "");
   }
 
   static HostTierOptions Paced(bool device_delta) {
@@ -496,6 +556,240 @@ TEST_F(HostTierCpu, DeviceUpdateNeedsCuda) {
   auto tier = HostTier::CreateWithEngine(engine_.get(), updater_.get(), &t, 1, 1, 1, nullptr,
                                          nullptr, HostTierOptions{});
   ExpectError(tier.status(), StatusCode::kUnsupported, "device_update");
+}
+
+// ---- gated steps, absent tensors, per-tensor step counts (issue 19) ----------------------------
+
+// A gated step: Submit copies every bucket whole at once (even under pacing), the worker updates
+// nothing before the release (the state stays bitwise as it was, however long the gradients have
+// been on the host), then everything equals the CpuUpdater with the release's multiplier.
+// Released as values, and from a step header in "device" memory whose copy is held back on its
+// stream (the worker must wait for the copy's event, not only for the call).
+TEST_F(HostTierCpu, GatedStepWaitsForTheRelease) {
+  for (const HostTierOptions& o : Variants()) {
+    for (bool from_header : {false, true}) {
+      SCOPED_TRACE(Name(o) + (from_header ? ", header" : ", values"));
+      Build(200, o);
+      HyperParams hyper;
+      const std::vector<bool> none(cases_.size(), false);
+      ReferenceStepOf(1, std::vector<int64_t>(cases_.size(), 1), hyper, 0.375f, none);
+      const State before = TierState();
+      EXPECT_STATUS_OK(host_tier_->BeginStepGated(&hyper, 1, true));
+      for (size_t b = kBuckets; b-- > 0;) EXPECT_STATUS_OK(Submit(b, 1, grads_stream_, 300));
+      for (size_t b = 0; b < kBuckets; ++b) EXPECT_TRUE(host_tier_->BucketCopiesEnqueued(b));
+      EXPECT_EQ(engine_->copies_to_host(), o.paced() ? kPieces : 7);  // each copy at once
+      EXPECT_STATUS_OK(host_tier_->WaitGradsCopied(grads_stream_));
+      Flush(grads_stream_);  // every gradient is on the host now
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // room for a wrong update
+      EXPECT_TRUE(TierState() == before) << "updated before the release";
+      DeviceStepHeader header;
+      header.grad_multiplier = 0.375f;
+      if (from_header) {
+        engine_->Hold(compute_);
+        EXPECT_STATUS_OK(host_tier_->Release(&header, compute_));
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        EXPECT_TRUE(TierState() == before) << "updated before the release's copy completed";
+        engine_->Release();
+      } else {
+        EXPECT_STATUS_OK(host_tier_->ReleaseValues(0.375f, false));
+      }
+      EXPECT_STATUS_OK(host_tier_->Synchronize());
+      ExpectEqualsReference();
+      EXPECT_EQ(Steps(), std::vector<int64_t>(cases_.size(), 1));
+      EXPECT_FALSE(host_tier_->last_skipped());
+      HostTierStepStats st;
+      ASSERT_EQ(host_tier_->Stats(1, &st, 1), 1u);
+      EXPECT_TRUE(st.gated);
+      EXPECT_FALSE(st.skipped);
+      EXPECT_TRUE(st.complete);
+      host_tier_.reset();
+    }
+  }
+}
+
+// found_inf: the step changes nothing (parameters on the device, moments, masters, host copies,
+// step counts), and the next step updates as if it had never been (its counts + 1).
+TEST_F(HostTierCpu, FoundInfSkipsTheStepBitwise) {
+  for (const HostTierOptions& o : Variants()) {
+    for (bool from_header : {false, true}) {
+      SCOPED_TRACE(Name(o) + (from_header ? ", header" : ", values"));
+      Build(200, o);
+      HyperParams hyper;
+      const std::vector<bool> none(cases_.size(), false);
+      const int64_t one = 1;
+      ReferenceStep(1, hyper);
+      EXPECT_STATUS_OK(host_tier_->BeginStep(&hyper, &one, 1));  // ungated, group form
+      for (size_t b = kBuckets; b-- > 0;) EXPECT_STATUS_OK(Submit(b, 1, grads_stream_, 0));
+      EXPECT_STATUS_OK(host_tier_->Synchronize());
+      const State after_one = TierState();
+      EXPECT_STATUS_OK(host_tier_->BeginStepGated(&hyper, 1, true));
+      for (size_t b = kBuckets; b-- > 0;) EXPECT_STATUS_OK(Submit(b, 2, grads_stream_, 0));
+      if (from_header) {
+        DeviceStepHeader header;
+        header.found_inf = 1;
+        EXPECT_STATUS_OK(host_tier_->Release(&header, compute_));
+      } else {
+        EXPECT_STATUS_OK(host_tier_->ReleaseValues(1.0f, true));
+      }
+      for (size_t b = 0; b < kBuckets; ++b) EXPECT_STATUS_OK(host_tier_->Wait(b, compute_));
+      EXPECT_STATUS_OK(host_tier_->Synchronize());
+      Flush(h2d_);
+      EXPECT_TRUE(TierState() == after_one) << "a skipped step changed something";
+      EXPECT_EQ(Steps(), std::vector<int64_t>(cases_.size(), 1));
+      EXPECT_TRUE(host_tier_->last_skipped());
+      HostTierStepStats st;
+      ASSERT_EQ(host_tier_->Stats(2, &st, 1), 1u);
+      EXPECT_TRUE(st.gated && st.skipped && st.complete);
+      // Step 3 of the caller is the tensors' second update.
+      ReferenceStepOf(3, std::vector<int64_t>(cases_.size(), 2), hyper, 1.0f, none);
+      EXPECT_STATUS_OK(host_tier_->BeginStepGated(&hyper, 1, true));
+      for (size_t b = kBuckets; b-- > 0;) EXPECT_STATUS_OK(Submit(b, 3, grads_stream_, 0));
+      EXPECT_STATUS_OK(host_tier_->ReleaseValues(1.0f, false));
+      EXPECT_STATUS_OK(host_tier_->Synchronize());
+      ExpectEqualsReference();
+      EXPECT_EQ(Steps(), std::vector<int64_t>(cases_.size(), 2));
+      EXPECT_FALSE(host_tier_->last_skipped());
+      host_tier_.reset();
+    }
+  }
+}
+
+// Absent tensors (a null gradient): not copied, updated or uploaded, their counts stay while the
+// others advance; a bucket whose tensors are all absent is not submitted. The next step updates
+// them at their own counts.
+TEST_F(HostTierCpu, AbsentTensorsAreUntouchedAndKeepTheirSteps) {
+  for (const HostTierOptions& o : Variants()) {
+    for (bool gated : {false, true}) {
+      SCOPED_TRACE(Name(o) + (gated ? ", gated" : ""));
+      Build(200, o);
+      HyperParams hyper;
+      const std::vector<bool> none(cases_.size(), false);
+      // Tensor 1 (bucket 3, after a present one), tensor 2 (bf16, bucket 2) and bucket 1 (its
+      // only tensor, 4) absent in step 1.
+      std::vector<bool> absent(cases_.size(), false);
+      absent[1] = absent[2] = absent[4] = true;
+      ReferenceStepOf(1, std::vector<int64_t>(cases_.size(), 1), hyper, 1.0f, absent);
+      const int64_t copies_before = engine_->copies_to_host();
+      EXPECT_STATUS_OK(host_tier_->BeginStepGated(&hyper, 1, gated));
+      for (size_t b : {size_t{3}, size_t{2}, size_t{0}}) {
+        EXPECT_STATUS_OK(Submit(b, 1, grads_stream_, 0, &absent));
+      }
+      if (gated) EXPECT_STATUS_OK(host_tier_->ReleaseValues(1.0f, false));
+      EXPECT_STATUS_OK(host_tier_->Synchronize());
+      ExpectEqualsReference();  // the absent ones included: untouched on both sides
+      if (!o.paced()) EXPECT_EQ(engine_->copies_to_host() - copies_before, 4);  // present only
+      const std::vector<int64_t> expected_steps = {1, 0, 0, 1, 0, 1, 1};
+      EXPECT_EQ(Steps(), expected_steps);
+      std::vector<int64_t> next(cases_.size());
+      for (size_t i = 0; i < next.size(); ++i) next[i] = expected_steps[i] + 1;
+      ReferenceStepOf(2, next, hyper, 1.0f, none);
+      EXPECT_STATUS_OK(host_tier_->BeginStepGated(&hyper, 1, gated));
+      for (size_t b = kBuckets; b-- > 0;) EXPECT_STATUS_OK(Submit(b, 2, grads_stream_, 0));
+      if (gated) EXPECT_STATUS_OK(host_tier_->ReleaseValues(1.0f, false));
+      EXPECT_STATUS_OK(host_tier_->Synchronize());
+      ExpectEqualsReference();
+      EXPECT_EQ(Steps(), next);
+      host_tier_.reset();
+    }
+  }
+}
+
+// The counts read and set (load_state_dict), the group form of BeginStep setting them, and their
+// checks; ungated steps with the tier's counts equal the CpuUpdater at those steps.
+TEST_F(HostTierCpu, PerTensorStepsReadAndSet) {
+  Build(100, HostTierOptions{});
+  HyperParams hyper;
+  const std::vector<bool> none(cases_.size(), false);
+  EXPECT_EQ(Steps(), std::vector<int64_t>(cases_.size(), 0));
+  std::vector<int64_t> loaded = {4, 9, 1, 0, 7, 2, 3};
+  EXPECT_STATUS_OK(host_tier_->SetSteps(loaded.data(), loaded.size()));
+  EXPECT_EQ(Steps(), loaded);
+  for (int s = 1; s <= 2; ++s) {
+    for (int64_t& c : loaded) ++c;
+    ReferenceStepOf(s, loaded, hyper, 1.0f, none);
+    EXPECT_STATUS_OK(host_tier_->BeginStepGated(&hyper, 1, false));
+    for (size_t b = kBuckets; b-- > 0;) EXPECT_STATUS_OK(Submit(b, s, grads_stream_, 0));
+    ExpectError(host_tier_->SetSteps(loaded.data(), loaded.size()), StatusCode::kInvalidArgument,
+                "during a step");
+    EXPECT_STATUS_OK(host_tier_->Synchronize());
+    ExpectEqualsReference();
+    EXPECT_EQ(Steps(), loaded);
+  }
+  // The group form: every tensor at steps[g] - 1 before the step, steps[g] after it.
+  const int64_t group_step = 12;
+  ReferenceStepOf(3, std::vector<int64_t>(cases_.size(), 12), hyper, 1.0f, none);
+  EXPECT_STATUS_OK(host_tier_->BeginStep(&hyper, &group_step, 1));
+  EXPECT_EQ(Steps(), std::vector<int64_t>(cases_.size(), 11));
+  EXPECT_STATUS_OK(host_tier_->SetSteps(Steps().data(), cases_.size()));  // no Submit yet: fine
+  for (size_t b = kBuckets; b-- > 0;) EXPECT_STATUS_OK(Submit(b, 3, grads_stream_, 0));
+  EXPECT_STATUS_OK(host_tier_->Synchronize());
+  ExpectEqualsReference();
+  EXPECT_EQ(Steps(), std::vector<int64_t>(cases_.size(), 12));
+  const std::vector<int64_t> negative = {1, 1, -1, 1, 1, 1, 1};
+  ExpectError(host_tier_->SetSteps(negative.data(), negative.size()), StatusCode::kInvalidArgument,
+              "steps[2] is -1");
+  ExpectError(host_tier_->SetSteps(negative.data(), 3), StatusCode::kInvalidArgument,
+              "holds 7 tensors");
+  std::vector<int64_t> out(3);
+  ExpectError(host_tier_->ReadSteps(out.data(), out.size()), StatusCode::kInvalidArgument,
+              "holds 7 tensors");
+  EXPECT_EQ(Steps(), std::vector<int64_t>(cases_.size(), 12));  // nothing changed
+}
+
+// A gated step never released: BeginStep, Synchronize and Wait refuse (they would never
+// return) and change nothing; the release afterwards still gives the right step. Release's own
+// checks. options.gated makes the group form's steps gated.
+TEST_F(HostTierCpu, UnreleasedGatedStepIsAnError) {
+  for (bool by_option : {false, true}) {
+    SCOPED_TRACE(by_option ? "options.gated" : "BeginStepGated");
+    HostTierOptions o;
+    o.gated = by_option;
+    Build(100, o);
+    HyperParams hyper;
+    const int64_t one = 1;
+    ExpectError(host_tier_->ReleaseValues(1.0f, false), StatusCode::kInvalidArgument, "not gated");
+    ReferenceStep(1, hyper);
+    if (by_option) {
+      EXPECT_STATUS_OK(host_tier_->BeginStep(&hyper, &one, 1));
+    } else {
+      EXPECT_STATUS_OK(host_tier_->BeginStepGated(&hyper, 1, true));
+    }
+    for (size_t b = kBuckets; b-- > 0;) EXPECT_STATUS_OK(Submit(b, 1, grads_stream_, 0));
+    const State before = TierState();
+    ExpectError(host_tier_->BeginStepGated(&hyper, 1, false), StatusCode::kInvalidArgument,
+                "gated step 1 before its release");
+    ExpectError(host_tier_->BeginStep(&hyper, &one, 1), StatusCode::kInvalidArgument,
+                "before its release");
+    ExpectError(host_tier_->Synchronize(), StatusCode::kInvalidArgument, "before its release");
+    ExpectError(host_tier_->Wait(0, compute_), StatusCode::kInvalidArgument, "before its release");
+    ExpectError(host_tier_->ReleaseValues(std::nanf(""), false), StatusCode::kInvalidArgument,
+                "must be finite");
+    ExpectError(host_tier_->Release(nullptr, compute_), StatusCode::kInvalidArgument, "null");
+    EXPECT_TRUE(TierState() == before);
+    EXPECT_STATUS_OK(host_tier_->ReleaseValues(1.0f, false));
+    ExpectError(host_tier_->ReleaseValues(1.0f, false), StatusCode::kInvalidArgument,
+                "released already");
+    EXPECT_STATUS_OK(host_tier_->Synchronize());
+    ExpectEqualsReference();
+    EXPECT_EQ(Steps(), std::vector<int64_t>(cases_.size(), 1));
+    host_tier_.reset();
+  }
+}
+
+// Destroying the tier in a gated step never released returns (the step is released as skipped)
+// and leaves the state as it was, with copies delayed and some buckets not yet submitted.
+TEST_F(HostTierCpu, DestructionWithAnUnreleasedStepDoesNotHang) {
+  for (const HostTierOptions& o : Variants()) {
+    SCOPED_TRACE(Name(o));
+    Build(300, o);
+    HyperParams hyper;
+    const State before = TierState();
+    EXPECT_STATUS_OK(host_tier_->BeginStepGated(&hyper, 1, true));
+    for (size_t b : {size_t{3}, size_t{2}}) EXPECT_STATUS_OK(Submit(b, 1, grads_stream_, 200));
+    host_tier_.reset();
+    Flush(h2d_);
+    EXPECT_TRUE(TierState() == before);
+  }
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 
 #include "common/cuda_util.h"
 #include "emsa/cpu_update.h"
+#include "emsa/cuda_update.h"
 #include "kernels/cpu/numerics.h"
 #include "status_test_support.h"
 #if EMSA_HAVE_CUDA
@@ -328,6 +329,28 @@ class HostTierPipeline : public ::testing::Test {
   }
   void RunSteps();
 
+  // Gated steps (issue 19) against the CpuUpdater: four steps, each released from a step header
+  // that reaches the device only late on the compute stream (behind the late gradients), with
+  // multipliers 0.5, then found_inf (the step changes nothing), 0.25, 1; the counts per tensor
+  // (group 1 resuming at 4) advance only in the steps not skipped. by_values: released as values
+  // instead. absent: tensors 1 (device-updated bucket 2 when device_buckets) and 2 (bf16, bucket
+  // 1) have no gradient in step 3.
+  void RunGatedSteps(const HostTierOptions& options, bool device_buckets, bool by_values,
+                     bool absent);
+  void ReferenceStepOf(const HyperParams* hypers, const std::vector<int64_t>& steps,
+                       float multiplier, const std::vector<bool>& absent) {
+    std::vector<TensorUpdate> u;
+    for (size_t i = 0; i < cases_.size(); ++i) {
+      if (absent[i]) continue;
+      u.push_back(Update(ref_side_, i));
+      u.back().step = steps[i];
+      u.back().hyper = &hypers[cases_[i].group];
+    }
+    StepOptions o;
+    o.grad_multiplier = multiplier;
+    ASSERT_OK(ref_updater_->Step(u.data(), u.size(), o));
+  }
+
   // Under device_delta: the fp32 tensors' host copies still hold their initial values.
   void ExpectHostParamsUntouched() {
     for (size_t i = 0; i < cases_.size(); ++i) {
@@ -383,6 +406,146 @@ void HostTierPipeline::RunSteps() {
     EXPECT_GE(stats[i].worker_s + 1e-9, stats[i].cpu_s + stats[i].grad_wait_s);
   }
   EXPECT_EQ(tier_->Stats(3, stats, 8), 2u);
+}
+
+void HostTierPipeline::RunGatedSteps(const HostTierOptions& options, bool device_buckets,
+                                     bool by_values, bool absent) {
+  late_grads_ = true;
+  RunStepsAgainstTheCpuUpdater(options, device_buckets);  // four ungated steps first
+  HyperParams hypers[2];
+  hypers[1].weight_decay = 0.0;
+  hypers[1].lr = 3e-3;
+  auto scalars = DeviceScalars::Create(hypers, 2);
+  ASSERT_TRUE(scalars.ok()) << scalars.status().ToString();
+  std::vector<int64_t> counts(cases_.size());
+  ASSERT_OK(tier_->ReadSteps(counts.data(), counts.size()));
+  for (size_t i = 0; i < cases_.size(); ++i) {
+    EXPECT_EQ(counts[i], cases_[i].group == 0 ? 4 : 8) << "tensor " << i << " after 4 steps";
+  }
+  const float multipliers[4] = {0.5f, 1.0f, 0.25f, 1.0f};
+  for (int s = 1; s <= 4; ++s) {
+    const bool skip = s == 2;
+    std::vector<bool> missing(cases_.size(), false);
+    if (absent && s == 3) missing[1] = missing[2] = true;
+    hypers[0].lr = 2e-3 * s;
+    NewGrads(static_cast<uint32_t>(100 + s));
+    if (!skip) {
+      for (size_t i = 0; i < cases_.size(); ++i) counts[i] += missing[i] ? 0 : 1;
+      ReferenceStepOf(hypers, counts, multipliers[s - 1], missing);
+    }
+    ASSERT_OK(tier_->BeginStepGated(hypers, 2, true));
+    for (size_t b : {2u, 1u, 0u}) {
+      std::vector<const void*> grads;
+      for (size_t i = 0; i < cases_.size(); ++i) {
+        if (static_cast<size_t>(cases_[i].bucket) != b) continue;
+        grads.push_back(missing[i] ? nullptr : device_grads_[i]);
+      }
+      ASSERT_OK(tier_->Submit(b, grads.data(), grads.size(), compute_));
+      // Gated: the CPU-updated buckets' copies are enqueued whole at Submit (no pacing); the
+      // device-updated ones only after the release.
+      EXPECT_EQ(tier_->BucketCopiesEnqueued(b), !(device_buckets && b != 1)) << "bucket " << b;
+    }
+    if (by_values) {
+      ASSERT_OK(tier_->ReleaseValues(multipliers[s - 1], skip));
+    } else {
+      auto* header = static_cast<DeviceStepHeader*>(Pinned(sizeof(DeviceStepHeader)));
+      *header = DeviceStepHeader{};
+      header->grad_multiplier = multipliers[s - 1];
+      header->found_inf = skip ? 1 : 0;
+      ASSERT_OK((*scalars)->UploadHeader(header, compute_));  // late: behind the gradients
+      ASSERT_OK(tier_->Release((*scalars)->device_header(), compute_));
+    }
+    ASSERT_OK(tier_->WaitGradsCopied(compute_));
+    for (size_t b : {0u, 1u, 2u}) ASSERT_OK(tier_->Wait(b, compute_));
+    ASSERT_CUDA(cudaStreamSynchronize(compute_));
+    ExpectDeviceEqualsReference(4 + s);
+    ASSERT_OK(tier_->Synchronize());
+    std::vector<int64_t> got(cases_.size());
+    ASSERT_OK(tier_->ReadSteps(got.data(), got.size()));
+    EXPECT_EQ(got, counts) << "step " << 4 + s;
+    EXPECT_EQ(tier_->last_skipped(), skip);
+    HostTierStepStats st;
+    ASSERT_EQ(tier_->Stats(4 + s, &st, 1), 1u);
+    EXPECT_TRUE(st.gated);
+    EXPECT_EQ(st.skipped, skip);
+  }
+  for (size_t b = 0; b < 3; ++b) EXPECT_TRUE(tier_->BucketCopiesEnqueued(b)) << b;
+}
+
+// Gated steps on the CPU path, copies at Submit, device deltas (the defaults after backward).
+TEST_F(HostTierPipeline, GatedStepsReleasedFromTheDeviceHeaderMatchBitwise) {
+  RunGatedSteps(HostTierOptions{}, false, false, false);
+}
+
+// Submitted from backward with pacing configured: gated steps copy whole at Submit anyway.
+TEST_F(HostTierPipeline, GatedPacedStepsCopyWholeAndMatchBitwise) {
+  HostTierOptions options;
+  options.submit_in_backward = true;
+  options.paced_copies = 2;
+  options.pace_piece_elements = 1000;
+  RunGatedSteps(options, false, false, true);
+}
+
+// Device-updated buckets under a gate, streamer (paced) path: their runs are enqueued only after
+// the release, their kernels wait for it on the GPU and read the verdict from the tier's copy of
+// the header (a step after a skipped one must not see the skip); absent tensors in step 3.
+TEST_F(HostTierPipeline, GatedDeviceUpdatedBucketsWaitForTheRelease) {
+  HostTierOptions options;
+  options.stream_piece_elements = 1000;
+  options.submit_in_backward = true;
+  options.paced_copies = 2;
+  options.pace_piece_elements = 5000;
+  options.device_update_stream = update_;
+  RunGatedSteps(options, true, false, true);
+}
+
+// The same without the streamer: Submit defers the runs, the release enqueues them.
+TEST_F(HostTierPipeline, GatedDeviceUpdatedBucketsWithoutStreamer) {
+  HostTierOptions options;
+  options.stream_piece_elements = 4096;
+  options.stream_slots = 2;
+  RunGatedSteps(options, true, false, true);
+}
+
+// Released as values: the device-updated runs get the multiplier as a launch argument and a
+// skipped step enqueues none; without the streamer and with it.
+TEST_F(HostTierPipeline, GatedStepsReleasedByValuesMatchBitwise) {
+  HostTierOptions options;
+  options.stream_piece_elements = 1000;
+  RunGatedSteps(options, true, true, true);
+}
+
+TEST_F(HostTierPipeline, GatedPacedStepsReleasedByValuesMatchBitwise) {
+  HostTierOptions options;
+  options.stream_piece_elements = 1000;
+  options.submit_in_backward = true;
+  RunGatedSteps(options, true, true, true);
+}
+
+// A gated step with device-updated buckets never released: Wait and WaitGradsCopied refuse,
+// and destroying the tier returns without enqueuing them (nothing changed).
+TEST_F(HostTierPipeline, UnreleasedGatedDeviceStepIsRefusedAndDestroyedCleanly) {
+  HostTierOptions options;
+  options.stream_piece_elements = 1000;
+  options.submit_in_backward = true;
+  Build({{1000, DType::kFloat32, 0, 0, true}, {64, DType::kFloat32, 0, 1}}, 2, 1, options);
+  HyperParams h;
+  ASSERT_OK(tier_->BeginStepGated(&h, 1, true));
+  for (size_t b : {1u, 0u}) {
+    const void* grads[1] = {device_grads_[b]};
+    ASSERT_OK(tier_->Submit(b, grads, 1, compute_));
+  }
+  ExpectError(tier_->Wait(0, compute_), StatusCode::kInvalidArgument, "before its release");
+  ExpectError(tier_->WaitGradsCopied(compute_), StatusCode::kInvalidArgument, "before its release");
+  EXPECT_FALSE(tier_->BucketCopiesEnqueued(0));
+  tier_.reset();
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  for (size_t i = 0; i < 2; ++i) {
+    std::vector<float> got(static_cast<size_t>(cases_[i].numel));
+    ASSERT_CUDA(cudaMemcpy(got.data(), device_params_[i], got.size() * 4, cudaMemcpyDeviceToHost));
+    ASSERT_EQ(std::memcmp(got.data(), ref_side_.param_host[i], got.size() * 4), 0) << i;
+    ASSERT_EQ(std::memcmp(tier_side_.m[i], ref_side_.m[i], got.size() * 4), 0) << i;
+  }
 }
 
 // The CPU updates every parameter's host copy, which is uploaded; copies whole at Submit.

@@ -27,6 +27,7 @@ from torch.testing import assert_close
 import emsa
 from conftest import requires_cuda
 from test_cuda import saved
+from test_host_tier import split_budget
 
 pytestmark = requires_cuda
 DEVICE = "cuda"
@@ -99,26 +100,15 @@ def profile():
     return emsa.measure_profile()
 
 
-def split_budget(model, batch, profile, in_backward):
-    """A probe of the model and the budget halfway between its all-device and all-host plans'
-    device peaks: some state must go to the host, not all."""
-    record = emsa.probe(model, batch[0], loss_fn=lambda out: F.cross_entropy(
-        out.float().flatten(0, 1), batch[1].flatten()), profile=profile)
-    kw = dict(release_grads=in_backward)
-    device_peak = emsa.make_plan(record, allow_host_tier=False, **kw).json["prediction"][
-        "peak_device_bytes"]
-    host_peak = emsa.make_plan(record, force_all_host=True, **kw).json["prediction"][
-        "peak_device_bytes"]
-    assert host_peak < device_peak, "the all-host plan should need less device memory"
-    return record, (device_peak + host_peak) // 2
-
-
 def make_opt(mode, model, profile, **kw):
     in_backward = mode.endswith("in_backward")
     if mode.startswith("host"):
         kw["tier"] = "host"
     elif mode.startswith("split"):
-        kw["probe"], kw["budget"] = split_budget(model, batches(1)[0], profile, in_backward)
+        batch = batches(1)[0]
+        kw["probe"], kw["budget"] = split_budget(
+            model, batch, profile, in_backward, args=(batch[0],),
+            loss_fn=lambda out: F.cross_entropy(out.float().flatten(0, 1), batch[1].flatten()))
     else:
         kw["tier"] = "device"
     return emsa.AdamW(model.parameters(), **HYPER, step_in_backward=in_backward, **kw)

@@ -63,12 +63,16 @@ def profile():
     return emsa.measure_profile()
 
 
-def split_budget(model, batch, profile, in_backward):
+def split_budget(model, batch, profile, in_backward, args=None, loss_fn=None):
     """A probe of the model and the budget halfway between its all-device and all-host plans'
-    device peaks: some state must go to the host, not all."""
-    x = batch[0].to(next(model.parameters()).dtype)
-    record = emsa.probe(model, x, loss_fn=lambda out: F.mse_loss(out.float(), batch[1]),
-                        profile=profile)
+    device peaks: some state must go to the host, not all. args, loss_fn: the probe's inputs
+    and loss (default: batch's input in the model's dtype, and the mean squared error)."""
+    if args is None:
+        args = (batch[0].to(next(model.parameters()).dtype),)
+    if loss_fn is None:
+        def loss_fn(out):
+            return F.mse_loss(out.float(), batch[1])
+    record = emsa.probe(model, *args, loss_fn=loss_fn, profile=profile)
     kw = dict(release_grads=in_backward)
     device_peak = emsa.make_plan(record, allow_host_tier=False, **kw).json["prediction"][
         "peak_device_bytes"]

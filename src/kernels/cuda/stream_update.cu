@@ -30,6 +30,10 @@ __device__ __forceinline__ void StoreState(void* s, int64_t i, uint32_t bits) {
 template <OptimizerKind kOpt, bool kBf16>
 __global__ void __launch_bounds__(kThreads)
     StreamUpdateKernel(StepConsts c, Keys keys, bool stochastic, StreamRun run) {
+  if (run.header != nullptr) {  // a gated step: the verdict as the release left it
+    if (run.header->found_inf != 0) return;
+    c.grad_scale *= run.header->grad_multiplier;  // +-1 times it: exactly the CPU's +-multiplier
+  }
   const int64_t stride = int64_t{kThreads} * gridDim.x;
   const bool two = kOpt != OptimizerKind::kLion;
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < run.count; i += stride) {

@@ -23,6 +23,10 @@ struct StreamRun {
   void* exp_avg_sq = nullptr;   // device staging; null for Lion
   int64_t first = 0;            // index of param[0] within its tensor (stochastic rounding)
   int64_t count = 0;            // elements; [first, first + count) within one 2^32 block
+  // A gated step's verdict in device memory (null: ungated, the launch's grad_multiplier
+  // applies): found_inf != 0 writes nothing; else the gradients are multiplied by its
+  // grad_multiplier (the launch's is then 1).
+  const DeviceStepHeader* header = nullptr;
 };
 
 // Enqueues the update of one run on `stream`. state_dtype fp32 or bf16 (stochastic: bf16 moments
