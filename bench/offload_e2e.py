@@ -20,6 +20,13 @@ events (host work such as a CPU optimizer step is inside: the end event is enque
       when asked for in --configs
   (i) (c) with step_in_backward=True: each bucket's update on the current stream between
       backward's kernels as its gradients become final; only when asked for in --configs
+  (j), (k), (s) issue 19's speed bar, each (e) with one exact recipe (only when asked for):
+      (j) max_grad_norm=--clip-fires (1e-3: clipping fires every step), (k)
+      max_grad_norm=--clip-never (1e9: the norm is computed, clipping never fires), (s)
+      skip_nonfinite=True; ratios j_over_e, k_over_e, s_over_e, and the clip counts seen.
+      --interleave-recipes times (e), (j), (k), (s) again side by side, one step of each in
+      turn (all four models and their host tiers resident at once: about 12 B/param of pinned
+      host memory each), as run_interleaved_ac does for (a) and (c).
   (d) and (e) update in backward (step_in_backward=True, as emsa advises for the host tier: the
   copies hide under backward, each gradient is freed once copied); --no-step-in-backward: step().
 
@@ -393,15 +400,35 @@ def fresh_profile(args, profile: dict) -> dict:
     return emsa.measure_profile(measure_bandwidth=True)
 
 
-def run_emsa(args, shape, batches, device, profile, mode: str, knobs: dict | None = None) -> dict:
-    with environ(**(knobs or {})):
-        out = _run_emsa(args, shape, batches, device, profile, mode)
-    if knobs:
-        out["knobs"] = knobs
+def recipe_options(args) -> dict[str, dict]:
+    """(j), (k), (s): the optimizer options each adds to (e)."""
+    return dict(j=dict(max_grad_norm=args.clip_fires), k=dict(max_grad_norm=args.clip_never),
+                s=dict(skip_nonfinite=True))
+
+
+def recipe_counters(opt) -> dict:
+    """What the exact recipes did (issue 19's counters, where this emsa has them)."""
+    out = {}
+    for name in ("clip_count", "last_grad_norm", "last_step_skipped"):
+        try:
+            out[name] = getattr(opt, name)
+        except AttributeError:
+            pass
     return out
 
 
-def _run_emsa(args, shape, batches, device, profile, mode: str) -> dict:
+def run_emsa(args, shape, batches, device, profile, mode: str, knobs: dict | None = None,
+             opt_kw: dict | None = None) -> dict:
+    with environ(**(knobs or {})):
+        out = _run_emsa(args, shape, batches, device, profile, mode, opt_kw or {})
+    if knobs:
+        out["knobs"] = knobs
+    if opt_kw:
+        out["optimizer_options"] = opt_kw
+    return out
+
+
+def _run_emsa(args, shape, batches, device, profile, mode: str, opt_kw: dict) -> dict:
     import emsa
 
     profile = fresh_profile(args, profile)
@@ -421,7 +448,7 @@ def _run_emsa(args, shape, batches, device, profile, mode: str) -> dict:
         out.update(half_budget(record, in_backward))
         budget = out["budget_bytes"]
     opt = emsa_adamw(model.parameters(), tier, probe=record, budget=budget,
-                     step_in_backward=in_backward, _dry_run=args.dry_run)
+                     step_in_backward=in_backward, _dry_run=args.dry_run, **opt_kw)
     if tier is not None and "tier" not in inspect.signature(emsa.AdamW.__init__).parameters:
         out["note"] = "dry run: this emsa.AdamW has no tier= yet; planned without it"
     plan = opt.plan
@@ -443,6 +470,7 @@ def _run_emsa(args, shape, batches, device, profile, mode: str) -> dict:
     out["peak_device_bytes"] = out["torch_peak_bytes"] + plan.device_arena_bytes
     out["measured"] = engine_stats(opt, args.steps)
     out["host_trace"] = host_trace(opt)
+    out.update(recipe_counters(opt))
     del model, opt, record, plan
     return out
 
@@ -597,7 +625,8 @@ def numerics_check(args, device) -> dict:
 CONFIGS = [("a", "torch AdamW fused"), ("b", "FSDP2 CPUOffloadPolicy"), ("c", "emsa no budget"),
            ("d", "emsa half budget"), ("e", "emsa tier=host"),
            ("f", "(e) with --ab-knobs"), ("g", "(d) with --ab-knobs"),
-           ("i", "(c) in bwd, current stream")]
+           ("i", "(c) in bwd, current stream"), ("j", "(e) clipping every step"),
+           ("k", "(e) clipping never fires"), ("s", "(e) skip_nonfinite=True")]
 
 
 def run_shape(args, shape, batch, seq, device, profile) -> dict:
@@ -611,6 +640,9 @@ def run_shape(args, shape, batch, seq, device, profile) -> dict:
         "f": lambda: run_emsa(args, shape, batches, device, profile, "host", args.ab_knobs),
         "g": lambda: run_emsa(args, shape, batches, device, profile, "half", args.ab_knobs),
         "i": lambda: run_emsa(args, shape, batches, device, profile, "device-in-backward"),
+        **{key: (lambda kw=kw: run_emsa(args, shape, batches, device, profile, "host",
+                                        opt_kw=kw))
+           for key, kw in recipe_options(args).items()},
     }
     results = {}
     for key, label in CONFIGS:
@@ -644,6 +676,18 @@ def run_shape(args, shape, batch, seq, device, profile) -> dict:
         except Exception:  # noqa: BLE001 - reported; the sequential figures stand
             out["interleaved_ac"] = dict(error=traceback.format_exc(limit=6))
             print(out["interleaved_ac"]["error"], file=sys.stderr)
+        settle(device)
+    if args.interleave_recipes:
+        settle(device)
+        print(f"[{batch}x{seq}] (e), (j), (k), (s) interleaved in blocks ...", flush=True)
+        try:
+            out["interleaved_recipes"] = run_interleaved_recipes(args, shape, batches, device,
+                                                                 profile)
+            for k, v in out["interleaved_recipes"]["ratios"].items():
+                out["ratios"][f"{k}_interleaved"] = v
+        except Exception:  # noqa: BLE001 - reported; the sequential figures stand
+            out["interleaved_recipes"] = dict(error=traceback.format_exc(limit=6))
+            print(out["interleaved_recipes"]["error"], file=sys.stderr)
         settle(device)
     return out
 
@@ -696,11 +740,70 @@ def run_interleaved_ac(args, shape, batches, device, profile) -> dict:
                     c / a for a, c in zip(times["a"], times["c0"])))
 
 
+def recipe_ratios(ok: dict) -> dict:
+    """Issue 19's speed bar: each exact recipe's step over the unclipped host-tier step (e)."""
+    if "e" not in ok:
+        return {}
+    return {f"{k}_over_e": ok[k]["step_s"] / ok["e"]["step_s"] for k in RECIPES if k in ok}
+
+
+RECIPES = ("j", "k", "s")
+
+
+def run_interleaved_recipes(args, shape, batches, device, profile) -> dict:
+    """(e), (j), (k), (s) timed again in turn, all resident at once: --recipe-rounds rounds,
+    each running a block of steps of every configuration (the order rotating), so that drift in
+    the shared host's load falls on all alike. Blocks, not single steps: a host-tier step's CPU
+    update overlaps the next forward of the same model, which one step of another model in
+    between would change; each block starts after the previous one's work is done
+    (synchronize), and its first step is not counted. Returns medians over the counted steps
+    and each recipe's ratio to (e)."""
+    import emsa
+
+    ctx = (torch.autocast(device.type, dtype=torch.bfloat16) if args.autocast
+           else contextlib.nullcontext())
+    runners = {}
+    for key, kw in dict(e={}, **recipe_options(args)).items():
+        model = make_llama(shape, device)
+        with ctx:
+            record = emsa.probe(model, input_ids=batches[0], labels=batches[0],
+                                profile=fresh_profile(args, profile), trace=False)
+        runners[key] = (model, emsa_adamw(model.parameters(), "host", probe=record,
+                                          step_in_backward=args.step_in_backward,
+                                          _dry_run=args.dry_run, **kw))
+        del record
+        settle(device)
+    keys = list(runners)
+    clock = Clock(device)
+    spans: dict = {k: [] for k in keys}
+    block = batches[:max(2, args.steps)]
+    for r in range(args.recipe_rounds):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            model, opt = runners[key]
+            for i, ids in enumerate(block):
+                start = clock.mark()
+                one_step(model, opt, ids, ctx)
+                end = clock.mark()
+                if i > 0:
+                    spans[key].append((start, end))
+            opt.synchronize()
+            sync(device)
+    times = {k: [clock.seconds(s, e) for s, e in v] for k, v in spans.items()}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out = dict(rounds=args.recipe_rounds, block_steps=len(block),
+               step_s={k: med[k] for k in keys},
+               ratios={f"{k}_over_e": med[k] / med["e"] for k in keys if k != "e"},
+               step_times_s=times,
+               counters={k: recipe_counters(runners[k][1]) for k in keys})
+    del runners
+    return out
+
+
 def ratios(results: dict, profile: dict) -> dict:
     ok = {k: r for k, r in results.items() if "error" not in r}
     bounds, main, predicted = {}, {}, {}
     if "a" not in ok:
-        return dict(bounds=bounds, ratios=main)
+        return dict(bounds=bounds, ratios=recipe_ratios(ok))
     fwd_bwd = ok["a"]["fwd_bwd_s"]
     start = profile_summary(profile)  # measured at the run's start
     for k in ("c", "d", "e", "f", "g"):
@@ -751,6 +854,7 @@ def ratios(results: dict, profile: dict) -> dict:
     for k in ("e", "f"):
         if k in ok:
             main[f"{k}_over_a"] = ok[k]["step_s"] / ok["a"]["step_s"]
+    main.update(recipe_ratios(ok))
     if "b" in ok and "e" in ok:
         main["b_over_e"] = ok["b"]["step_s"] / ok["e"]["step_s"]
     return dict(bounds=bounds, ratios={**main, **predicted})
@@ -795,6 +899,20 @@ def table(result: dict) -> str:
                              f"{(prof.get('duplex_bandwidth') or 0) / 1e9:.1f} GB/s, under the "
                              f"CPU update {(prof.get('duplex_under_update_bandwidth') or 0) / 1e9:.1f}"
                              f" GB/s")
+        for k in RECIPES + ("e",):
+            r = s["configs"].get(k)
+            if r and "error" not in r and "clip_count" in r:
+                lines.append(f"  ({k}) clipped {r['clip_count']} of {args_steps(result)} steps, "
+                             f"last grad norm {r.get('last_grad_norm') or 0:.4g}")
+        ir = s.get("interleaved_recipes")
+        if ir and "error" not in ir:
+            lines.append("  interleaved in blocks: " + ", ".join(
+                f"({k}) {v * 1e3:.1f}" for k, v in ir["step_s"].items()) + " ms/step; " +
+                ", ".join(f"{k} {v:.3f}" for k, v in ir["ratios"].items()) + "; clipped " +
+                ", ".join(f"({k}) {c.get('clip_count')}" for k, c in ir["counters"].items()))
+        elif ir:
+            lines.append(f"  interleaved recipes failed: "
+                         f"{ir['error'].strip().splitlines()[-1][:80]}")
         il = s.get("interleaved_ac")
         if il and "error" not in il:
             lines.append(f"  interleaved, one step of each in turn: (a) {il['a_step_s'] * 1e3:.1f}, "
@@ -847,6 +965,11 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def args_steps(result: dict) -> int:
+    """Steps each configuration ran (warm-up included): clip_count counts them all."""
+    return result["warmup"] + result["steps"]
+
+
 def parse_knobs(text: str) -> dict:
     pairs = [p.split("=", 1) for p in text.split(",") if p]
     if any(len(p) != 2 or not p[0].startswith("EMSA_") for p in pairs):
@@ -878,6 +1001,14 @@ def main():
                          "start, instead of one measured right before it")
     ap.add_argument("--no-interleave", dest="interleave", action="store_false",
                     help="skip the second timing of (a) and (c), one step of each in turn")
+    ap.add_argument("--clip-fires", type=float, default=1e-3,
+                    help="(j): max_grad_norm small enough to clip every step")
+    ap.add_argument("--clip-never", type=float, default=1e9,
+                    help="(k): max_grad_norm large enough never to clip")
+    ap.add_argument("--interleave-recipes", action="store_true",
+                    help="time (e), (j), (k), (s) again in rotating blocks, all resident")
+    ap.add_argument("--recipe-rounds", type=int, default=3,
+                    help="--interleave-recipes: rounds of one block of each")
     ap.add_argument("--out", default="", help="JSON path (default bench/results/...-<date>.json)")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny model on the CPU: checks the script, table and JSON")
