@@ -23,12 +23,12 @@ Result<std::string> ReadFile(const std::string& path, uint64_t max_bytes) {
                            ", the most emsa reads of a JSON file");
   };
   struct stat st {};
-  if (::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
-      static_cast<uint64_t>(st.st_size) > max_bytes) {
-    return too_large();
-  }
-  // Streams and devices have no size: read in chunks and stop past the limit.
+  const bool sized = ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+  if (sized && static_cast<uint64_t>(st.st_size) > max_bytes) return too_large();
+  // Streams and devices have no size: read in chunks and stop past the limit. A file's size is
+  // reserved up front, so the text is held once rather than copied as it grows.
   std::string text;
+  if (sized) text.reserve(static_cast<size_t>(st.st_size));
   char chunk[1 << 16];
   while (in) {
     in.read(chunk, sizeof chunk);

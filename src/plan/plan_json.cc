@@ -96,24 +96,34 @@ Value PredictionJson(const Prediction& p) {
 
 }  // namespace
 
+// Written element by element (json::ObjectWriter): the plan's text is the only copy held, and
+// it is reserved up front from the plan's sizes, an estimate above the text's length, so the
+// text is not copied as it grows (reserved pages that are never written are never resident).
 std::string PlanToJson(const Plan& plan) {
-  Value root = Value::MakeObject();
-  root.Set("format", "emsa.plan");
-  root.Set("version", Plan::kVersion);
-  root.Set("budget_bytes", plan.budget_bytes);
-  root.Set("min_budget_bytes", plan.min_budget_bytes);
-  root.Set("options", OptionsJson(plan.options));
-  root.Set("prediction", PredictionJson(plan.prediction));
-  Value params = Value::MakeArray();
-  for (const ParamPlan& p : plan.params) params.Push(ParamJson(p));
-  root.Set("params", std::move(params));
-  Value modules = Value::MakeArray();
-  for (const ModuleRange& m : plan.modules) modules.Push(ModuleJson(m));
-  root.Set("modules", std::move(modules));
-  Value buckets = Value::MakeArray();
-  for (const Bucket& b : plan.buckets) buckets.Push(BucketJson(b));
-  root.Set("buckets", std::move(buckets));
-  return json::Write(root, 2) + "\n";
+  size_t estimate = 4096 + plan.modules.size() * 256;
+  for (const ParamPlan& p : plan.params) estimate += 1024 + 2 * (p.name.size() + p.module.size());
+  for (const Bucket& b : plan.buckets) estimate += 512 + 24 * b.params.size();
+  std::string out;
+  out.reserve(estimate);
+  json::ObjectWriter root(&out, 2);
+  root.Member("format", "emsa.plan");
+  root.Member("version", Plan::kVersion);
+  root.Member("budget_bytes", plan.budget_bytes);
+  root.Member("min_budget_bytes", plan.min_budget_bytes);
+  root.Member("options", OptionsJson(plan.options));
+  root.Member("prediction", PredictionJson(plan.prediction));
+  root.BeginArray("params");
+  for (const ParamPlan& p : plan.params) root.Element(ParamJson(p));
+  root.EndArray();
+  root.BeginArray("modules");
+  for (const ModuleRange& m : plan.modules) root.Element(ModuleJson(m));
+  root.EndArray();
+  root.BeginArray("buckets");
+  for (const Bucket& b : plan.buckets) root.Element(BucketJson(b));
+  root.EndArray();
+  root.Finish();
+  out.push_back('\n');
+  return out;
 }
 
 }  // namespace emsa
