@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -338,9 +339,18 @@ class Parser {
 // ---- Writer
 // --------------------------------------------------------------------------------------
 
+bool NeedsEscape(unsigned char c) { return c < 0x20 || c == '"' || c == '\\'; }
+
+// Runs of plain characters are appended whole; only the characters JSON escapes go one by one.
 void WriteString(std::string_view s, std::string* out) {
   out->push_back('"');
-  for (unsigned char c : s) {
+  for (size_t i = 0; i < s.size();) {
+    size_t plain = i;
+    while (plain < s.size() && !NeedsEscape(static_cast<unsigned char>(s[plain]))) ++plain;
+    out->append(s.data() + i, plain - i);
+    if (plain == s.size()) break;
+    const auto c = static_cast<unsigned char>(s[plain]);
+    i = plain + 1;
     switch (c) {
       case '"':
         *out += "\\\"";
@@ -357,34 +367,37 @@ void WriteString(std::string_view s, std::string* out) {
       case '\t':
         *out += "\\t";
         break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", c);
-          *out += buf;
-        } else {
-          out->push_back(static_cast<char>(c));
-        }
+      default: {  // the other control characters
+        char buf[8];
+        std::snprintf(buf, sizeof buf, "\\u%04x", c);
+        *out += buf;
+      }
     }
   }
   out->push_back('"');
 }
 
-// Shortest text that reads back to the same double: try 15, 16, then 17 significant digits.
+// Shortest text that reads back to the same double: try 15, 16, then 17 significant digits,
+// each as printf's "%.*g" writes it (std::to_chars with chars_format::general is that, without
+// the locale).
 void WriteDouble(double d, std::string* out) {
   if (!std::isfinite(d)) {  // JSON has no inf/nan; writers upstream must not produce them
     *out += "null";
     return;
   }
   char buf[32];
+  std::string_view text;
   for (int precision = 15; precision <= 17; ++precision) {
-    std::snprintf(buf, sizeof buf, "%.*g", precision, d);
-    if (std::strtod(buf, nullptr) == d) break;
+    const std::to_chars_result r =
+        std::to_chars(buf, buf + sizeof buf, d, std::chars_format::general, precision);
+    text = std::string_view(buf, static_cast<size_t>(r.ptr - buf));
+    double back = 0.0;
+    std::from_chars(text.data(), text.data() + text.size(), back);
+    if (back == d) break;
   }
-  std::string text(buf);
-  // Keep doubles recognisable as non-integers so they read back as doubles.
-  if (text.find_first_of(".eEn") == std::string::npos) text += ".0";
   *out += text;
+  // Keep doubles recognisable as non-integers so they read back as doubles.
+  if (text.find_first_of(".eEn") == std::string_view::npos) *out += ".0";
 }
 
 void Newline(int indent, int level, std::string* out) {

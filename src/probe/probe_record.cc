@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 
@@ -41,7 +42,9 @@ Status CheckOrder(int64_t order, size_t i, const std::string& label, const char*
   return Status::Ok();
 }
 
-Status CheckParam(const ParamRecord& p, size_t i, std::unordered_map<std::string, size_t>* names,
+// `names` views the record's own strings: the check copies none of them.
+Status CheckParam(const ParamRecord& p, size_t i,
+                  std::unordered_map<std::string_view, size_t>* names,
                   std::unordered_map<int64_t, size_t>* forward_ranks,
                   std::unordered_map<int64_t, size_t>* grad_ranks) {
   const std::string label = ParamLabel(i, p.name);
@@ -334,9 +337,12 @@ Status ValidateProbeRecord(const ProbeRecord& record) {
         " exceeds peak_device_bytes " + std::to_string(record.peak_device_bytes));
   }
   EMSA_RETURN_IF_ERROR(CheckLimits(record));
-  std::unordered_map<std::string, size_t> names;
+  std::unordered_map<std::string_view, size_t> names;
   std::unordered_map<int64_t, size_t> forward_ranks;
   std::unordered_map<int64_t, size_t> grad_ranks;
+  names.reserve(record.params.size());
+  forward_ranks.reserve(record.params.size());
+  grad_ranks.reserve(record.params.size());
   uint64_t total_bytes = 0;
   for (size_t i = 0; i < record.params.size(); ++i) {
     EMSA_RETURN_IF_ERROR(CheckParam(record.params[i], i, &names, &forward_ranks, &grad_ranks));
