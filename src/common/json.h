@@ -183,5 +183,9 @@ class Reader {
 // reader sees the old file or the new one, never a torn one.
 Result<std::string> ReadFile(const std::string& path, uint64_t max_bytes = kMaxFileBytes);
 Status WriteFile(const std::string& path, std::string_view text);
+// The same for text made in pieces: `produce` hands each piece, in order, to the function it is
+// given, so a large text need not be held whole before it is written.
+using Producer = std::function<void(const std::function<void(std::string_view)>& emit)>;
+Status WriteFile(const std::string& path, const Producer& produce);
 
 }  // namespace emsa::json

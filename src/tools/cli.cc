@@ -19,6 +19,7 @@
 #include "emsa/probe_record.h"
 #include "emsa/profile.h"
 #include "emsa/types.h"
+#include "plan/plan_json.h"
 
 namespace emsa {
 namespace {
@@ -302,8 +303,9 @@ std::string CheckBudget(const PlanArgs& args, const DeviceProfile& profile,
 
 // Prints the plan as the options ask: its JSON alone on stdout, or its verdict, `preamble` (the
 // model summary), and its summary or whole table (and the JSON to a file). Exit 3 when the host
-// memory it needs exceeds the host's. The JSON is built only when it is asked for, and handed on
-// without a copy: for a large model it is the largest thing the command holds.
+// memory it needs exceeds the host's. The JSON is built only when it is asked for, handed on
+// without a copy, and written to a file in pieces: for a large model it is the largest thing
+// the command would hold.
 int EmitPlan(const Plan& plan, const DeviceProfile& profile, const PlanArgs& args,
              const std::string& preamble, int64_t tokens_per_step, Console* con) {
   const bool host_fits = PlanFitsHost(plan, profile);
@@ -326,7 +328,10 @@ int EmitPlan(const Plan& plan, const DeviceProfile& profile, const PlanArgs& arg
               (args.verbose ? PlanToTable(plan) : PlanSummaryToTable(plan));
   if (!args.verbose) con->out += "\n(emsa plan --verbose adds one row per parameter)\n";
   if (!args.json_path.empty()) {
-    if (Status s = json::WriteFile(args.json_path, PlanToJson(plan)); !s.ok()) {
+    auto produce = [&plan](const std::function<void(std::string_view)>& emit) {
+      WritePlanJson(plan, emit);
+    };
+    if (Status s = json::WriteFile(args.json_path, produce); !s.ok()) {
       return Fail(con, kExitFailure, s.message());
     }
   }
