@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <iterator>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/json.h"
@@ -200,6 +202,12 @@ TEST(HostileFiles, WriteFileReplacesAtomicallyAndLeavesNoTemporary) {
   EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir),
                           std::filesystem::directory_iterator{}),
             1);
+  // Text made in pieces is written in order, and replaces the file the same way.
+  const json::Producer pieces = [](const std::function<void(std::string_view)>& emit) {
+    for (const char* piece : {"one ", "two ", "three"}) emit(piece);
+  };
+  ASSERT_TRUE(json::WriteFile(path, pieces).ok());
+  EXPECT_EQ(json::ReadFile(path).value(), "one two three");
   EXPECT_TRUE(json::WriteFile("/dev/null", "in place").ok());  // a device is written, not replaced
   EXPECT_FALSE(json::WriteFile((dir / "no" / "such.json").string(), "x").ok());
   std::filesystem::remove_all(dir);
