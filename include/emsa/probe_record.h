@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "emsa/profile.h"
@@ -106,7 +107,7 @@ std::string ProbeRecordToJson(const ProbeRecord& record);
 // naming the field ("params[12].shape: expected an array of integers"). Unsupported dtypes:
 // kUnsupported naming the parameter. A record that parses but fails ValidateProbeRecord:
 // kParseError with Validate's message.
-Result<ProbeRecord> ProbeRecordFromJson(const std::string& text);
+Result<ProbeRecord> ProbeRecordFromJson(std::string_view text);
 // As ProbeRecordFromJson, messages prefixed with the path; an unreadable file is kIoError.
 Result<ProbeRecord> LoadProbeRecord(const std::string& path);
 // Validates first and writes nothing when the record is invalid; kIoError naming the path.

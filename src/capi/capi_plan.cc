@@ -1,5 +1,9 @@
 // capi_plan.cc — the C ABI's library, profile, plan, model and CLI entries.
+#include <algorithm>
+#include <string_view>
+
 #include "capi/capi_internal.h"
+#include "plan/plan_json.h"
 
 using namespace emsa::capi;  // NOLINT(google-build-using-namespace)
 
@@ -114,6 +118,37 @@ emsa_status ReadPlanInputs(const char* probe_json, const char* profile_json,
   return EMSA_OK;
 }
 
+// The plan's JSON in one malloc'd string, grown with realloc as its pieces come (a large block
+// is remapped, not copied), so the text is never held twice.
+emsa_status ReturnPlanJson(const emsa::Plan& plan, char** json_out) {
+  if (json_out == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "json_out is NULL");
+  char* text = nullptr;
+  size_t size = 0, capacity = 0;
+  bool failed = false;
+  emsa::WritePlanJson(plan, [&](std::string_view piece) {
+    if (failed) return;
+    if (size + piece.size() + 1 > capacity) {
+      const size_t want = std::max(2 * capacity, size + piece.size() + 1);
+      void* grown = std::realloc(text, want);
+      if (grown == nullptr) {
+        failed = true;
+        return;
+      }
+      text = static_cast<char*>(grown);
+      capacity = want;
+    }
+    std::memcpy(text + size, piece.data(), piece.size());
+    size += piece.size();
+  });
+  if (failed || text == nullptr) {
+    std::free(text);
+    return Fail(EMSA_OUT_OF_MEMORY, "cannot allocate the plan's JSON");
+  }
+  text[size] = '\0';
+  *json_out = text;
+  return Report(emsa::Status::Ok());
+}
+
 emsa_status ReadModelOptions(const emsa_model_options* options, emsa::ModelProbeOptions* mo) {
   if (options == nullptr) return EMSA_OK;
   if (emsa_status s = CheckSize(options, "emsa_model_options", "emsa_model_options_init")) {
@@ -183,7 +218,7 @@ void emsa_plan_destroy(emsa_plan* plan) { delete plan; }
 emsa_status emsa_plan_to_json(const emsa_plan* plan, char** json_out) {
   return Guard([&] {
     if (plan == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "plan is NULL");
-    return ReturnString(emsa::PlanToJson(plan->plan), json_out);
+    return ReturnPlanJson(plan->plan, json_out);
   });
 }
 

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -19,7 +20,7 @@ namespace {
 
 class Parser {
  public:
-  explicit Parser(std::string_view text) : s_(text) {}
+  Parser(std::string_view text, const ElementSink* sink) : s_(text), sink_(sink) {}
 
   Result<Value> Document() {
     Value v;
@@ -67,7 +68,8 @@ class Parser {
     return false;
   }
 
-  Status ParseValue(Value* out, int depth) {
+  // `streamed`: the root object's key when this value's array elements go to the sink.
+  Status ParseValue(Value* out, int depth, const std::string* streamed = nullptr) {
     if (depth > kMaxDepth) {
       return Fail("nesting deeper than " + std::to_string(kMaxDepth) + " levels");
     }
@@ -78,7 +80,7 @@ class Parser {
     if (pos_ >= s_.size()) return Fail("unexpected end of input, expected a value");
     char c = s_[pos_];
     if (c == '{') return ParseObject(out, depth);
-    if (c == '[') return ParseArray(out, depth);
+    if (c == '[') return ParseArray(out, depth, streamed);
     if (c == '"') {
       std::string str;
       EMSA_RETURN_IF_ERROR(ParseString(&str));
@@ -121,7 +123,7 @@ class Parser {
       if (pos_ >= s_.size() || s_[pos_] != ':') return Fail("expected ':' after key");
       ++pos_;
       Value v;
-      EMSA_RETURN_IF_ERROR(ParseValue(&v, depth + 1));
+      EMSA_RETURN_IF_ERROR(ParseValue(&v, depth + 1, depth == 0 && Streams(key) ? &key : nullptr));
       obj.as_object().emplace_back(std::move(key), std::move(v));
       SkipSpace();
       if (pos_ < s_.size() && s_[pos_] == ',') {
@@ -157,7 +159,12 @@ class Parser {
     return Fail("duplicate key \"" + obj[repeat].first + "\"");
   }
 
-  Status ParseArray(Value* out, int depth) {
+  bool Streams(const std::string& key) const {
+    return sink_ != nullptr &&
+           std::find(sink_->keys.begin(), sink_->keys.end(), key) != sink_->keys.end();
+  }
+
+  Status ParseArray(Value* out, int depth, const std::string* streamed) {
     ++pos_;  // '['
     Value arr = Value::MakeArray();
     SkipSpace();
@@ -166,10 +173,14 @@ class Parser {
       *out = std::move(arr);
       return Status::Ok();
     }
-    while (true) {
+    for (size_t index = 0;; ++index) {
       Value v;
       EMSA_RETURN_IF_ERROR(ParseValue(&v, depth + 1));
-      arr.as_array().push_back(std::move(v));
+      if (streamed != nullptr) {
+        sink_->take(*streamed, index, std::move(v));
+      } else {
+        arr.as_array().push_back(std::move(v));
+      }
       SkipSpace();
       if (pos_ < s_.size() && s_[pos_] == ',') {
         ++pos_;
@@ -320,6 +331,7 @@ class Parser {
   }
 
   std::string_view s_;
+  const ElementSink* sink_;
   size_t pos_ = 0;
   size_t values_ = 0;
 };
@@ -327,9 +339,18 @@ class Parser {
 // ---- Writer
 // --------------------------------------------------------------------------------------
 
-void WriteString(const std::string& s, std::string* out) {
+bool NeedsEscape(unsigned char c) { return c < 0x20 || c == '"' || c == '\\'; }
+
+// Runs of plain characters are appended whole; only the characters JSON escapes go one by one.
+void WriteString(std::string_view s, std::string* out) {
   out->push_back('"');
-  for (unsigned char c : s) {
+  for (size_t i = 0; i < s.size();) {
+    size_t plain = i;
+    while (plain < s.size() && !NeedsEscape(static_cast<unsigned char>(s[plain]))) ++plain;
+    out->append(s.data() + i, plain - i);
+    if (plain == s.size()) break;
+    const auto c = static_cast<unsigned char>(s[plain]);
+    i = plain + 1;
     switch (c) {
       case '"':
         *out += "\\\"";
@@ -346,42 +367,47 @@ void WriteString(const std::string& s, std::string* out) {
       case '\t':
         *out += "\\t";
         break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", c);
-          *out += buf;
-        } else {
-          out->push_back(static_cast<char>(c));
-        }
+      default: {  // the other control characters
+        char buf[8];
+        std::snprintf(buf, sizeof buf, "\\u%04x", c);
+        *out += buf;
+      }
     }
   }
   out->push_back('"');
 }
 
-// Shortest text that reads back to the same double: try 15, 16, then 17 significant digits.
+// Shortest text that reads back to the same double: try 15, 16, then 17 significant digits,
+// each as printf's "%.*g" writes it (std::to_chars with chars_format::general is that, without
+// the locale).
 void WriteDouble(double d, std::string* out) {
   if (!std::isfinite(d)) {  // JSON has no inf/nan; writers upstream must not produce them
     *out += "null";
     return;
   }
   char buf[32];
+  std::string_view text;
   for (int precision = 15; precision <= 17; ++precision) {
-    std::snprintf(buf, sizeof buf, "%.*g", precision, d);
-    if (std::strtod(buf, nullptr) == d) break;
+    const std::to_chars_result r =
+        std::to_chars(buf, buf + sizeof buf, d, std::chars_format::general, precision);
+    text = std::string_view(buf, static_cast<size_t>(r.ptr - buf));
+    double back = 0.0;
+    std::from_chars(text.data(), text.data() + text.size(), back);
+    if (back == d) break;
   }
-  std::string text(buf);
-  // Keep doubles recognisable as non-integers so they read back as doubles.
-  if (text.find_first_of(".eEn") == std::string::npos) text += ".0";
   *out += text;
+  // Keep doubles recognisable as non-integers so they read back as doubles.
+  if (text.find_first_of(".eEn") == std::string_view::npos) *out += ".0";
+}
+
+void Newline(int indent, int level, std::string* out) {
+  if (indent < 0) return;
+  out->push_back('\n');
+  out->append(static_cast<size_t>(indent * level), ' ');
 }
 
 void WriteValue(const Value& v, int indent, int level, std::string* out) {
-  auto newline = [&](int lvl) {
-    if (indent < 0) return;
-    out->push_back('\n');
-    out->append(static_cast<size_t>(indent * lvl), ' ');
-  };
+  auto newline = [&](int lvl) { Newline(indent, lvl, out); };
   switch (v.kind()) {
     case Value::Kind::kNull:
       *out += "null";
@@ -462,7 +488,50 @@ const char* KindName(const Value& v) {
 
 }  // namespace
 
-Result<Value> Parse(std::string_view text) { return Parser(text).Document(); }
+Result<Value> Parse(std::string_view text) { return Parser(text, nullptr).Document(); }
+
+Result<Value> Parse(std::string_view text, const ElementSink& sink) {
+  return Parser(text, &sink).Document();
+}
+
+ObjectWriter::ObjectWriter(std::string* out, int indent) : out_(out), indent_(indent) {
+  out_->push_back('{');
+}
+
+void ObjectWriter::Key(std::string_view key) {
+  if (members_++ > 0) out_->push_back(',');
+  Newline(indent_, 1, out_);
+  WriteString(key, out_);
+  *out_ += indent_ >= 0 ? ": " : ":";
+}
+
+void ObjectWriter::Member(std::string_view key, const Value& value) {
+  Key(key);
+  WriteValue(value, indent_, 1, out_);
+}
+
+void ObjectWriter::BeginArray(std::string_view key) {
+  Key(key);
+  out_->push_back('[');
+  elements_ = 0;
+}
+
+void ObjectWriter::Element(const Value& element) {
+  if (elements_++ > 0) out_->push_back(',');
+  Newline(indent_, 2, out_);
+  WriteValue(element, indent_, 2, out_);
+}
+
+void ObjectWriter::EndArray() {
+  if (elements_ > 0) Newline(indent_, 1, out_);
+  out_->push_back(']');
+}
+
+void ObjectWriter::Finish() {
+  if (members_ > 0) Newline(indent_, 0, out_);
+  out_->push_back('}');
+  if (indent_ >= 0) out_->push_back('\n');
+}
 
 std::string Write(const Value& value, int indent) {
   std::string out;

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <string_view>
@@ -101,9 +102,41 @@ inline constexpr uint64_t kMaxFileBytes = uint64_t{128} << 20;
 // Nesting deeper than kMaxDepth or more than kMaxValues values is refused. Linear in the text.
 Result<Value> Parse(std::string_view text);
 
+// Where Parse hands over the elements of the root object's large arrays, so that a document
+// such as a probe record is never held whole beside what it is read into: each element of an
+// array under one of `keys` in the root object goes to `take` (its key, its index, the element)
+// as soon as it is parsed, and the document keeps an empty array under that key, so a missing,
+// repeated or mistyped key is still seen there. Syntax errors anywhere still fail Parse; `take`
+// keeps its own errors, to report after Parse has succeeded.
+struct ElementSink {
+  std::vector<std::string> keys;
+  std::function<void(const std::string& key, size_t index, Value element)> take;
+};
+Result<Value> Parse(std::string_view text, const ElementSink& sink);
+
 // Writes compact (indent < 0) or pretty (indent >= 0 spaces) JSON. Doubles are written with the
 // fewest digits that read back to the same value, so identical values give identical text.
 std::string Write(const Value& value, int indent = 2);
+
+// Writes an object one member at a time, the same text as Write(object, indent), so that a
+// document with large arrays is never held whole as Values: each element is built, written and
+// dropped. The elements given to Element() must be objects or arrays (Write keeps arrays of
+// scalars on one line; this writer never does).
+class ObjectWriter {
+ public:
+  ObjectWriter(std::string* out, int indent);
+  void Member(std::string_view key, const Value& value);
+  void BeginArray(std::string_view key);  // a member holding an array of objects or arrays
+  void Element(const Value& element);
+  void EndArray();
+  void Finish();  // closes the object; with indent >= 0 adds the newline that Write ends with
+
+ private:
+  void Key(std::string_view key);
+  std::string* out_;
+  int indent_;
+  size_t members_ = 0, elements_ = 0;
+};
 
 // Reads typed fields out of an object, naming the full path of any field that is missing or of
 // the wrong type: "probe.params[3].numel: expected a non-negative integer, got \"abc\"".
@@ -150,5 +183,9 @@ class Reader {
 // reader sees the old file or the new one, never a torn one.
 Result<std::string> ReadFile(const std::string& path, uint64_t max_bytes = kMaxFileBytes);
 Status WriteFile(const std::string& path, std::string_view text);
+// The same for text made in pieces: `produce` hands each piece, in order, to the function it is
+// given, so a large text need not be held whole before it is written.
+using Producer = std::function<void(const std::function<void(std::string_view)>& emit)>;
+Status WriteFile(const std::string& path, const Producer& produce);
 
 }  // namespace emsa::json

@@ -23,12 +23,12 @@ Result<std::string> ReadFile(const std::string& path, uint64_t max_bytes) {
                            ", the most emsa reads of a JSON file");
   };
   struct stat st {};
-  if (::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
-      static_cast<uint64_t>(st.st_size) > max_bytes) {
-    return too_large();
-  }
-  // Streams and devices have no size: read in chunks and stop past the limit.
+  const bool sized = ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+  if (sized && static_cast<uint64_t>(st.st_size) > max_bytes) return too_large();
+  // Streams and devices have no size: read in chunks and stop past the limit. A file's size is
+  // reserved up front, so the text is held once rather than copied as it grows.
   std::string text;
+  if (sized) text.reserve(static_cast<size_t>(st.st_size));
   char chunk[1 << 16];
   while (in) {
     in.read(chunk, sizeof chunk);
@@ -52,14 +52,23 @@ Status WriteAll(int fd, std::string_view text) {
   return Status::Ok();
 }
 
+// Writes each piece `produce` emits to fd; the first failure stops the writing and is returned.
+Status WritePieces(int fd, const Producer& produce) {
+  Status s = Status::Ok();
+  produce([&](std::string_view piece) {
+    if (s.ok()) s = WriteAll(fd, piece);
+  });
+  return s;
+}
+
 // A target that exists and is not a regular file (a terminal, /dev/null, a pipe) is written in
 // place: renaming over it would replace the device rather than write to it.
-Status WriteInPlace(const std::string& path, std::string_view text) {
+Status WriteInPlace(const std::string& path, const Producer& produce) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
   if (fd < 0) {
     return Status::IoError("cannot open '" + path + "' for writing: " + std::strerror(errno));
   }
-  Status s = WriteAll(fd, text);
+  Status s = WritePieces(fd, produce);
   ::close(fd);
   if (!s.ok()) return Status::IoError("error while writing '" + path + "': " + s.message());
   return Status::Ok();
@@ -68,8 +77,12 @@ Status WriteInPlace(const std::string& path, std::string_view text) {
 }  // namespace
 
 Status WriteFile(const std::string& path, std::string_view text) {
+  return WriteFile(path, [text](const std::function<void(std::string_view)>& emit) { emit(text); });
+}
+
+Status WriteFile(const std::string& path, const Producer& produce) {
   struct stat st {};
-  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) return WriteInPlace(path, text);
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) return WriteInPlace(path, produce);
   static std::atomic<unsigned> counter{0};
   const std::string tmp =
       path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter.fetch_add(1));
@@ -78,7 +91,7 @@ Status WriteFile(const std::string& path, std::string_view text) {
     return Status::IoError("cannot open '" + path + "' for writing: cannot create '" + tmp +
                            "': " + std::strerror(errno));
   }
-  Status s = WriteAll(fd, text);
+  Status s = WritePieces(fd, produce);
   if (s.ok() && ::fsync(fd) != 0) s = Status::IoError(std::strerror(errno));
   if (::close(fd) != 0 && s.ok()) s = Status::IoError(std::strerror(errno));
   if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {

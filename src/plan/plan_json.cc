@@ -1,6 +1,8 @@
 // plan_json.cc — PlanToJson: {"format":"emsa.plan","version":1, ...}, every field of the Plan.
 // Keys are written in a fixed order and doubles in shortest round-trip form, so the same plan is
 // always the same text.
+#include "plan/plan_json.h"
+
 #include <string>
 
 #include "common/json.h"
@@ -94,26 +96,63 @@ Value PredictionJson(const Prediction& p) {
   return v;
 }
 
+// Written element by element (json::ObjectWriter) into `out`; with `emit`, `out` is handed on
+// and emptied whenever it holds a mebibyte, and at the end.
+void WriteJson(const Plan& plan, std::string* out,
+               const std::function<void(std::string_view)>* emit) {
+  constexpr size_t kPiece = size_t{1} << 20;
+  auto drain = [&](bool last) {
+    if (emit == nullptr || (!last && out->size() < kPiece)) return;
+    (*emit)(*out);
+    out->clear();
+  };
+  json::ObjectWriter root(out, 2);
+  root.Member("format", "emsa.plan");
+  root.Member("version", Plan::kVersion);
+  root.Member("budget_bytes", plan.budget_bytes);
+  root.Member("min_budget_bytes", plan.min_budget_bytes);
+  root.Member("options", OptionsJson(plan.options));
+  root.Member("prediction", PredictionJson(plan.prediction));
+  root.BeginArray("params");
+  for (const ParamPlan& p : plan.params) {
+    root.Element(ParamJson(p));
+    drain(false);
+  }
+  root.EndArray();
+  root.BeginArray("modules");
+  for (const ModuleRange& m : plan.modules) {
+    root.Element(ModuleJson(m));
+    drain(false);
+  }
+  root.EndArray();
+  root.BeginArray("buckets");
+  for (const Bucket& b : plan.buckets) {
+    root.Element(BucketJson(b));
+    drain(false);
+  }
+  root.EndArray();
+  root.Finish();
+  out->push_back('\n');
+  drain(true);
+}
+
 }  // namespace
 
+// The text is reserved up front from the plan's sizes, an estimate above its length, so it is
+// not copied as it grows (reserved pages that are never written are never resident).
 std::string PlanToJson(const Plan& plan) {
-  Value root = Value::MakeObject();
-  root.Set("format", "emsa.plan");
-  root.Set("version", Plan::kVersion);
-  root.Set("budget_bytes", plan.budget_bytes);
-  root.Set("min_budget_bytes", plan.min_budget_bytes);
-  root.Set("options", OptionsJson(plan.options));
-  root.Set("prediction", PredictionJson(plan.prediction));
-  Value params = Value::MakeArray();
-  for (const ParamPlan& p : plan.params) params.Push(ParamJson(p));
-  root.Set("params", std::move(params));
-  Value modules = Value::MakeArray();
-  for (const ModuleRange& m : plan.modules) modules.Push(ModuleJson(m));
-  root.Set("modules", std::move(modules));
-  Value buckets = Value::MakeArray();
-  for (const Bucket& b : plan.buckets) buckets.Push(BucketJson(b));
-  root.Set("buckets", std::move(buckets));
-  return json::Write(root, 2) + "\n";
+  size_t estimate = 4096 + plan.modules.size() * 256;
+  for (const ParamPlan& p : plan.params) estimate += 1024 + 2 * (p.name.size() + p.module.size());
+  for (const Bucket& b : plan.buckets) estimate += 512 + 24 * b.params.size();
+  std::string out;
+  out.reserve(estimate);
+  WriteJson(plan, &out, nullptr);
+  return out;
+}
+
+void WritePlanJson(const Plan& plan, const std::function<void(std::string_view)>& emit) {
+  std::string piece;
+  WriteJson(plan, &piece, &emit);
 }
 
 }  // namespace emsa

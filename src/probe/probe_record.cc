@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 
@@ -41,7 +42,9 @@ Status CheckOrder(int64_t order, size_t i, const std::string& label, const char*
   return Status::Ok();
 }
 
-Status CheckParam(const ParamRecord& p, size_t i, std::unordered_map<std::string, size_t>* names,
+// `names` views the record's own strings: the check copies none of them.
+Status CheckParam(const ParamRecord& p, size_t i,
+                  std::unordered_map<std::string_view, size_t>* names,
                   std::unordered_map<int64_t, size_t>* forward_ranks,
                   std::unordered_map<int64_t, size_t>* grad_ranks) {
   const std::string label = ParamLabel(i, p.name);
@@ -242,19 +245,56 @@ Result<GraphOp> ReadOp(const json::Reader& r) {
   return op;
 }
 
-// Reads an optional array of objects with `read_one` for each element.
-template <typename T, typename F>
-Result<std::vector<T>> ReadList(const json::Reader& r, std::string_view key, F read_one) {
-  std::vector<T> out;
-  if (!r.Has(key)) return out;
-  EMSA_ASSIGN_OR_RETURN(std::vector<json::Reader> items, r.Array(key));
-  out.reserve(items.size());
-  for (const json::Reader& item : items) {
-    EMSA_ASSIGN_OR_RETURN(T v, read_one(item));
-    out.push_back(std::move(v));
+// The record's three lists, read one element at a time as the parser hands them over (see
+// json::ElementSink), so the parsed text is never held whole beside the record. The first error
+// of each list is kept and reported after the fields the root checks before it, in the order a
+// whole-document read would meet them: params, memory, graph.
+class ListReader {
+ public:
+  explicit ListReader(ProbeRecord* record) : record_(record) {
+    sink_.keys = {"params", "memory", "graph"};
+    sink_.take = [this](const std::string& key, size_t i, json::Value element) {
+      if (key == "params") {
+        Take(key, i, element, ReadParam, &record_->params, &params_error_);
+      } else if (key == "memory") {
+        Take(key, i, element, ReadSample, &record_->memory, &memory_error_);
+      } else {
+        Take(key, i, element, ReadOp, &record_->graph, &graph_error_);
+      }
+    };
   }
-  return out;
-}
+  ListReader(const ListReader&) = delete;  // the sink points at this object
+  ListReader& operator=(const ListReader&) = delete;
+  const json::ElementSink& sink() const { return sink_; }
+
+  // After the root's fields: `params` required, `memory` and `graph` optional; each an array.
+  Status Finish(const json::Reader& root) const {
+    EMSA_RETURN_IF_ERROR(root.Array("params").status());
+    EMSA_RETURN_IF_ERROR(params_error_);
+    if (root.Has("memory")) EMSA_RETURN_IF_ERROR(root.Array("memory").status());
+    EMSA_RETURN_IF_ERROR(memory_error_);
+    if (root.Has("graph")) EMSA_RETURN_IF_ERROR(root.Array("graph").status());
+    return graph_error_;
+  }
+
+ private:
+  template <typename T, typename F>
+  static void Take(const std::string& key, size_t i, const json::Value& element, F read_one,
+                   std::vector<T>* out, Status* error) {
+    if (!error->ok()) return;
+    Result<T> v = read_one(json::Reader(element, key + "[" + std::to_string(i) + "]"));
+    if (v.ok()) {
+      out->push_back(std::move(v).value());
+    } else {
+      *error = v.status();
+      out->clear();
+    }
+  }
+
+  ProbeRecord* record_;
+  json::ElementSink sink_;
+  Status params_error_, memory_error_, graph_error_;
+};
 
 Status ReadProfile(const json::Value& doc, ProbeRecord* record) {
   const json::Value* v = doc.Find("profile");
@@ -297,9 +337,12 @@ Status ValidateProbeRecord(const ProbeRecord& record) {
         " exceeds peak_device_bytes " + std::to_string(record.peak_device_bytes));
   }
   EMSA_RETURN_IF_ERROR(CheckLimits(record));
-  std::unordered_map<std::string, size_t> names;
+  std::unordered_map<std::string_view, size_t> names;
   std::unordered_map<int64_t, size_t> forward_ranks;
   std::unordered_map<int64_t, size_t> grad_ranks;
+  names.reserve(record.params.size());
+  forward_ranks.reserve(record.params.size());
+  grad_ranks.reserve(record.params.size());
   uint64_t total_bytes = 0;
   for (size_t i = 0; i < record.params.size(); ++i) {
     EMSA_RETURN_IF_ERROR(CheckParam(record.params[i], i, &names, &forward_ranks, &grad_ranks));
@@ -347,39 +390,47 @@ Status ValidateProbeRecord(const ProbeRecord& record) {
   return Status::Ok();
 }
 
+// Written element by element (json::ObjectWriter): the record's text is the only copy held.
 std::string ProbeRecordToJson(const ProbeRecord& record) {
-  json::Value doc = json::Value::MakeObject();
-  doc.Set("format", kFormat);
-  doc.Set("version", ProbeRecord::kVersion);
-  doc.Set("model", record.model);
-  doc.Set("device", record.device);
-  doc.Set("forward_time", record.forward_time);
-  doc.Set("backward_time", record.backward_time);
-  doc.Set("period_under_load", record.period_under_load);
-  doc.Set("peak_device_bytes", record.peak_device_bytes);
-  doc.Set("activation_peak_bytes", record.activation_peak_bytes);
-  json::Value params = json::Value::MakeArray();
-  for (const ParamRecord& p : record.params) params.Push(ParamToJson(p));
-  doc.Set("params", std::move(params));
-  json::Value memory = json::Value::MakeArray();
-  for (const MemorySample& m : record.memory) memory.Push(SampleToJson(m));
-  doc.Set("memory", std::move(memory));
-  json::Value graph = json::Value::MakeArray();
-  for (const GraphOp& op : record.graph) graph.Push(OpToJson(op));
-  doc.Set("graph", std::move(graph));
+  std::string out;
+  json::ObjectWriter doc(&out, 2);
+  doc.Member("format", kFormat);
+  doc.Member("version", ProbeRecord::kVersion);
+  doc.Member("model", record.model);
+  doc.Member("device", record.device);
+  doc.Member("forward_time", record.forward_time);
+  doc.Member("backward_time", record.backward_time);
+  doc.Member("period_under_load", record.period_under_load);
+  doc.Member("peak_device_bytes", record.peak_device_bytes);
+  doc.Member("activation_peak_bytes", record.activation_peak_bytes);
+  doc.BeginArray("params");
+  for (const ParamRecord& p : record.params) doc.Element(ParamToJson(p));
+  doc.EndArray();
+  doc.BeginArray("memory");
+  for (const MemorySample& m : record.memory) doc.Element(SampleToJson(m));
+  doc.EndArray();
+  doc.BeginArray("graph");
+  for (const GraphOp& op : record.graph) doc.Element(OpToJson(op));
+  doc.EndArray();
   if (record.has_profile) {
     Result<json::Value> profile = json::Parse(DeviceProfileToJson(record.profile));
     // Cannot fail unless the profile writer is broken; then write something that fails loudly
     // on reading rather than dropping the profile silently.
-    doc.Set("profile", profile.ok()
-                           ? std::move(profile).value()
-                           : json::Value("unwritable profile: " + profile.status().message()));
+    doc.Member("profile", profile.ok()
+                              ? std::move(profile).value()
+                              : json::Value("unwritable profile: " + profile.status().message()));
   }
-  return json::Write(doc, 2);
+  doc.Finish();
+  return out;
 }
 
-Result<ProbeRecord> ProbeRecordFromJson(const std::string& text) {
-  EMSA_ASSIGN_OR_RETURN(json::Value doc, json::Parse(text));
+namespace {
+
+// The record as the text says, not yet validated.
+Result<ProbeRecord> ReadRecord(std::string_view text) {
+  ProbeRecord record;
+  ListReader lists(&record);
+  EMSA_ASSIGN_OR_RETURN(json::Value doc, json::Parse(text, lists.sink()));
   if (!doc.is_object()) {
     return Status::ParseError("expected a JSON object with \"format\": \"emsa.probe\"");
   }
@@ -396,7 +447,6 @@ Result<ProbeRecord> ProbeRecordFromJson(const std::string& text) {
                                      std::to_string(ProbeRecord::kVersion) +
                                      " (probe again with this emsa)");
   }
-  ProbeRecord record;
   EMSA_ASSIGN_OR_RETURN(record.model, root.String("model", ""));
   EMSA_ASSIGN_OR_RETURN(record.device, root.String("device", ""));
   EMSA_ASSIGN_OR_RETURN(record.forward_time, root.Number("forward_time"));
@@ -404,25 +454,31 @@ Result<ProbeRecord> ProbeRecordFromJson(const std::string& text) {
   EMSA_ASSIGN_OR_RETURN(record.period_under_load, root.Number("period_under_load", 0.0));
   EMSA_ASSIGN_OR_RETURN(record.peak_device_bytes, root.UInt("peak_device_bytes"));
   EMSA_ASSIGN_OR_RETURN(record.activation_peak_bytes, root.UInt("activation_peak_bytes"));
-  EMSA_ASSIGN_OR_RETURN(std::vector<json::Reader> params, root.Array("params"));
-  record.params.reserve(params.size());
-  for (const json::Reader& r : params) {
-    EMSA_ASSIGN_OR_RETURN(ParamRecord p, ReadParam(r));
-    record.params.push_back(std::move(p));
-  }
-  EMSA_ASSIGN_OR_RETURN(record.memory, ReadList<MemorySample>(root, "memory", ReadSample));
-  EMSA_ASSIGN_OR_RETURN(record.graph, ReadList<GraphOp>(root, "graph", ReadOp));
+  EMSA_RETURN_IF_ERROR(lists.Finish(root));
   EMSA_RETURN_IF_ERROR(ReadProfile(doc, &record));
+  return record;
+}
+
+// An inconsistent file is a file that is not what it claims to be: kParseError.
+Status CheckRead(const ProbeRecord& record) {
   Status valid = ValidateProbeRecord(record);
-  // An inconsistent file is a file that is not what it claims to be.
-  if (!valid.ok()) return Status::ParseError(valid.message());
+  return valid.ok() ? valid : Status::ParseError(valid.message());
+}
+
+}  // namespace
+
+Result<ProbeRecord> ProbeRecordFromJson(std::string_view text) {
+  EMSA_ASSIGN_OR_RETURN(ProbeRecord record, ReadRecord(text));
+  EMSA_RETURN_IF_ERROR(CheckRead(record));
   return record;
 }
 
 Result<ProbeRecord> LoadProbeRecord(const std::string& path) {
   EMSA_ASSIGN_OR_RETURN(std::string text, json::ReadFile(path));
-  Result<ProbeRecord> record = ProbeRecordFromJson(text);
-  if (!record.ok()) return record.status().Annotate(path);
+  Result<ProbeRecord> record = ReadRecord(text);
+  std::string().swap(text);  // the text is not needed past the parse: not held while checking
+  const Status s = record.ok() ? CheckRead(*record) : record.status();
+  if (!s.ok()) return s.Annotate(path);
   return record;
 }
 

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/json.h"
@@ -18,6 +19,7 @@
 #include "emsa/probe_record.h"
 #include "emsa/profile.h"
 #include "emsa/types.h"
+#include "plan/plan_json.h"
 
 namespace emsa {
 namespace {
@@ -301,10 +303,11 @@ std::string CheckBudget(const PlanArgs& args, const DeviceProfile& profile,
 
 // Prints the plan as the options ask: its JSON alone on stdout, or its verdict, `preamble` (the
 // model summary), and its summary or whole table (and the JSON to a file). Exit 3 when the host
-// memory it needs exceeds the host's.
+// memory it needs exceeds the host's. The JSON is built only when it is asked for, handed on
+// without a copy, and written to a file in pieces: for a large model it is the largest thing
+// the command would hold.
 int EmitPlan(const Plan& plan, const DeviceProfile& profile, const PlanArgs& args,
              const std::string& preamble, int64_t tokens_per_step, Console* con) {
-  const std::string json = PlanToJson(plan);
   const bool host_fits = PlanFitsHost(plan, profile);
   if (!host_fits) {
     con->err += "emsa: the plan needs " + FormatBytes(HostMemoryNeeded(plan)) +
@@ -313,14 +316,22 @@ int EmitPlan(const Plan& plan, const DeviceProfile& profile, const PlanArgs& arg
   }
   const int code = host_fits ? kExitOk : kExitInfeasible;
   if (args.json_path == "-") {
-    con->out += json;
+    std::string json = PlanToJson(plan);
+    if (con->out.empty()) {
+      con->out = std::move(json);
+    } else {
+      con->out += json;
+    }
     return code;
   }
   con->out += PlanVerdict(plan, profile, tokens_per_step) + "\n" + preamble +
               (args.verbose ? PlanToTable(plan) : PlanSummaryToTable(plan));
   if (!args.verbose) con->out += "\n(emsa plan --verbose adds one row per parameter)\n";
   if (!args.json_path.empty()) {
-    if (Status s = json::WriteFile(args.json_path, json); !s.ok()) {
+    auto produce = [&plan](const std::function<void(std::string_view)>& emit) {
+      WritePlanJson(plan, emit);
+    };
+    if (Status s = json::WriteFile(args.json_path, produce); !s.ok()) {
       return Fail(con, kExitFailure, s.message());
     }
   }
@@ -359,6 +370,7 @@ int RunProbePlan(const PlanArgs& plan_args, Console* con) {
         con, kExitInfeasible,
         InfeasibleBudgetMessage(*record, *profile, plan_args.options, plan.status(), min_budget));
   }
+  *record = ProbeRecord{};  // the plan holds what it needs: not kept beside the plan's text
   return EmitPlan(*plan, *profile, plan_args, "", 0, con);
 }
 
@@ -439,6 +451,7 @@ int RunModelPlan(PlanArgs plan_args, Console* con) {
   }
   const std::string preamble =
       ModelSummary(config, *record) + DeviceLine(*device) + OptimizerLine(plan_args.options) + "\n";
+  *record = ProbeRecord{};  // the plan holds what it needs: not kept beside the plan's text
   return EmitPlan(*plan, profile, plan_args, preamble, config.batch * config.seq_len, con);
 }
 

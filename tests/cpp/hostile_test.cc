@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <iterator>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/json.h"
@@ -132,6 +134,57 @@ TEST(HostileJson, AValueIsOneWord) {
   EXPECT_EQ(moved.Find("n")->as_array().size(), 1u);
 }
 
+// A record is read one list element at a time (json::ElementSink); the errors are still the
+// ones a read of the whole document meets first: syntax anywhere, then the root's fields, then
+// params, memory and graph in that order.
+TEST(HostileRecord, ReadElementByElementTheFirstErrorIsStillTheWholeReadsFirst) {
+  const std::string good = ProbeRecordToJson(Small());
+  ASSERT_TRUE(ProbeRecordFromJson(good).ok());
+  Result<json::Value> doc = json::Parse(good);
+  ASSERT_TRUE(doc.ok());
+  auto edited = [&](auto edit) {
+    json::Value d = *doc;
+    edit(d);
+    return ProbeRecordFromJson(json::Write(d)).status();
+  };
+  auto params = [](json::Value& d) -> json::Value::Array& {
+    return d.as_object()[9].second.as_array();  // "params", as ProbeRecordToJson orders keys
+  };
+  auto bad_shape = [&](json::Value& d) { params(d)[1].Set("shape", json::Value("x")); };
+  auto bad_sample = [](json::Value& d) {
+    d.as_object()[10].second.as_array()[0].Set("time", json::Value("no"));
+  };
+  EXPECT_TRUE(Says(edited(bad_shape), "params[1].shape: expected an array"));
+  EXPECT_TRUE(Says(edited([&](json::Value& d) {
+                     bad_shape(d);
+                     d.Set("forward_time", json::Value("x"));
+                   }),
+                   "forward_time: expected a finite number"));
+  EXPECT_TRUE(Says(edited([&](json::Value& d) {
+                     bad_sample(d);
+                     bad_shape(d);
+                   }),
+                   "params[1].shape"));
+  EXPECT_TRUE(Says(edited(bad_sample), "memory[0].time"));
+  EXPECT_TRUE(Says(edited([](json::Value& d) { d.Set("params", json::Value(5)); }),
+                   "params: expected an array, got an integer"));
+  EXPECT_TRUE(Says(edited([](json::Value& d) { d.Set("params", json::Value()); }),
+                   "params: required field is missing"));
+  EXPECT_TRUE(Says(edited([&](json::Value& d) {
+                     bad_shape(d);
+                     d.Set("format", json::Value("emsa.plan"));
+                   }),
+                   "this is not a probe record"));
+  json::Value broken = *doc;
+  bad_shape(broken);
+  std::string text = json::Write(broken);
+  text.insert(text.rfind('}'), ",");
+  EXPECT_TRUE(Says(ProbeRecordFromJson(text).status(), "expected a quoted key"));
+  text = good;
+  text.insert(text.rfind('}'), ",\"params\": []");
+  EXPECT_TRUE(Says(ProbeRecordFromJson(text).status(), "duplicate key \"params\""));
+}
+
 TEST(HostileFiles, StreamsAndLargeFilesAreRefusedBeforeTheyAreHeld) {
   const Result<std::string> zero = json::ReadFile("/dev/zero", 1 << 20);
   EXPECT_EQ(zero.status().code(), StatusCode::kIoError);
@@ -149,6 +202,12 @@ TEST(HostileFiles, WriteFileReplacesAtomicallyAndLeavesNoTemporary) {
   EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir),
                           std::filesystem::directory_iterator{}),
             1);
+  // Text made in pieces is written in order, and replaces the file the same way.
+  const json::Producer pieces = [](const std::function<void(std::string_view)>& emit) {
+    for (const char* piece : {"one ", "two ", "three"}) emit(piece);
+  };
+  ASSERT_TRUE(json::WriteFile(path, pieces).ok());
+  EXPECT_EQ(json::ReadFile(path).value(), "one two three");
   EXPECT_TRUE(json::WriteFile("/dev/null", "in place").ok());  // a device is written, not replaced
   EXPECT_FALSE(json::WriteFile((dir / "no" / "such.json").string(), "x").ok());
   std::filesystem::remove_all(dir);

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 namespace emsa::json {
 namespace {
@@ -109,6 +110,65 @@ TEST(Json, FilesReportPaths) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kIoError);
   EXPECT_NE(r.status().message().find("/nonexistent/emsa/file.json"), std::string::npos);
+}
+
+TEST(Json, ASinkTakesTheRootArraysElementByElement) {
+  const std::string text =
+      R"({"a": [{"x": 1}, [2], 3], "b": [], "c": {"a": [4]}, "d": 5, "e": [6]})";
+  std::vector<std::string> taken;
+  ElementSink sink;
+  sink.keys = {"a", "b", "d"};
+  sink.take = [&](const std::string& key, size_t i, Value v) {
+    taken.push_back(key + "[" + std::to_string(i) + "]=" + Write(v, -1));
+  };
+  Result<Value> doc = Parse(text, sink);
+  ASSERT_TRUE(doc.ok()) << doc.status().ToString();
+  EXPECT_EQ(taken, (std::vector<std::string>{"a[0]={\"x\":1}", "a[1]=[2]", "a[2]=3"}));
+  // The document keeps an empty array where the elements were taken; a key not listed, a
+  // nested "a" and a listed key that holds no array stay as they were.
+  EXPECT_EQ(Write(*doc, -1), R"({"a":[],"b":[],"c":{"a":[4]},"d":5,"e":[6]})");
+
+  // Syntax errors and repeated keys are still the parser's, wherever they are.
+  EXPECT_TRUE(
+      Parse(R"({"a": [1, 2], "a": []})", sink).status().message().find("duplicate key \"a\"") !=
+      std::string::npos);
+  taken.clear();
+  const Status late = Parse(R"({"a": [1, 2], "d": tru})", sink).status();
+  EXPECT_EQ(late.code(), StatusCode::kParseError);
+  EXPECT_EQ(taken.size(), 2u) << "the elements before the error were handed over";
+  taken.clear();
+  ASSERT_TRUE(Parse(R"([{"a": [1]}])", sink).ok());
+  EXPECT_TRUE(taken.empty()) << "only the root object's arrays are taken";
+}
+
+TEST(Json, AnObjectWriterWritesWhatWriteWrites) {
+  Value element = Value::MakeObject();
+  element.Set("name", "p\"0\"\n\x01");
+  element.Set("shape", Value(Value::Array{Value(2), Value(3)}));
+  element.Set("nested", Value(Value::Array{Value::MakeObject(), Value::MakeArray()}));
+  element.Set("x", 0.1);
+  Value whole = Value::MakeObject();
+  whole.Set("format", "emsa.test");
+  whole.Set("empty", Value::MakeArray());
+  whole.Set("items", Value(Value::Array{element, element}));
+  whole.Set("options", element);
+  for (int indent : {-1, 0, 2, 4}) {
+    std::string out;
+    ObjectWriter w(&out, indent);
+    w.Member("format", "emsa.test");
+    w.BeginArray("empty");
+    w.EndArray();
+    w.BeginArray("items");
+    w.Element(element);
+    w.Element(element);
+    w.EndArray();
+    w.Member("options", element);
+    w.Finish();
+    EXPECT_EQ(out, Write(whole, indent)) << "indent " << indent;
+  }
+  std::string empty;
+  ObjectWriter(&empty, 2).Finish();
+  EXPECT_EQ(empty, Write(Value::MakeObject(), 2));
 }
 
 }  // namespace

@@ -160,6 +160,38 @@ def inputs(tmp_path_factory):
     return out
 
 
+def _large_record(path, n_params, name_pad=0):
+    """A valid record of n_params parameters, pretty-printed as ProbeRecord.save writes it, and
+    written one parameter at a time (100k parameters: 34 MB)."""
+    with open(path, "w") as f:
+        f.write('{\n  "format": "emsa.probe",\n  "version": 1,\n  "model": "large",\n'
+                '  "device": "analytic",\n  "forward_time": 1.0,\n  "backward_time": 1.0,\n'
+                '  "peak_device_bytes": 1073741824,\n  "activation_peak_bytes": 536870912,\n'
+                '  "params": [\n')
+        for i in range(n_params):
+            module = f"model.layers.{i // 8}.w{i % 8}" + "x" * name_pad
+            p = {"name": module + ".weight", "module": module, "shape": [64, 4],
+                 "dtype": "float32", "numel": 256, "bytes": 1024, "trainable": True,
+                 "tied_names": [], "use_count": 1, "forward_order": i, "forward_time": i * 1e-6,
+                 "grad_ready_order": n_params - 1 - i,
+                 "grad_ready_time": 1.0 + (n_params - i) * 1e-6}
+            f.write(("," if i else "") + json.dumps(p, indent=2) + "\n")
+        f.write("  ]\n}\n")
+
+
+@pytest.fixture(scope="module")
+def large_records(tmp_path_factory):
+    """The 100k-parameter record, and the largest one the limits let through: 240k parameters
+    (3.9 M of the 4 M JSON values a document may hold) in just under the 128 MiB a file may
+    have."""
+    d = tmp_path_factory.mktemp("large")
+    out = {"large": d / "large.json", "largest": d / "largest.json"}
+    _large_record(out["large"], 100_000)
+    _large_record(out["largest"], 240_000, name_pad=106)
+    assert 120 * MIB < out["largest"].stat().st_size <= 128 * MIB
+    return out
+
+
 BAD_RECORDS = ["zero", "nul", "array", "strings", "keys", "deep", "deep_object", "truncated",
                "empty", "not_utf8", "huge_params"]
 BAD_CONFIGS = ["layers_1e6", "layers_1e5", "layers_100000", "layers_1000000", "layers_4097"]
@@ -200,6 +232,20 @@ def test_cpp_cli_plans_many_samples_in_backward(inputs):
     for extra in ([], ["--step-in-backward"]):
         r = cpp_cli("plan", inputs["many"], "--profile", CPU_PROFILE, "--summary", *extra)
         assert_answered(r, inputs["many"], allowed=(0, 3))
+
+
+@pytest.mark.parametrize("name", ["large", "largest"])
+@pytest.mark.parametrize("output", ["--summary", "--verbose", "--json"])
+def test_cpp_cli_plans_a_large_record_within_the_memory_bar(large_records, name, output,
+                                                            tmp_path):
+    # The document is never held beside the record, nor the plan's JSON built unless it is
+    # written: the peak is the text, the record and the plan, each once.
+    args = ["--json", tmp_path / "plan.json"] if output == "--json" else [output]
+    r = cpp_cli("plan", large_records[name], "--profile", CPU_PROFILE, *args)
+    assert_answered(r, large_records[name], allowed=(0,))
+    if output == "--json":
+        with open(tmp_path / "plan.json") as f:
+            assert f.read(64).startswith('{\n  "format": "emsa.plan"')
 
 
 @pytest.mark.parametrize("args", [["--budget", "99999999999999999999PiB"],
@@ -280,6 +326,11 @@ def c_abi(kind, path, other=None):
 def test_c_abi_refuses_a_hostile_record(inputs, name, python_baseline):
     r = c_abi("record", inputs[name], CPU_PROFILE)
     assert_answered(r, inputs[name], baseline=python_baseline)
+
+
+def test_c_abi_plans_a_large_record_within_the_memory_bar(large_records, python_baseline):
+    r = c_abi("record", large_records["large"], CPU_PROFILE)
+    assert_answered(r, large_records["large"], allowed=(0,), baseline=python_baseline)
 
 
 @pytest.mark.parametrize("name", ["array", "keys", "deep"])
