@@ -302,13 +302,15 @@ class _EmsaOptimizer(Optimizer):
         plan = make_plan(planned, profile, optimizer=self._kind, state_dtype=self._state_dtype,
                          budget=self._budget,
                          allow_host_tier=backend_cls.host_tier and self._tier != "device",
-                         force_all_host=self._tier == "host", release_grads=self._in_backward,
+                         force_all_host=self._tier == "host",
+                         release_grads=self._releases_grads(),
                          device_update_share=_tuning.host_device_share())
         backend = backend_cls(slots, plan, self._kind, self._state_dtype,
                               len(self.param_groups), in_backward=self._in_backward)
         for i, s in enumerate(slots):
             self.state[s.param] = backend.state(i)
         self._plan, self._backend, self._record = plan, backend, planned
+        self._planned_release = self._releases_grads()
         self._frozen, self._slots = frozen, slots
         self._sizes = [len(g["params"]) for g in self.param_groups]
         held = [[] for _ in self.param_groups]
@@ -360,6 +362,30 @@ class _EmsaOptimizer(Optimizer):
     @max_grad_norm.setter
     def max_grad_norm(self, value) -> None:
         self._max_grad_norm = _check_max_norm(value)
+        self._warn_gated_after_plan()
+
+    def _gated_in_backward(self) -> bool:
+        """Whether in-backward passes wait for every gradient (clipping, the non-finite check,
+        a loss scale): then device-tier gradients are held until backward ends."""
+        return self._in_backward and bool(self._max_grad_norm or self.skip_nonfinite
+                                          or self._grad_scaler is not None)
+
+    def _releases_grads(self) -> bool:
+        """What the plan may assume: gradients freed during backward. A gated pass keeps the
+        device tier's until backward ends (only the host tier's leave as their copies land), so
+        such a plan counts every gradient held, unless all state is on the host."""
+        return self._in_backward and (self._tier == "host" or not self._gated_in_backward())
+
+    def _warn_gated_after_plan(self) -> None:
+        if (getattr(self, "_backend", None) is None or not getattr(self, "_planned_release", False)
+                or self._releases_grads()):
+            return
+        warnings.warn(
+            "emsa: this optimizer planned its device memory assuming gradients are freed during "
+            "backward; with clipping, the non-finite check or a loss scale an in-backward pass "
+            "holds the device tier's gradients until backward ends, so the peak is higher than "
+            "planned. Pass max_grad_norm= / grad_scaler= / skip_nonfinite= at construction to "
+            "plan for it (or use tier='host').", RuntimeWarning, stacklevel=3)
 
     @property
     def grad_scaler(self):
@@ -373,6 +399,7 @@ class _EmsaOptimizer(Optimizer):
             raise ValueError("grad_scaler applies with step_in_backward=True; in step() mode "
                              "scaler.step(opt) hands its scale to emsa by itself")
         self._grad_scaler = scaler
+        self._warn_gated_after_plan()
 
     @property
     def last_grad_norm(self) -> float | None:

@@ -98,9 +98,11 @@ Status CheckTablePointers(const TensorUpdate* tensors, size_t count,
   for (size_t i = 0; i < count; ++i) {
     const TensorUpdate& t = tensors[i];
     if (t.numel == 0) continue;
+    if (!options.stats_only) {
+      EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "param", t.param, device));
+    }
     EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "grad", t.grad, device));
     if (options.stats_only) continue;
-    EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "param", t.param, device));
     EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "exp_avg", t.exp_avg, device));
     if (optimizer != OptimizerKind::kLion) {
       EMSA_RETURN_IF_ERROR(CheckDevicePointer(i, "exp_avg_sq", t.exp_avg_sq, device));
