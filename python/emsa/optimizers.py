@@ -600,11 +600,17 @@ class _EmsaOptimizer(Optimizer):
 
     # ---- measurements ---------------------------------------------------------------------
     def synchronize(self) -> None:
-        """Waits until every update is applied and visible to the current stream. Needed only
-        before reading host-tier parameters outside a module's forward (model.state_dict(),
-        a functional use): a module's forward waits for its own parameters by itself."""
-        if self._backend is not None and hasattr(self._backend, "synchronize"):
-            self._backend.synchronize()
+        """Waits until every update is applied and visible to the current stream, and makes
+        the "step" counts in opt.state exact (on CUDA a skipped step is learned late). Needed
+        only before reading host-tier parameters outside a module's forward (model.state_dict(),
+        a functional use) or reading opt.state directly: a module's forward waits for its own
+        parameters by itself."""
+        backend = self._backend
+        if backend is not None and backend.deferred:
+            backend.sync_state()
+            self._warn_skipped(backend.finished_skips(), stacklevel=3)
+        elif backend is not None and hasattr(backend, "synchronize"):
+            backend.synchronize()
 
     def step_stats(self) -> list[dict]:
         """Measured per step. CUDA: time_s (GPU time from this step's start to the next's),

@@ -93,7 +93,7 @@ class Spec:
 
 SPECS = {
     "gpt2": Spec(gpt2, lockstep=True),
-    "llama": Spec(llama, lockstep=False),
+    "llama": Spec(llama, lockstep=True),
     "bert": Spec(bert, lockstep=True),
     "qwen2": Spec(qwen2, lockstep=True),
 }

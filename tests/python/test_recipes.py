@@ -15,9 +15,10 @@ float64 run at most 1.25x torch's own (ACCURACY_FACTOR); (2) no further from tor
 torch's two implementations from each other (SPREAD_FACTOR), or, where that is smaller than
 torch's own error against float64, no further than that error. Both are five orders of
 magnitude tighter than one update (`recipe_models.distance`: about 1/steps). Both distances are
-reported (bench/recipes_numerics.py writes them per model and mode). Llama (no zero-gradient
-parameter) runs end to end instead, each optimizer training its own copy: there both distances
-measure the trajectories' drift and (2) alone applies, without the float64 run.
+reported (bench/recipes_numerics.py writes them per model and mode). Every model runs in
+lockstep: end to end, each optimizer training its own copy, both distances measure how the
+trajectories amplify one-ulp differences (on the H200, 20 steps of the Llama here: emsa 7.4e-5
+from torch's foreach, fused 1.7e-5), not which update is more exact.
 """
 
 import os
@@ -262,11 +263,14 @@ def test_lora_state_bytes_within_one_percent_of_torch(device):
     kw = {"profile": str(CPU_PROFILE)} if device == "cpu" else {"tier": "device"}
     opt = emsa.AdamW(ours.parameters(), lr=1e-3, **kw)
     g = torch.Generator().manual_seed(1)
-    for _ in range(3):
+    for _ in range(3):  # lockstep: both get the reference's gradients (lora_b starts at 0,
+        # where Adam's normalised step amplifies one-ulp forward differences end to end)
         x = torch.randn(16, 1024, generator=g).to(device)
-        for m, o in ((ref, ref_opt), (ours, opt)):
+        for o in (ref_opt, opt):
             o.zero_grad()
-            m(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        lockstep_backward(ours, ref)
+        for o in (ref_opt, opt):
             o.step()
     sync(opt)
     assert_rel_close(ours, ref, 1e-5)  # the adapters trained as torch's did
