@@ -36,15 +36,8 @@ class Backend:
 
     The call sequence, from the front end (emsa.optimizers), is exactly:
 
-    step() mode (step_in_backward=False):
-      during each backward, once the backend exists and wants_grads_final is True:
-        grads_final(b)  for each bucket b (bucket_slots()) whose every member got its gradient
-                        in this backward (called from the member's post-accumulate-grad hook
-                        that completed it; members that get no gradient leave it uncalled)
-        backward_end()  once, from the autograd engine callback queued by the backward's first
-                        hook (runs when that backward() call returns)
-      the gating attributes below are set before the backward's first grads_final (from its
-      first hook) and again before each step():
+    step() mode (step_in_backward=False): the gating attributes below are set before each
+    step():
         step(param_groups) -> StepResult
 
     step_in_backward=True: per backward() call (a "pass"), for the updating passes only (every
@@ -78,7 +71,7 @@ class Backend:
       found_inf_out: Tensor | None 0-d float32 on the device: write 1.0 into it if this step
                                    (or pass) was skipped, else leave it unchanged
     The non-finite verdict and the clip coefficient come from one statistics pass over the
-    gradients (or statistics gathered per bucket in backward), never from a second one.
+    gradients, never from a second one.
     """
 
     name = "abstract"
@@ -90,9 +83,6 @@ class Backend:
     # Whether step()'s result is known only later (a GPU skips a step without telling the host
     # at once): then step() returns StepResult() and finished_skips() reports skips as found.
     deferred = False
-    # Whether step() mode wants grads_final/backward_end calls from gradient hooks (statistics
-    # gathered during backward). The CPU engine does not: its step() scans the gradients.
-    wants_grads_final = False
     # Gating attributes, set by the front end (see the class docstring).
     check_finite = True
     max_norm = 0.0
@@ -180,13 +170,6 @@ class Backend:
         loss_scale) changes nothing and writes found_inf_out."""
         raise NotImplementedError
 
-    def grads_final(self, b: int) -> None:
-        """step() mode, wants_grads_final: bucket b's gradients are final in this backward (its
-        statistics may be gathered now, for step() to use if they are still valid then)."""
-
-    def backward_end(self) -> None:
-        """step() mode, wants_grads_final: the backward whose hooks called grads_final ended."""
-
     # Whether begin_pass/step_bucket exist: updates made from gradient hooks during backward
     # (the optimizer's step_in_backward=True).
     steps_in_backward = False
@@ -197,7 +180,7 @@ class Backend:
         raise NotImplementedError
 
     def bucket_slots(self) -> list[list[int]]:
-        """The slots of each bucket: the unit step_bucket updates and grads_final reports."""
+        """The slots of each bucket: the unit step_bucket updates."""
         raise NotImplementedError
 
     def step_bucket(self, b: int) -> bool:

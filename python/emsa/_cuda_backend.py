@@ -28,12 +28,11 @@ give: the non-finite check (skip_nonfinite), clipping by the global norm (max_no
 scale to divide by (a GradScaler). Its updates then wait for the statistics (sum of squares and
 non-finite count of every gradient) and the finish that turns them into found_inf, the norm and
 the clip coefficient on the device; ungated steps run without statistics. The statistics come
-from backward where possible, so that they cost no extra pass over the gradients in step():
-  - step() mode: the front end's hooks call grads_final(b) as each bucket's gradients become
-    final; the bucket's sums are added on the GPU at once. step() uses them if each summed
-    gradient is still the one summed (data_ptr and _version as recorded) and sums the buckets
-    that were not summed (a member without a gradient in that backward, say); otherwise it sums
-    everything itself (correct, slower). Then one launch updates every device-tier bucket.
+in one pass:
+  - step() mode: the statistics of every gradient are summed on the GPU at step() (one launch
+    with the device tier's update when there is no host tier), then one launch updates every
+    device-tier bucket. Summing them per bucket in backward instead was measured slower
+    (docs/decisions.md).
   - step_in_backward: device-tier buckets add their sums as their gradients become final and
     keep their gradients (step_bucket returns False); host-tier buckets add theirs and are
     submitted at once (their copies down are enqueued whole). When backward ends (end_pass) the
@@ -87,7 +86,7 @@ from ._capi import (DeviceTableOptions, EmsaError, HostTierTensor, Hyperparams, 
                     check, lib)
 from ._arena import HostArena
 from ._cuda_passes import InBackward, Pass, on, ptr
-from ._cuda_stats import Gathered, HeaderRing, StepClock, counted_mask
+from ._cuda_stats import HeaderRing, StepClock, counted_mask
 from ._device_arena import DeviceArena
 from ._host_tier import HostTier
 from .plan import Plan, measure_profile
@@ -102,7 +101,6 @@ class CudaBackend(InBackward, Backend):
     wants_bandwidths = False
     host_tier = True
     deferred = True
-    wants_grads_final = True
 
     @staticmethod
     def planning_profile(device: torch.device, measure_bandwidth: bool = False) -> str:
@@ -174,7 +172,6 @@ class CudaBackend(InBackward, Backend):
             raise
         self.calls = 0  # step() calls and in-backward passes that enqueued an update
         self.noop_last = False  # the last step() had no gradients at all
-        self.gathered: Gathered | None = None  # step() mode: statistics summed in backward
         self.pass_: Pass | None = None  # step in backward: the pass under way
         self.closed = False
 
@@ -252,7 +249,7 @@ class CudaBackend(InBackward, Backend):
             into.append(members)
             if host:
                 self.host_on_gpu.append(bool(bucket.get("device_update", False)))
-        # Every bucket in plan order: the unit of step_bucket and grads_final.
+        # Every bucket in plan order: the unit of step_bucket.
         self.buckets = [(self.host_slots if host else self.table_slots)[k]
                         for host, k in self.order]
         covered = sorted(i for m in self.table_slots + self.host_slots for i in m)
@@ -262,7 +259,7 @@ class CudaBackend(InBackward, Backend):
             raise RuntimeError("emsa internal error: the plan's buckets do not hold every "
                                f"parameter exactly once (missing: {names}); please report it")
         # The per-bucket tables serve step_in_backward, on the current stream between
-        # backward's kernels, and the statistics gathered in backward.
+        # backward's kernels, and the statistics summed per bucket there.
         for members in self.table_slots:
             self.tables.append(self._make_table(members, options, state_code))
         # step() updates every device-tier bucket at once: one table over all of them, one
@@ -452,7 +449,6 @@ class CudaBackend(InBackward, Backend):
         with on(self.index):
             self._poll(wait=False)
             grads = self._gradients(param_groups)
-            gathered, self.gathered = self.gathered, None  # used by this step or never
             if grads is None:
                 self.noop_last = True
                 return StepResult()
@@ -470,7 +466,7 @@ class CudaBackend(InBackward, Backend):
             device = int(any(grads[i] is not None for i in self.step_members))
             if gated:
                 try:
-                    self._gated_step(grads, gathered, device, stream)
+                    self._gated_step(grads, device, stream)
                 except BaseException:
                     if self.host is not None:  # nothing of this step may apply
                         self.host.discard()
@@ -503,29 +499,21 @@ class CudaBackend(InBackward, Backend):
             if any(g is not None for g in mine):
                 self.host.submit(b, mine, stream)
 
-    def _gated_step(self, grads, gathered: Gathered | None, device: int,
-                    stream: torch.cuda.Stream) -> None:
-        """step() of a gated step: the statistics (from backward when still valid, else summed
-        now), the finish, one launch over the device tier, the host tier's release."""
+    def _gated_step(self, grads, device: int, stream: torch.cuda.Stream) -> None:
+        """step() of a gated step: the statistics, the finish, one launch over the device tier,
+        the host tier's release."""
         handle = stream.cuda_stream
         self._set_inputs(float(self.max_norm or 0.0), self.loss_scale, stream)
         self._submit_host(grads, stream)  # the copies wait only for the gradients
         bucket_slots = self.buckets
-        if gathered is not None and not gathered.still_valid(lambda b: bucket_slots[b],
-                                                             self.params):
-            gathered = None  # a summed gradient changed since: sum everything again
-        if gathered is None and self.host is None:
+        if self.host is None:
             # begin, the statistics over the step table, finish, update: one call.
             check(lib.emsa_device_step(self.scalars, self.step_array, device, 1, handle))
         else:
-            if gathered is None:
-                check(lib.emsa_device_begin_step(self.scalars, handle))
-                if device:
-                    self._accumulate(self.step_table, handle)
-                missing = [b for b, (host, _) in enumerate(self.order) if host]
-            else:
-                missing = [b for b in range(len(self.order)) if b not in gathered.taken]
-            for b in missing:
+            check(lib.emsa_device_begin_step(self.scalars, handle))
+            if device:
+                self._accumulate(self.step_table, handle)
+            for b in [b for b, (host, _) in enumerate(self.order) if host]:
                 members = bucket_slots[b]
                 if all(grads[i] is None for i in members):
                     continue
@@ -551,36 +539,6 @@ class CudaBackend(InBackward, Backend):
         """Orders `stream` after the last step's stream: both write the same state."""
         if stream.cuda_stream != self.last_stream.cuda_stream:
             stream.wait_stream(self.last_stream)
-
-    # ---- statistics gathered in backward (step() mode) ------------------------------------
-    def grads_final(self, b: int) -> None:
-        """Bucket b's gradients are final in this backward: when steps are gated, their sum of
-        squares and non-finite count are added to the step header now, on the GPU, and
-        recorded so that step() can tell whether they still hold."""
-        if self.closed or not self.gated():
-            self.gathered = None
-            return
-        members = self.buckets[b]
-        with on(self.index):
-            stream = torch.cuda.current_stream(self.device)
-            self._follow(stream)
-            handle = stream.cuda_stream
-            grads = self._bucket_grads(members)
-            gathered = self.gathered
-            if gathered is None or gathered.ended or b in gathered.taken:
-                # A new backward (or the same bucket again: its earlier sums are stale).
-                check(lib.emsa_device_begin_step(self.scalars, handle))
-                gathered = self.gathered = Gathered()
-            t = self._stats_table_of(b)
-            self._point_table(t, [ptr(g) for g in grads], handle)
-            self._accumulate(t, handle)
-            gathered.note(b, members, self.params)
-            self.last_stream = stream
-        del grads  # copies made for the kernels are freed in stream order, after the sums
-
-    def backward_end(self) -> None:
-        if self.gathered is not None:
-            self.gathered.ended = True
 
     # ---- what is learned late: skipped steps, norms ---------------------------------------
     def _poll(self, wait: bool, count_steps: bool = True) -> None:

@@ -1,5 +1,4 @@
-"""What the CUDA engine learns about its gated steps after the fact, and the gradient statistics
-it gathers during backward for step() to use.
+"""What the CUDA engine learns about its gated steps after the fact.
 
 HeaderRing. A gated step (non-finite check, clipping or a loss scale) decides on the GPU: a
 step whose gradients hold inf/nan writes nothing and advances no step count, and the clip
@@ -8,12 +7,6 @@ copy of the step header is enqueued into a pinned ring (RING slots) with an even
 reads it once the event has completed, at a later step() (an event query, no waiting) or when
 asked (last_step_skipped, last_grad_norm, state_dict wait). Until a skip is read, the "step"
 counts in opt.state include it; reading it takes it back from the slots the step counted.
-
-Gathered. In step() mode the front end's hooks report each bucket whose gradients are final in
-a backward (grads_final); the engine then adds that bucket's sum of squares and non-finite count
-to the step header at once, on the GPU, while backward still runs. step() may use the sums only
-if every gradient it updates is the one they were taken from: each summed gradient's data_ptr
-and _version as recorded then, and no bucket summed twice. Gathered keeps that record.
 """
 
 from __future__ import annotations
@@ -101,32 +94,6 @@ class HeaderRing:
     def take_norms(self) -> dict[int, tuple[float, bool]]:
         found, self.norms = self.norms, {}
         return found
-
-
-class Gathered:
-    """Statistics added to the step header during one backward, bucket by bucket."""
-
-    def __init__(self):
-        self.taken: set[int] = set()  # buckets (bucket_slots() order) summed
-        self.seen: dict[int, tuple[int, int] | None] = {}  # slot -> (data_ptr, _version) | None
-        self.ended = False  # backward_end came: the next grads_final starts anew
-
-    def note(self, b: int, members: list[int], params: list[torch.Tensor]) -> None:
-        self.taken.add(b)
-        for i in members:
-            self.seen[i] = _identity(params[i].grad)
-
-    def still_valid(self, members_of, params: list[torch.Tensor]) -> bool:
-        """Whether each summed bucket's gradients are still the ones summed."""
-        for b in self.taken:
-            for i in members_of(b):
-                if _identity(params[i].grad) != self.seen[i]:
-                    return False
-        return True
-
-
-def _identity(g: torch.Tensor | None) -> tuple[int, int] | None:
-    return None if g is None else (g.data_ptr(), g._version)
 
 
 def counted_mask(present: list[int], count: int) -> torch.Tensor | None:

@@ -18,7 +18,7 @@ options of emsa's own:
                    warns, and sets opt.last_step_skipped. Accepted in every mode and tier.
                    torch.optim applies such a step and the weights become NaN for good, a
                    loss that no speed-up repays. The verdict comes from the same pass over the
-                   gradients as the clipping norm (on CUDA, gathered per bucket in backward).
+                   gradients as the clipping norm (one fused pass at step()).
                    On CUDA the GPU decides and step() does not wait for it: the warning comes
                    at a later step() (or when last_step_skipped or state_dict() is read, which
                    wait for the GPU). With step_in_backward the check makes every update of a
@@ -56,7 +56,8 @@ options of emsa's own:
                    - "gated" passes, that need every gradient before any update (max_grad_norm,
                      skip_nonfinite=True, grad_scaler=): the updates wait for the end of
                      backward (on the CPU the whole step runs then; on CUDA the statistics are
-                     gathered per bucket in backward and host-tier copies still overlap it).
+                     summed per bucket as its gradients become final, and host-tier copies
+                     still overlap backward).
                      Clipping by hand after backward cannot work (the gradients are gone):
                      use max_grad_norm=; emsa warns where it can see it being tried
                      (scaler.unscale_(opt); emsa.hf.EmsaTrainerCallback for Trainer);
@@ -320,7 +321,7 @@ class _EmsaOptimizer(Optimizer):
         if self._recorder is not None:
             self._recorder.remove()
             self._recorder = None
-        if self._in_backward or backend.wants_grads_final:
+        if self._in_backward:
             self._install_hooks(slots, backend_cls)
 
     def _engine_groups(self, unfrozen: bool = False) -> list[dict]:
@@ -457,10 +458,6 @@ class _EmsaOptimizer(Optimizer):
                 self._open_pass()
             fired = self._fired
             if i in fired:
-                if not self._in_backward:
-                    # step() mode: the backend checks at step() that the gradient it gathered
-                    # statistics of is unchanged (its _version), and rescans it if not.
-                    return
                 raise RuntimeError(
                     f"emsa: {self._names[i]} got a second gradient within one backward() call "
                     "(a parameter used in several segments of checkpoint(use_reentrant=True) "
@@ -476,9 +473,7 @@ class _EmsaOptimizer(Optimizer):
                 return
             backend = self._backend
             with torch.no_grad():
-                if not self._in_backward:
-                    backend.grads_final(b)
-                elif backend.step_bucket(b):
+                if backend.step_bucket(b):
                     # Released now, not at zero_grad: the point of stepping in backward. On a
                     # device the caching allocator reuses the memory in stream order, after the
                     # update that reads it.
@@ -491,16 +486,12 @@ class _EmsaOptimizer(Optimizer):
 
     def _open_pass(self) -> None:
         backend = self._backend
-        if self._in_backward:
-            self._updating = (self._passes + 1) % self._accumulate == 0
-            groups = self._engine_groups(unfrozen=True)
-            if self._updating:  # the pass's first gradient: its lr and hyperparameters
-                self._configure(backend, **self._pass_scaling())
-                with torch.no_grad():
-                    backend.begin_pass(groups)
-        else:
-            self._updating = True
-            self._configure(backend)  # the scale (GradScaler) is known only at step()
+        self._updating = (self._passes + 1) % self._accumulate == 0
+        groups = self._engine_groups(unfrozen=True)
+        if self._updating:  # the pass's first gradient: its lr and hyperparameters
+            self._configure(backend, **self._pass_scaling())
+            with torch.no_grad():
+                backend.begin_pass(groups)
         self._waiting = [len(m) for m in self._bucket_members]
         self._pass_token += 1
         token, ref = self._pass_token, weakref.ref(self)
@@ -538,9 +529,6 @@ class _EmsaOptimizer(Optimizer):
         self._pass_open = False
         self._fired.clear()
         backend = self._backend
-        if not self._in_backward:
-            backend.backward_end()
-            return
         self._passes += 1
         if not self._updating:
             return

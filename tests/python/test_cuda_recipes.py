@@ -361,20 +361,3 @@ def test_gradients_changed_after_backward_are_what_step_uses(mode, profile):
         ref_opt.step()
         assert not opt.last_step_skipped
         assert_params_close(ours, ref, opt, f"step {k + 1}: ")
-
-
-def test_default_step_takes_its_statistics_from_backward():
-    """The default emsa.AdamW step() on the device tier (non-finite check on) finds its
-    statistics gathered in backward: step() runs no pass over the gradients of its own."""
-    torch.manual_seed(0)
-    model = Recipe().to(DEVICE)
-    opt = emsa.AdamW(model.parameters(), **HYPER)
-    for batch in batches(3):  # plans at the first step; hooks gather from the second backward
-        opt.zero_grad()
-        loss_of(model, batch).backward()
-        backend = opt._backend
-        if backend is not None and backend.gathered is not None:
-            taken = backend.gathered.taken
-            assert taken == set(range(len(backend.buckets))), taken
-        opt.step()
-    assert backend.gathered is None  # consumed by the step
