@@ -269,9 +269,13 @@ TEST(HostLoad, OptionsAreCheckedAndTheLoadRunsUntilStopped) {
     } else {
       EXPECT_EQ((*load)->copy_rounds(), 0);
     }
+    // Still running: the rounds keep advancing. Polled, not slept for a fixed time: on a loaded
+    // machine the load's threads may wait long for a core (no duration is asserted).
     const int64_t first = (*load)->update_rounds();
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    EXPECT_GT((*load)->update_rounds(), first);  // still running
+    for (int i = 0; i < 60000 && (*load)->update_rounds() == first; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_GT((*load)->update_rounds(), first);
     EXPECT_TRUE((*load)->Stop().ok());
     const int64_t stopped = (*load)->update_rounds();
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
