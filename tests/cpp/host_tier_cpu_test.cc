@@ -637,8 +637,9 @@ TEST_F(HostTierCpu, FoundInfSkipsTheStepBitwise) {
       const State after_one = TierState();
       EXPECT_STATUS_OK(host_tier_->BeginStepGated(&hyper, 1, true));
       for (size_t b = kBuckets; b-- > 0;) EXPECT_STATUS_OK(Submit(b, 2, grads_stream_, 0));
+      // The release copies the header on a stream, later: it must outlive the Synchronize.
+      DeviceStepHeader header;
       if (from_header) {
-        DeviceStepHeader header;
         header.found_inf = 1;
         EXPECT_STATUS_OK(host_tier_->Release(&header, compute_));
       } else {
