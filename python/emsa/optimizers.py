@@ -378,8 +378,9 @@ class _EmsaOptimizer(Optimizer):
         return self._in_backward and (self._tier == "host" or not self._gated_in_backward())
 
     def _warn_gated_after_plan(self) -> None:
-        if (getattr(self, "_backend", None) is None or not getattr(self, "_planned_release", False)
-                or self._releases_grads()):
+        backend = getattr(self, "_backend", None)
+        if (backend is None or backend.name != "cuda"  # the CPU engine plans no device memory
+                or not getattr(self, "_planned_release", False) or self._releases_grads()):
             return
         warnings.warn(
             "emsa: this optimizer planned its device memory assuming gradients are freed during "
