@@ -390,10 +390,14 @@ void WriteDouble(double d, std::string* out) {
   for (int precision = 15; precision <= 17; ++precision) {
     const std::to_chars_result r =
         std::to_chars(buf, buf + sizeof buf, d, std::chars_format::general, precision);
-    text = std::string_view(buf, static_cast<size_t>(r.ptr - buf));
-    double back = 0.0;
-    std::from_chars(text.data(), text.data() + text.size(), back);
-    if (back == d) break;
+    const size_t length = static_cast<size_t>(r.ptr - buf);
+    text = std::string_view(buf, length);
+    // strtod, not from_chars: libc++ before 17 has no floating-point from_chars. The text is
+    // to_chars' (no locale), and emsa never changes LC_NUMERIC.
+    char terminated[sizeof buf + 1];
+    std::memcpy(terminated, buf, length);
+    terminated[length] = '\0';
+    if (std::strtod(terminated, nullptr) == d) break;
   }
   *out += text;
   // Keep doubles recognisable as non-integers so they read back as doubles.
