@@ -14,6 +14,9 @@ Without a probe, the record is built at the first step from the parameters' shap
 gradient-ready order that hooks installed at construction saw in the first backward
 (FirstBackwardRecorder). Forward order is then inferred as the reverse of it: backward visits
 layers in the reverse of forward, which is what the planner needs to rank slack.
+
+A DTensor parameter (FSDP2) is planned as its local shard (emsa._dtensor.local): its shape,
+bytes and record entry are this rank's piece; hooks and names stay on the DTensor.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ._backend import DTYPE_NAMES
+from ._dtensor import local
 from .probe_record import ParamRecord, ProbeRecord
 
 
@@ -105,8 +109,8 @@ def unprobed_record(slots: list[Slot], recorder: FirstBackwardRecorder | None,
     observed = len(seen)
     params = []
     for s in slots:
-        p = s.param
-        order, t = seen.get(id(p), (-1, 0.0))
+        order, t = seen.get(id(s.param), (-1, 0.0))
+        p = local(s.param)
         params.append(ParamRecord(
             name=s.name,
             module=s.name.rsplit(".", 1)[0] if "." in s.name else f"param_groups[{s.group}]",
@@ -115,7 +119,7 @@ def unprobed_record(slots: list[Slot], recorder: FirstBackwardRecorder | None,
             forward_order=observed - 1 - order if order >= 0 else -1,
             grad_ready_order=order, grad_ready_time=t))
     for s in frozen:
-        p = s.param
+        p = local(s.param)
         params.append(ParamRecord(
             name=s.name,
             module=s.name.rsplit(".", 1)[0] if "." in s.name else f"param_groups[{s.group}]",
@@ -159,9 +163,10 @@ def match(slots: list[Slot], record: ProbeRecord) -> ProbeRecord:
             raise ValueError(f"parameter {s.name} is not in the probe record (matched by {how}); "
                              "probe the model whose parameters you pass to the optimizer")
         rec = record.params[s.record_index]
-        if list(s.param.shape) != list(rec.shape) or DTYPE_NAMES[s.param.dtype] != rec.dtype:
+        p = local(s.param)
+        if list(p.shape) != list(rec.shape) or DTYPE_NAMES[p.dtype] != rec.dtype:
             raise ValueError(
-                f"parameter {s.name} is {tuple(s.param.shape)} {s.param.dtype} but the probe "
+                f"parameter {s.name} is {tuple(p.shape)} {p.dtype} but the probe "
                 f"record's {rec.name!r} is {tuple(rec.shape)} {rec.dtype} (matched by {how}); "
                 "probe the model again after changing it")
     held = {s.record_index for s in slots}

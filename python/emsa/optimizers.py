@@ -110,7 +110,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from . import _binding, _tuning
+from . import _binding, _dtensor, _tuning
 from ._backend import Backend, check_param, select
 from .plan import STATE_DTYPES, Plan, make_plan, parse_bytes, profile_json, require_library
 from .probe_record import ProbeRecord
@@ -306,10 +306,15 @@ class _EmsaOptimizer(Optimizer):
                          force_all_host=self._tier == "host",
                          release_grads=self._releases_grads(),
                          device_update_share=_tuning.host_device_share())
-        backend = backend_cls(slots, plan, self._kind, self._state_dtype,
+        shards = _dtensor.Shards(slots)  # DTensor parameters: the engine binds local shards
+        backend = backend_cls(shards.engine_slots, plan, self._kind, self._state_dtype,
                               len(self.param_groups), in_backward=self._in_backward)
         for i, s in enumerate(slots):
-            self.state[s.param] = backend.state(i)
+            self.state[s.param] = _dtensor.wrap_state(backend.state(i), s.param)
+        self._shards = shards
+        if getattr(self, "_norm_group", None) is None:
+            self._norm_group = _dtensor.norm_group(s.param for s in slots)
+        _dtensor.forward_waits(backend, shards)
         self._plan, self._backend, self._record = plan, backend, planned
         self._planned_release = self._releases_grads()
         self._frozen, self._slots = frozen, slots
@@ -473,14 +478,14 @@ class _EmsaOptimizer(Optimizer):
             if self._waiting[b]:
                 return
             backend = self._backend
+            members = self._bucket_members[b]
+            self._shards.pull(members)
             with torch.no_grad():
                 if backend.step_bucket(b):
                     # Released now, not at zero_grad: the point of stepping in backward. On a
                     # device the caching allocator reuses the memory in stream order, after the
                     # update that reads it.
-                    params = backend.params
-                    for j in self._bucket_members[b]:
-                        params[j].grad = None
+                    self._shards.release(members)
         except BaseException:
             self._abandon_pass()
             raise
@@ -492,7 +497,7 @@ class _EmsaOptimizer(Optimizer):
         if self._updating:  # the pass's first gradient: its lr and hyperparameters
             self._configure(backend, **self._pass_scaling())
             with torch.no_grad():
-                backend.begin_pass(groups)
+                backend.begin_pass(self._shards.groups(groups))
         self._waiting = [len(m) for m in self._bucket_members]
         self._pass_token += 1
         token, ref = self._pass_token, weakref.ref(self)
@@ -534,10 +539,10 @@ class _EmsaOptimizer(Optimizer):
         if not self._updating:
             return
         self._engine_groups()  # a frozen parameter with a gradient: refuse before finishing
+        self._shards.pull()
         with torch.no_grad():
             backend.end_pass()
-        for p in backend.params:
-            p.grad = None
+        self._shards.release()
         skips = backend.finished_skips()  # deferred engines: those known by now
         if not backend.deferred:
             self._last_skipped = bool(skips)
@@ -670,7 +675,8 @@ class _EmsaOptimizer(Optimizer):
             scale = torch.tensor(float(scale), dtype=torch.float32)
         self._configure(backend, loss_scale=scale, amp=amp)
         start = time.perf_counter()
-        result = backend.step(groups)
+        with self._shards.step_groups(groups) as engine_groups:
+            result = backend.step(engine_groups)
         if not hasattr(backend, "step_stats"):
             self._wall.append((start, time.perf_counter()))
             self._norms.append((result.grad_norm, result.clipped))
@@ -741,12 +747,12 @@ class _EmsaOptimizer(Optimizer):
                     if key == "step":
                         view.fill_(float(src.get("step", 0)))
                     elif key in src:
-                        view.copy_(src[key])
+                        view.copy_(_dtensor.shard_like(src[key], s.param))
                     elif key == "master":
-                        view.copy_(s.param)
+                        view.copy_(_dtensor.local(s.param))
                     else:
                         view.zero_()
-                self.state[s.param] = views
+                self.state[s.param] = _dtensor.wrap_state(views, s.param)
         backend.state_loaded()
 
     def _check_state_dict(self, sd: dict[str, Any], slots) -> dict[int, dict[str, Any]]:

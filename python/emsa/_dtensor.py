@@ -1,0 +1,193 @@
+"""DTensor parameters (FSDP2's fully_shard, tensor parallel): emsa optimizes each rank's shard.
+
+A DTensor parameter is a global tensor of which this rank holds a local piece
+(`param._local_tensor`, what to_local() returns outside autograd). emsa plans, binds and updates
+those local pieces: the engines see plain tensors of the local shape, the optimizer's param
+groups and opt.state keep the DTensors, as torch.optim does under FSDP2. Each rank plans its own
+shards under its own budget= (a rank's shards may differ in size from another's: FSDP2 pads the
+last ranks' shards of a dim that does not divide evenly), so ranks do not share one plan.
+
+- Binding: Shards.engine_slots gives the engines the local tensors. FSDP2 keeps the sharded
+  parameters' storage in place across steps and across reshard_after_forward (only the
+  unsharded copies come and go), so the engines' raw pointers stay valid; a storage that moves
+  (model.to(), load_state_dict(assign=True)) is what the engines already detect.
+- Gradients: FSDP2 sets the DTensor's .grad after its reduce-scatter. Before an engine reads
+  gradients, Shards.pull makes each local tensor's .grad the DTensor gradient's local piece
+  (the same memory, no copy); release() drops both, so the reduce-scatter output is freed.
+- Updates in backward: FSDP2 calls the sharded parameters' post-accumulate-grad hooks once
+  their reduced gradient is set (from its reduce-scatter, on its reduce stream), which is when
+  emsa's hooks update; autograd never accumulates into a sharded parameter itself. The host
+  tier's uploads must be waited for before FSDP's first all-gather of a forward: FSDP orders
+  its all-gather streams after the compute stream once, at the root's pre-forward, so a wait
+  at each module's own forward would come after the all-gather had read the old shard.
+  forward_waits() makes the first module forward wait for every pending upload.
+- State: opt.state and state_dict() hold each DTensor parameter's state tensors as DTensors
+  with its mesh and placements (aliasing emsa's arenas), so torch.distributed.checkpoint
+  reshards them between world sizes; "step" stays a plain scalar, as torch.optim keeps it.
+  load_state_dict takes DTensor state (any placements: redistributed), the full tensor (this
+  rank's piece is cut out) or, for a plain parameter, a DTensor (gathered).
+- Clipping and the non-finite verdict across shards: norm_group() is the process group whose
+  SUM all-reduce of the squared norm gives the global norm of the sharded model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import replace
+
+import torch
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch without torch.distributed
+    DTensor = None
+
+
+def is_dtensor(t) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a DTensor (outside autograd: the tensor the DTensor holds, whose
+    storage is the parameter's); t itself for any other tensor."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def norm_group(params) -> "torch.distributed.ProcessGroup | None":
+    """The group over which the summed squared gradient norm is all-reduced so that it is the
+    whole model's: the mesh group of the dimension the DTensor parameters are sharded on; None
+    when no parameter is a DTensor (or every one is replicated: each rank holds the whole)."""
+    params = list(params)
+    dtensors = [p for p in params if is_dtensor(p)]
+    if not dtensors:
+        return None
+    if len(dtensors) != len(params):
+        raise ValueError(
+            "the optimizer holds DTensor parameters and plain ones: a global gradient norm "
+            "summed over the ranks would count each plain parameter once per rank. Build one "
+            "emsa optimizer for the DTensor (sharded) parameters and another for the others")
+    mesh = dtensors[0].device_mesh
+    sharded: set[int] = set()
+    for p in dtensors:
+        if p.device_mesh != mesh:
+            raise ValueError("the optimizer's DTensor parameters live on different device "
+                             "meshes; build one emsa optimizer per mesh")
+        for dim, placement in enumerate(p.placements):
+            if placement.is_partial():
+                raise ValueError("a DTensor parameter has a Partial placement; emsa updates "
+                                 "Shard or Replicate parameters (redistribute it first)")
+            if placement.is_shard():
+                sharded.add(dim)
+    if not sharded:
+        return None
+    if len(sharded) > 1:
+        raise NotImplementedError(
+            f"DTensor parameters are sharded over mesh dimensions {sorted(sharded)}; emsa "
+            "all-reduces the gradient norm over one mesh dimension: pass process_group= (a "
+            "group spanning every rank that holds a distinct shard)")
+    return mesh.get_group(sharded.pop())
+
+
+class Shards:
+    """The engines' view of an optimizer's slots: local tensors in place of DTensors, and the
+    gradients carried over to them (module docstring)."""
+
+    def __init__(self, slots):
+        self.sources = [s.param for s in slots]
+        self.locals = [local(p) for p in self.sources]
+        self.engine_slots = [replace(s, param=t) if t is not s.param else s
+                             for s, t in zip(slots, self.locals)]
+        self.any = any(is_dtensor(p) for p in self.sources)
+        self._index = {id(p): i for i, p in enumerate(self.sources)}
+
+    def pull(self, members=None) -> None:
+        """Each listed slot's local tensor gets its DTensor's gradient (its local piece)."""
+        if not self.any:
+            return
+        for i in range(len(self.sources)) if members is None else members:
+            src, dst = self.sources[i], self.locals[i]
+            if src is not dst:
+                g = src.grad
+                dst.grad = None if g is None else local(g)
+
+    def release(self, members=None) -> None:
+        """.grad = None for each listed slot (both the DTensor and its local tensor)."""
+        for i in range(len(self.sources)) if members is None else members:
+            self.sources[i].grad = None
+            self.locals[i].grad = None
+
+    def _drop(self) -> None:
+        """The local tensors' aliases of the gradients, dropped: the DTensors keep theirs (a
+        step() leaves .grad to the user, as torch's does)."""
+        if self.any:
+            for src, dst in zip(self.sources, self.locals):
+                if src is not dst:
+                    dst.grad = None
+
+    def groups(self, groups: list[dict]) -> list[dict]:
+        """The engine's param groups: each DTensor replaced by the local tensor bound at
+        planning (a parameter that is not a planned one is left for the engine to refuse)."""
+        if not self.any:
+            return groups
+        index, locs = self._index, self.locals
+        return [{**g, "params": [locs[index[id(p)]] if id(p) in index else p
+                                 for p in g["params"]]} for g in groups]
+
+    @contextlib.contextmanager
+    def step_groups(self, groups: list[dict]):
+        """For one step(): the engine's param groups with every gradient pulled; the local
+        aliases are dropped afterwards."""
+        self.pull()
+        try:
+            yield self.groups(groups)
+        finally:
+            self._drop()
+
+
+def wrap_state(views: dict[str, torch.Tensor], param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A slot's state as opt.state holds it: for a DTensor parameter each state tensor (not the
+    scalar "step") a DTensor with the parameter's mesh, placements, shape and strides, aliasing
+    emsa's memory (so a checkpoint load written into it lands in emsa's state)."""
+    if not is_dtensor(param):
+        return views
+    return {k: v if k == "step" else DTensor.from_local(
+        v, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+        stride=param.stride()) for k, v in views.items()}
+
+
+def shard_like(src: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """What to copy into the state tensor of param's local piece from a loaded state tensor
+    src of param's global shape: a DTensor (redistributed to param's placements if they
+    differ), or the full tensor (this rank's piece cut out). For a plain parameter a DTensor
+    src is gathered (a collective: every rank must load)."""
+    if not is_dtensor(param):
+        return src.full_tensor() if is_dtensor(src) else src
+    if is_dtensor(src):
+        if src.device_mesh != param.device_mesh or tuple(src.placements) != tuple(
+                param.placements):
+            src = src.redistribute(param.device_mesh, param.placements)
+        return src._local_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                          param.placements)
+    return src[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
+def forward_waits(backend, shards: Shards):
+    """With DTensor parameters in a CUDA host tier: a global module forward pre-hook that makes
+    the first forward after a step wait (on the compute stream) for every pending upload, before
+    FSDP's root pre-forward orders its all-gather streams after the compute stream (module
+    docstring). Returns the hook's handle, or None when nothing needs it."""
+    host = getattr(backend, "host", None)
+    if not shards.any or host is None:
+        return None
+    ref = weakref.ref(host)
+
+    def pre_hook(module, args):
+        tier = ref()
+        if tier is not None and tier.pending:
+            tier.wait_all(torch.cuda.current_stream(tier.device))
+
+    return torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)

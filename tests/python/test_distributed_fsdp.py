@@ -1,0 +1,228 @@
+"""emsa under FSDP2 (torch.distributed.fsdp.fully_shard) and torch.distributed.checkpoint (DCP).
+
+CPU, gloo, 2 processes, fp32, 20 steps of a small MLP whose last layer has one output (its
+shard on rank 1 is empty: FSDP2 shards dim 0 unevenly) and no bias without a true gradient:
+- FSDP2 + emsa.AdamW equals FSDP2 + torch.optim.AdamW (1e-6 relative), in step() mode and with
+  updates in backward (FSDP2 calls the sharded parameters' post-accumulate-grad hooks after
+  its reduce-scatter), with and without max_grad_norm=1.0 (against clip_grad_norm_ on the
+  DTensor gradients: the norm is the whole model's, and clipping fires);
+- DCP: saved at step 10, loaded by fresh processes, continued to 20: bitwise the uninterrupted
+  run; the 2-rank checkpoint loaded into 1 rank (a plain model) with emsa and with
+  torch.optim.AdamW continues within 1e-6 of the uninterrupted 2-rank run.
+
+Each rank is this file run as a script (`python test_distributed_fsdp.py CONFIG_JSON`); a hang
+fails the test at its timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+STEPS, SAVE_AT, TIMEOUT_S = 20, 10, 240
+GLOBAL_BATCH, IN, HIDDEN = 8, 16, 33
+
+
+def _missing() -> str:
+    """Why this torch cannot run these tests ("" when it can)."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        return "torch.distributed with gloo is not available"
+    try:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # noqa
+        from torch.distributed.fsdp import fully_shard  # noqa
+    except ImportError as e:
+        return f"this torch lacks FSDP2 or DCP's state_dict API ({e})"
+    return ""
+
+
+# ---- one rank (run as a script) -------------------------------------------------------------
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(),
+                               torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(),
+                               torch.nn.Linear(HIDDEN, 1))
+
+
+def _batch(step: int, rank: int, world: int):
+    """The global batch of a step, the same whatever the world size; this rank's rows."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, IN, generator=g)
+    y = 3.0 * torch.randn(GLOBAL_BATCH, 1, generator=g)
+    rows = GLOBAL_BATCH // world
+    return x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+
+
+def _optimizer(cfg: dict, model: torch.nn.Module):
+    hyper = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+    if cfg["opt"] == "torch":
+        return torch.optim.AdamW(model.parameters(), foreach=False, **hyper)
+    import emsa
+
+    return emsa.AdamW(model.parameters(), **hyper, max_grad_norm=cfg.get("clip"),
+                      step_in_backward=cfg.get("in_backward", False))
+
+
+def _state(model, opt):
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+
+
+def _worker(cfg: dict) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=TIMEOUT_S // 2))
+    model = _model()
+    if cfg.get("fsdp", True):
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    opt = _optimizer(cfg, model)
+    start = 0
+    if cfg.get("load"):
+        state = _state(model, opt)
+        dcp.load(state, checkpoint_id=cfg["load"])
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, opt, state["optim"])
+        start = SAVE_AT
+    norms = []
+    ptrs = [p._local_tensor.data_ptr() if hasattr(p, "_local_tensor") else p.data_ptr()
+            for p in model.parameters()]
+    for step in range(start, cfg.get("stop", STEPS)):
+        x, y = _batch(step, rank, world)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if cfg["opt"] == "torch" and cfg.get("clip"):
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        opt.step()
+        if cfg["opt"] == "emsa" and cfg.get("clip"):
+            norms.append(opt.last_grad_norm)
+        opt.zero_grad()
+        if step + 1 == cfg.get("save_at"):
+            dcp.save(_state(model, opt), checkpoint_id=cfg["save"])
+    moved = [n for (n, p), q in zip(model.named_parameters(), ptrs)
+             if (p._local_tensor.data_ptr() if hasattr(p, "_local_tensor") else p.data_ptr()) != q]
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+              for n, p in model.named_parameters()}
+    out = {"params": params, "norms": norms, "moved": moved,
+           "clip_count": getattr(opt, "clip_count", None)}
+    torch.save(out, Path(cfg["out"]) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---- the launcher -----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path: Path, name: str, world: int = 2, **cfg) -> dict:
+    """Runs the worker on `world` processes; returns rank 0's output. Fails on a nonzero exit
+    or when the ranks have not finished within TIMEOUT_S (a hang)."""
+    from conftest import subprocess_env
+
+    out = tmp_path / name
+    out.mkdir()
+    cfg = {**cfg, "port": _free_port(), "out": str(out)}
+    procs, logs = [], []
+    for rank in range(world):
+        log = open(out / f"rank{rank}.log", "w+")
+        env = subprocess_env(RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, __file__, json.dumps(cfg)], env=env,
+                                      stdout=log, stderr=subprocess.STDOUT))
+        logs.append(log)
+    try:
+        for p in procs:
+            p.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"{name}: the ranks did not finish within {TIMEOUT_S} s (a hang)")
+    finally:
+        for p in procs:
+            p.wait()
+    for rank, (p, log) in enumerate(zip(procs, logs)):
+        log.seek(0)
+        text = log.read()
+        log.close()
+        assert p.returncode == 0, f"{name}: rank {rank} exited {p.returncode}:\n{text[-4000:]}"
+    return torch.load(out / "rank0.pt")
+
+
+def _assert_params(got: dict, want: dict, rtol: float, exact: bool = False) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        if exact:
+            assert torch.equal(got[name], want[name]), f"{name} differs"
+        else:
+            torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=rtol * float(
+                want[name].abs().max()), msg=lambda m, name=name: f"{name}: {m}")
+
+
+pytestmark = pytest.mark.skipif(bool(_missing()), reason=_missing() or "runs")
+
+
+# ---- the tests ------------------------------------------------------------------------------
+@pytest.mark.numerics
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in_backward"])
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["noclip", "clip"])
+def test_fsdp2_equals_torch_adamw(tmp_path, in_backward, clip):
+    ref = _launch(tmp_path, "torch", opt="torch", clip=clip)
+    got = _launch(tmp_path, "emsa", opt="emsa", clip=clip, in_backward=in_backward)
+    _assert_params(got["params"], ref["params"], rtol=1e-6)
+    assert got["moved"] == [], "FSDP2 moved a sharded parameter's storage"
+    if clip:
+        # The norm is the whole model's (all-reduced over the shards), as torch's on DTensors.
+        torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref["norms"]),
+                                   rtol=1e-6, atol=0)
+        fired = sum(n > clip for n in ref["norms"])
+        assert fired > 0, f"clipping never fired (norms {ref['norms']})"
+        assert got["clip_count"] == fired
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The uninterrupted 2-rank emsa run, and a DCP checkpoint of it at step SAVE_AT."""
+    tmp = tmp_path_factory.mktemp("dcp")
+    full = _launch(tmp, "full", opt="emsa")
+    _launch(tmp, "save", opt="emsa", stop=SAVE_AT, save_at=SAVE_AT, save=str(tmp / "ckpt"))
+    return full, tmp / "ckpt"
+
+
+@pytest.mark.numerics
+def test_dcp_resume_is_bitwise(tmp_path, checkpoint):
+    full, ckpt = checkpoint
+    resumed = _launch(tmp_path, "resume", opt="emsa", load=str(ckpt))
+    _assert_params(resumed["params"], full["params"], rtol=0, exact=True)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("opt", ["emsa", "torch"])
+def test_two_rank_checkpoint_into_one_rank(tmp_path, checkpoint, opt):
+    full, ckpt = checkpoint
+    got = _launch(tmp_path, f"one-{opt}", world=1, opt=opt, fsdp=False, load=str(ckpt))
+    _assert_params(got["params"], full["params"], rtol=1e-6)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+    _worker(json.loads(sys.argv[1]))
