@@ -191,3 +191,23 @@ def forward_waits(backend, shards: Shards):
             tier.wait_all(torch.cuda.current_stream(tier.device))
 
     return torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+
+
+# ---- probing a sharded model (emsa.probe) ------------------------------------------------------
+def backward(loss: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+    """torch.autograd.backward(loss, inputs=inputs), except when an input is a DTensor: FSDP2's
+    sharded parameters are not in the autograd graph (the forward read their unsharded copies)
+    and get their gradients from FSDP's reduce-scatter, which a backward restricted to them
+    never runs; then the whole backward runs."""
+    if any(is_dtensor(t) for t in inputs):
+        torch.autograd.backward(loss)
+    else:
+        torch.autograd.backward(loss, inputs=inputs)
+
+
+def holder_ids(model: torch.nn.Module) -> dict[tuple[int, str], int]:
+    """(id(module), attribute) -> id of the parameter it holds now. A forward hook that finds
+    another tensor there (FSDP2 swaps in the unsharded copy for the forward) maps it back to
+    the parameter the optimizer holds through this."""
+    return {(id(m), k): id(p) for m in model.modules() for k, p in m._parameters.items()
+            if p is not None}

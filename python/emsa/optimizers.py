@@ -96,6 +96,11 @@ state_dict() has torch.optim's layout ("step" float32 scalar, "exp_avg", "exp_av
 checkpoint moves between emsa.AdamW and torch.optim.AdamW in both directions (frozen
 parameters keep their index, with no state, as in torch's). The state tensors are views into
 emsa's arenas, as torch's are its live tensors.
+
+DTensor parameters (FSDP2's fully_shard): each rank plans and updates its local shards, under its
+own budget=, in step() mode and with step_in_backward (FSDP2 runs the hooks after its
+reduce-scatter); their state tensors are DTensors, so torch.distributed.checkpoint reshards
+them between world sizes and into torch.optim (emsa._dtensor).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import _dtensor
 from ._backend import DTYPE_NAMES, check_param
 from .plan import measure_profile, profile_json, require_library
 from .probe_record import GraphOp, MemorySample, ParamRecord, ProbeRecord
@@ -172,7 +173,9 @@ def probe(model: torch.nn.Module, *example_args: Any, loss_fn: Callable[[Any], t
         if warmup and device.type == "cuda":
             _unobserved_pass(model, loss_fn or default_loss, example_args, example_kwargs,
                              [p for p in params if p.requires_grad])
-        graph = _trace_graph(model, names_of) if trace else []
+        # torch.fx calls submodules on their own, which FSDP2 refuses (its root runs first).
+        sharded = any(_dtensor.is_dtensor(p) for p in params)
+        graph = _trace_graph(model, names_of) if trace and not sharded else []
         with obs.installed():
             record = obs.run(loss_fn or default_loss, example_args, example_kwargs)
         if warmup and device.type == "cuda":
@@ -193,7 +196,7 @@ def probe(model: torch.nn.Module, *example_args: Any, loss_fn: Callable[[Any], t
 def _unobserved_pass(model, loss_fn, args, kwargs, targets: list[torch.Tensor]) -> None:
     loss = loss_fn(model(*args, **kwargs))
     if targets and isinstance(loss, torch.Tensor) and loss.requires_grad:
-        torch.autograd.backward(loss, inputs=targets)
+        _dtensor.backward(loss, targets)
     del loss
     for p in targets:
         p.grad = None
@@ -210,7 +213,7 @@ def _timed_pass(model, loss_fn, args, kwargs, targets, device) -> tuple[float, f
     loss = loss_fn(model(*args, **kwargs))
     clock.mark()
     if targets and isinstance(loss, torch.Tensor) and loss.requires_grad:
-        torch.autograd.backward(loss, inputs=targets)
+        _dtensor.backward(loss, targets)
     clock.mark()
     del loss
     for p in targets:
@@ -293,6 +296,7 @@ class _Observer:
         self.device = device
         self.clock = _Clock(device)
         self.module_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        self.holders = _dtensor.holder_ids(model)  # FSDP2: forwards read unsharded copies
         self.calls: dict[int, int] = {}
         self.first_use: dict[int, int] = {}  # id(param) -> mark
         self.use_order: list[int] = []
@@ -308,10 +312,11 @@ class _Observer:
             return
         mark = self.clock.mark()
         self.calls[id(module)] = self.calls.get(id(module), 0) + 1
-        for p in module._parameters.values():
-            if p is not None and id(p) not in self.first_use:
-                self.first_use[id(p)] = mark
-                self.use_order.append(id(p))
+        for key, p in module._parameters.items():
+            pid = self.holders.get((id(module), key), id(p)) if p is not None else None
+            if pid is not None and pid not in self.first_use:
+                self.first_use[pid] = mark
+                self.use_order.append(pid)
         self.samples.append((self.module_names.get(id(module), ""), "forward_pre", mark,
                              _memory(self.device)))
 
@@ -343,7 +348,7 @@ class _Observer:
         # input tensor that requires grad keeps its .grad).
         targets = [p for _, p in self.named if p.requires_grad]
         if targets and loss.requires_grad:
-            torch.autograd.backward(loss, inputs=targets)
+            _dtensor.backward(loss, targets)
         self.backward_end = self.clock.mark()
         return self.record()
 
@@ -374,15 +379,16 @@ class _Observer:
         params = []
         for name, p in self.named:
             pid = id(p)
-            shape = list(p.shape)
+            shard = _dtensor.local(p)  # a DTensor (FSDP2) is planned as this rank's shard
+            shape = list(shard.shape)
             use_count = sum(self.calls.get(id(m), 0) for m in self.owners.get(pid, []))
             params.append(ParamRecord(
                 name=name,
                 module=name.rsplit(".", 1)[0] if "." in name else "",
                 shape=shape,
                 dtype=DTYPE_NAMES[p.dtype],
-                numel=p.numel(),
-                bytes=p.numel() * p.element_size(),
+                numel=shard.numel(),
+                bytes=shard.numel() * shard.element_size(),
                 trainable=p.requires_grad,
                 tied_names=[n for n in self.names_of[pid] if n != name],
                 use_count=use_count,

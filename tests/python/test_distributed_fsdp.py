@@ -59,14 +59,22 @@ def _batch(step: int, rank: int, world: int):
     return x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
 
 
-def _optimizer(cfg: dict, model: torch.nn.Module):
+def _optimizer(cfg: dict, model: torch.nn.Module, rank: int, world: int):
     hyper = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
     if cfg["opt"] == "torch":
         return torch.optim.AdamW(model.parameters(), foreach=False, **hyper)
     import emsa
 
+    record = None
+    if cfg.get("probe"):
+        record = emsa.probe(model, _batch(0, rank, world)[0], warmup=False)
+        # Planned per rank: each entry is this rank's shard, in the order FSDP2 ran them.
+        shards = [list(p._local_tensor.shape) for p in model.parameters()]
+        assert [r.shape for r in record.params] == shards, (record.params, shards)
+        assert sorted(r.grad_ready_order for r in record.params) == list(range(len(shards)))
+        assert sorted(r.forward_order for r in record.params) == list(range(len(shards)))
     return emsa.AdamW(model.parameters(), **hyper, max_grad_norm=cfg.get("clip"),
-                      step_in_backward=cfg.get("in_backward", False))
+                      step_in_backward=cfg.get("in_backward", False), probe=record)
 
 
 def _state(model, opt):
@@ -94,7 +102,7 @@ def _worker(cfg: dict) -> None:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
         fully_shard(model)
-    opt = _optimizer(cfg, model)
+    opt = _optimizer(cfg, model, rank, world)
     start = 0
     if cfg.get("load"):
         state = _state(model, opt)
@@ -197,6 +205,14 @@ def test_fsdp2_equals_torch_adamw(tmp_path, in_backward, clip):
         fired = sum(n > clip for n in ref["norms"])
         assert fired > 0, f"clipping never fired (norms {ref['norms']})"
         assert got["clip_count"] == fired
+
+
+@pytest.mark.numerics
+def test_fsdp2_probed_plan_equals_torch_adamw(tmp_path):
+    """emsa.probe on the sharded model records each rank's shards in FSDP2's order of use."""
+    ref = _launch(tmp_path, "torch", opt="torch")
+    got = _launch(tmp_path, "emsa", opt="emsa", probe=True)
+    _assert_params(got["params"], ref["params"], rtol=1e-6)
 
 
 @pytest.fixture(scope="module")
