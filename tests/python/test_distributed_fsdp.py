@@ -136,6 +136,59 @@ def _worker(cfg: dict) -> None:
     dist.destroy_process_group()
 
 
+def _cuda_twins(cfg: dict) -> None:
+    """World size 1, NCCL: FSDP2 + emsa.AdamW(tier="host") against a twin with tier="device",
+    each its own forward and backward, bitwise every step (the engines' updates are bitwise
+    equal): an all-gather that read a shard before its upload, a gradient released before its
+    copy, change bits."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import emsa
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=0,
+                            world_size=1)
+    torch.cuda.set_device(0)
+
+    def build():
+        torch.manual_seed(0)
+        width = 1024
+        model = torch.nn.Sequential(*[m for _ in range(4) for m in (
+            torch.nn.Linear(width, width), torch.nn.GELU())], torch.nn.Linear(width, 8)).cuda()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        return fully_shard(model)
+
+    hyper = dict(lr=1e-3, weight_decay=0.1, step_in_backward=cfg["in_backward"],
+                 max_grad_norm=cfg.get("clip"))
+    models = [build(), build()]
+    opts = [emsa.AdamW(m.parameters(), tier=tier, **hyper)
+            for m, tier in zip(models, ("host", "device"))]
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for step in range(STEPS):
+        x = torch.randn(64, 1024, device="cuda", generator=g)
+        y = torch.randn(64, 8, device="cuda", generator=g)
+        losses = []
+        for model, opt in zip(models, opts):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if cfg["in_backward"]:
+                held = [n for n, p in model.named_parameters() if p.grad is not None]
+                assert not held, f"step {step + 1}: gradients held after backward: {held}"
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss)
+        assert torch.equal(losses[0], losses[1]), f"step {step + 1}: losses {losses}"
+        opts[0].synchronize()
+        for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+            assert torch.equal(p._local_tensor, q._local_tensor), f"step {step + 1}: {name}"
+    if cfg.get("clip"):
+        assert opts[0].clip_count == opts[1].clip_count == STEPS
+    torch.save({"ok": True}, Path(cfg["out"]) / "rank0.pt")
+    dist.destroy_process_group()
+
+
 # ---- the launcher -----------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
@@ -239,6 +292,15 @@ def test_two_rank_checkpoint_into_one_rank(tmp_path, checkpoint, opt):
     _assert_params(got["params"], full["params"], rtol=1e-6)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not torch.distributed.is_nccl_available(),
+                    reason="needs a CUDA GPU and NCCL")
+@pytest.mark.parametrize("variant", ["step", "in_backward", "clipped_in_backward"])
+def test_cuda_host_tier_under_fsdp2_equals_device_tier_bitwise(tmp_path, variant):
+    _launch(tmp_path, "cuda", world=1, cuda=True, in_backward=variant != "step",
+            clip=1e-3 if variant.startswith("clipped") else None)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
-    _worker(json.loads(sys.argv[1]))
+    config = json.loads(sys.argv[1])
+    (_cuda_twins if config.get("cuda") else _worker)(config)
