@@ -355,6 +355,13 @@ EMSA_API emsa_status emsa_device_scalars_read_steps(const emsa_device_scalars* s
  * completed. The way to learn whether a step was skipped without making the step wait. */
 EMSA_API emsa_status emsa_device_scalars_copy_header(const emsa_device_scalars* scalars,
                                                      emsa_device_step_header* dst, void* stream);
+/* The device address of the step header (device memory, valid until the scalars are destroyed),
+ * for a framework that combines its fields with its own collectives on the step's stream: e.g.
+ * an all-reduce (sum) of sum_sq and nonfinite_count over the ranks that each hold part of the
+ * gradients, between emsa_device_table_accumulate_stats and emsa_device_finish_stats, so that
+ * every rank clips by the global norm and skips together. Nothing is enqueued. */
+EMSA_API emsa_status emsa_device_scalars_header_address(const emsa_device_scalars* scalars,
+                                                        emsa_device_step_header** header_out);
 /* Points the table at new gradients: grads[i] for tensor i in creation order, count = the
  * table's tensor count, each of the dtype and size given at creation. Asynchronous and
  * allocation-free (pinned staging made at creation; the host waits only when several earlier

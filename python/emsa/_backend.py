@@ -70,6 +70,10 @@ class Backend:
                                    gradient then always skips the step
       found_inf_out: Tensor | None 0-d float32 on the device: write 1.0 into it if this step
                                    (or pass) was skipped, else leave it unchanged
+      norm_group: ProcessGroup | None  ranks that each hold part of the parameters: the sum
+                                   of squares and the non-finite count are all-reduced (SUM)
+                                   over it before the verdict and the clip coefficient, on
+                                   every rank (emsa._distributed); None: this rank's alone
     The non-finite verdict and the clip coefficient come from one statistics pass over the
     gradients, never from a second one.
     """
@@ -88,6 +92,7 @@ class Backend:
     max_norm = 0.0
     loss_scale: torch.Tensor | None = None
     found_inf_out: torch.Tensor | None = None
+    norm_group = None
 
     @staticmethod
     def planning_profile(device: torch.device, measure_bandwidth: bool = False) -> str:

@@ -316,6 +316,7 @@ _TABLE = {
     "emsa_device_scalars_read_steps": (
         _S, [_P, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t, _P]),
     "emsa_device_scalars_copy_header": (_S, [_P, _P, _P]),
+    "emsa_device_scalars_header_address": (_S, [_P, ctypes.POINTER(_P)]),
     "emsa_device_table_set_grads": (_S, [_P, ctypes.POINTER(_P), ctypes.c_size_t, _P]),
     "emsa_device_table_update": (_S, [_P, _P, _P]),
     "emsa_device_scalars_create_slots": (

@@ -27,6 +27,7 @@ from ._backend import (DTYPE_NAMES, Backend, StepResult, check_param, clip_coeff
                        kernel_grad, state_view)
 from ._binding import Slot
 from ._capi import Hyperparams, StepOptions, StepReport, TensorUpdate, check, lib
+from ._distributed import reduce_host_stats
 from .plan import Plan
 
 _W = ctypes.sizeof(TensorUpdate) // 8
@@ -206,11 +207,14 @@ class CpuBackend(Backend):
         sum_sq, bad = ctypes.c_double(), ctypes.c_int64()
         check(lib.emsa_cpu_grad_stats(self.updater, self.table, n, ctypes.byref(sum_sq),
                                       ctypes.byref(bad)))
-        if bad.value and (self.check_finite or self.loss_scale is not None):
-            return StepResult(True, bad.value, self._first_nonfinite())
+        total, nonfinite = sum_sq.value, bad.value
+        if self.norm_group is not None:  # every rank's part of the gradients
+            total, nonfinite = reduce_host_stats(self, total, nonfinite)
+        if nonfinite and (self.check_finite or self.loss_scale is not None):
+            return StepResult(True, nonfinite, self._first_nonfinite())
         coef = 1.0
         if self.max_norm > 0.0:
-            norm, coef = clip_coefficient(sum_sq.value, inv, self.max_norm)
+            norm, coef = clip_coefficient(total, inv, self.max_norm)
             self.grad_norm = norm
             self.clipped = coef < 1.0
             self.clips += int(self.clipped)

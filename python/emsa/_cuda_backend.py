@@ -88,6 +88,7 @@ from ._arena import HostArena
 from ._cuda_passes import InBackward, Pass, on, ptr
 from ._cuda_stats import HeaderRing, StepClock, counted_mask
 from ._device_arena import DeviceArena
+from ._distributed import device_stats
 from ._host_tier import HostTier
 from .plan import Plan, measure_profile
 
@@ -451,6 +452,8 @@ class CudaBackend(InBackward, Backend):
             grads = self._gradients(param_groups)
             if grads is None:
                 self.noop_last = True
+                if self.norm_group is not None and self.gated():  # the others wait for it
+                    device_stats(self).contribute_nothing(self.norm_group)
                 return StepResult()
             stream = torch.cuda.current_stream(self.device)
             self._follow(stream)
@@ -506,7 +509,7 @@ class CudaBackend(InBackward, Backend):
         self._set_inputs(float(self.max_norm or 0.0), self.loss_scale, stream)
         self._submit_host(grads, stream)  # the copies wait only for the gradients
         bucket_slots = self.buckets
-        if self.host is None:
+        if self.host is None and self.norm_group is None:
             # begin, the statistics over the step table, finish, update: one call.
             check(lib.emsa_device_step(self.scalars, self.step_array, device, 1, handle))
         else:
@@ -520,6 +523,7 @@ class CudaBackend(InBackward, Backend):
                 t = self._stats_table_of(b)
                 self._point_table(t, [ptr(grads[i]) for i in members], handle)
                 self._accumulate(t, handle)
+            self._reduce_stats()
             check(lib.emsa_device_finish_step(self.scalars, self.step_array, device, handle))
         self._write_found_inf(self.found_inf_out, stream)
         if self.host is not None:
@@ -534,6 +538,12 @@ class CudaBackend(InBackward, Backend):
 
     def _accumulate(self, t: int, handle: int) -> None:
         check(lib.emsa_device_table_accumulate_stats(self.tables[t], self.scalars, handle))
+
+    def _reduce_stats(self) -> None:
+        """Between the last accumulate and the finish, on the current stream: the header's sums
+        over norm_group's ranks (each holds part of the gradients)."""
+        if self.norm_group is not None:
+            device_stats(self).all_reduce(self.norm_group)
 
     def _follow(self, stream: torch.cuda.Stream) -> None:
         """Orders `stream` after the last step's stream: both write the same state."""

@@ -159,6 +159,7 @@ class InBackward:
         if device:
             self._point_table(self.step_table, ptrs, handle)
             self._refresh_stale_masters([i for i in self.step_members if p.ptrs[i] is not None])
+        self._reduce_stats()  # with a norm group: every rank's sums, before the finish
         check(lib.emsa_device_finish_step(self.scalars, self.step_array, device, handle))
         self._write_found_inf(p.found_inf_out, stream)
         if self.host is not None:

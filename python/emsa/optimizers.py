@@ -61,8 +61,9 @@ options of emsa's own:
                      Clipping by hand after backward cannot work (the gradients are gone):
                      use max_grad_norm=; emsa warns where it can see it being tried
                      (scaler.unscale_(opt); emsa.hf.EmsaTrainerCallback for Trainer);
-                   - DDP/FSDP: their gradient reduction would need a comm hook that calls
-                     emsa; not supported;
+                   - DDP: pass ddp=ddp_model (below); under torch.distributed with world
+                     size > 1 and neither ddp= given, emsa refuses (updates before the
+                     all-reduce would be each rank's own);
                    - opt.remove_hooks() ends the mode's updates.
   grad_scaler=     with step_in_backward: the torch.amp.GradScaler that scales the loss. emsa
                    divides the gradients by its current scale in backward (read as its scale
@@ -76,6 +77,15 @@ options of emsa's own:
                    the scaler found inf in (the scaler's own inf check still runs: that pass is
                    torch's); scaler.unscale_(opt) before step() also works.
   accumulate=      with step_in_backward: update every Nth backward (default 1).
+  process_group=   torch.distributed group whose ranks each hold part of the parameters
+                   (ZeRO-1, FSDP2): the norm and non-finite count are summed over it, so
+                   max_grad_norm clips by the global norm and every rank skips together.
+                   None (default): this rank's alone (DDP), or ZeroRedundancyOptimizer's group
+                   when it builds emsa, or the DTensor mesh's group. See emsa._distributed.
+  ddp=             the DistributedDataParallel model: with step_in_backward, emsa updates
+                   each bucket from DDP's communication hook once its all-reduce (average)
+                   is done, still in backward (emsa._ddp); replicas' plans are compared.
+                   False: this rank's gradients are its own (no reduction, no comparison).
   tier=            None (default): the planner decides what state leaves the device, coldest
                    first, as much as budget= requires. "device": all state on the device (a
                    budget too small fails with the smallest that works). "host": all state
@@ -115,7 +125,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from . import _binding, _dtensor, _tuning
+from . import _binding, _distributed, _dtensor, _tuning
 from ._backend import Backend, check_param, select
 from .plan import STATE_DTYPES, Plan, make_plan, parse_bytes, profile_json, require_library
 from .probe_record import ProbeRecord
@@ -154,7 +164,7 @@ class _EmsaOptimizer(Optimizer):
 
     def __init__(self, params, defaults: dict[str, Any], *, probe, budget, state_dtype,
                  skip_nonfinite, profile, step_in_backward=False, accumulate=1, tier=None,
-                 max_grad_norm=None, grad_scaler=None):
+                 max_grad_norm=None, grad_scaler=None, process_group=None, ddp=None):
         require_library()
         if tier not in (None, "device", "host"):
             raise ValueError(f"tier={tier!r}; use None (the planner decides under budget=), "
@@ -194,6 +204,7 @@ class _EmsaOptimizer(Optimizer):
         self._record: ProbeRecord | None = None
         self._recorder = None
         super().__init__(params, defaults)
+        _distributed.configure(self, process_group, ddp)  # norm group, replicas, refusals
         if probe is not None:
             if isinstance(probe, (str, os.PathLike)):
                 probe = ProbeRecord.load(probe)
@@ -205,6 +216,7 @@ class _EmsaOptimizer(Optimizer):
             self._bind(None)  # no step() will come to plan at: plan from the shapes now
         else:
             self._recorder = _binding.FirstBackwardRecorder(self._all_params())
+        _distributed.attach(self)  # ddp=: the communication hook; ZeRO: its state writes
 
     # ---- param groups ---------------------------------------------------------------------
     def _all_params(self) -> list[torch.Tensor]:
@@ -311,14 +323,13 @@ class _EmsaOptimizer(Optimizer):
                          force_all_host=self._tier == "host",
                          release_grads=self._releases_grads(),
                          device_update_share=_tuning.host_device_share())
+        plan = _distributed.agreed_plan(self, plan)  # replicas compare layouts: one collective
         shards = _dtensor.Shards(slots)  # DTensor parameters: the engine binds local shards
         backend = backend_cls(shards.engine_slots, plan, self._kind, self._state_dtype,
                               len(self.param_groups), in_backward=self._in_backward)
         for i, s in enumerate(slots):
             self.state[s.param] = _dtensor.wrap_state(backend.state(i), s.param)
         self._shards = shards
-        if getattr(self, "_norm_group", None) is None:
-            self._norm_group = _dtensor.norm_group(s.param for s in slots)
         _dtensor.forward_waits(backend, shards)
         self._plan, self._backend, self._record = plan, backend, planned
         self._planned_release = self._releases_grads()
@@ -436,6 +447,7 @@ class _EmsaOptimizer(Optimizer):
         backend.max_norm = float(self._max_grad_norm or 0.0)
         backend.loss_scale = loss_scale
         backend.found_inf_out = found_inf_out
+        backend.norm_group = self._norm_group  # the norm and verdict over these ranks' gradients
 
     # ---- gradient hooks: step in backward, and step() mode statistics ------------------------
     # A pass is one backward() call: it opens at the first hook that fires and ends at the
@@ -496,6 +508,8 @@ class _EmsaOptimizer(Optimizer):
             raise
 
     def _open_pass(self) -> None:
+        if self._passes == 0:
+            _distributed.check_first_pass(self)  # reduced gradients emsa cannot see: refuse
         backend = self._backend
         self._updating = (self._passes + 1) % self._accumulate == 0
         groups = self._engine_groups(unfrozen=True)
@@ -525,7 +539,8 @@ class _EmsaOptimizer(Optimizer):
             if opt is not None:
                 opt._close_pass(token)
 
-        engine.queue_callback(end_of_backward)
+        if self._ddp is None:  # else DDP's hook ends the pass, after DDP's own finalize
+            engine.queue_callback(end_of_backward)
         self._pass_open = True
 
     def _abandon_pass(self) -> None:
@@ -888,7 +903,8 @@ class AdamW(_EmsaOptimizer):
                  budget: int | str | None = None, state_dtype: torch.dtype = torch.float32,
                  skip_nonfinite: bool | None = None, profile=None,
                  step_in_backward: bool = False, accumulate: int = 1, tier: str | None = None,
-                 max_grad_norm: float | None = None, grad_scaler=None):
+                 max_grad_norm: float | None = None, grad_scaler=None, process_group=None,
+                 ddp=None):
         _refuse_amsgrad(amsgrad, "AdamW")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize,
@@ -897,7 +913,8 @@ class AdamW(_EmsaOptimizer):
         super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
                          skip_nonfinite=skip_nonfinite, profile=profile,
                          step_in_backward=step_in_backward, accumulate=accumulate, tier=tier,
-                         max_grad_norm=max_grad_norm, grad_scaler=grad_scaler)
+                         max_grad_norm=max_grad_norm, grad_scaler=grad_scaler,
+                         process_group=process_group, ddp=ddp)
 
 
 class Adam(_EmsaOptimizer):
@@ -914,7 +931,8 @@ class Adam(_EmsaOptimizer):
                  budget: int | str | None = None, state_dtype: torch.dtype = torch.float32,
                  skip_nonfinite: bool | None = None, profile=None,
                  step_in_backward: bool = False, accumulate: int = 1, tier: str | None = None,
-                 max_grad_norm: float | None = None, grad_scaler=None):
+                 max_grad_norm: float | None = None, grad_scaler=None, process_group=None,
+                 ddp=None):
         _refuse_amsgrad(amsgrad, "Adam")
         self._kind = "adamw" if decoupled_weight_decay else "adam"
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
@@ -924,7 +942,8 @@ class Adam(_EmsaOptimizer):
         super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
                          skip_nonfinite=skip_nonfinite, profile=profile,
                          step_in_backward=step_in_backward, accumulate=accumulate, tier=tier,
-                         max_grad_norm=max_grad_norm, grad_scaler=grad_scaler)
+                         max_grad_norm=max_grad_norm, grad_scaler=grad_scaler,
+                         process_group=process_group, ddp=ddp)
 
     def _check_group(self, g: int) -> None:
         super()._check_group(g)
@@ -946,9 +965,11 @@ class Lion(_EmsaOptimizer):
                  budget: int | str | None = None, state_dtype: torch.dtype = torch.float32,
                  skip_nonfinite: bool | None = None, profile=None,
                  step_in_backward: bool = False, accumulate: int = 1, tier: str | None = None,
-                 max_grad_norm: float | None = None, grad_scaler=None):
+                 max_grad_norm: float | None = None, grad_scaler=None, process_group=None,
+                 ddp=None):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
                          skip_nonfinite=skip_nonfinite, profile=profile,
                          step_in_backward=step_in_backward, accumulate=accumulate, tier=tier,
-                         max_grad_norm=max_grad_norm, grad_scaler=grad_scaler)
+                         max_grad_norm=max_grad_norm, grad_scaler=grad_scaler,
+                         process_group=process_group, ddp=ddp)

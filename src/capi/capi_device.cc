@@ -353,6 +353,17 @@ emsa_status emsa_device_scalars_copy_header(const emsa_device_scalars* scalars,
   });
 }
 
+emsa_status emsa_device_scalars_header_address(const emsa_device_scalars* scalars,
+                                               emsa_device_step_header** header_out) {
+  return Guard([&] {
+    if (scalars == nullptr || header_out == nullptr) {
+      return Fail(EMSA_INVALID_ARGUMENT, "scalars and header_out must not be NULL");
+    }
+    *header_out = reinterpret_cast<emsa_device_step_header*>(scalars->scalars->device_header());
+    return Report(emsa::Status::Ok());
+  });
+}
+
 emsa_status emsa_device_table_set_grads(emsa_device_table* table, const void* const* grads,
                                         size_t count, void* stream) {
   return OnHandle(table, "table", [&](auto& h) {

@@ -355,6 +355,7 @@ static void test_dlpack_exports(void) {
   }
   CHECK(emsa_device_table_set_grads(NULL, NULL, 0, NULL) == EMSA_INVALID_ARGUMENT);
   CHECK(emsa_device_scalars_copy_header(NULL, NULL, NULL) == EMSA_INVALID_ARGUMENT);
+  CHECK(emsa_device_scalars_header_address(NULL, NULL) == EMSA_INVALID_ARGUMENT);
   CHECK(emsa_device_scalars_read_steps(NULL, NULL, 0, NULL) == EMSA_INVALID_ARGUMENT);
   CHECK(emsa_device_scalars_set_hyper(NULL, 0, NULL, NULL) == EMSA_INVALID_ARGUMENT);
 }

@@ -1,0 +1,163 @@
+"""step_in_backward under DistributedDataParallel: updates from DDP's communication hook.
+
+emsa's own gradient hooks fire when a parameter's local gradient is accumulated, before DDP
+has averaged it; here they are removed and DDP's communication hook drives the pass instead.
+Per DDP bucket, in backward:
+  - the hook divides the bucket by the world size and all-reduces it (what DDP's default
+    allreduce_hook does), and returns that future to DDP;
+  - once the all-reduce is done, each of the bucket's parameters is handed to the optimizer's
+    in-backward path (as its own hook would: emsa's buckets update as their members become
+    final) with .grad pointing at its averaged gradient in DDP's bucket. On CUDA the NCCL
+    future is complete at once (its work is ordered by events), so the updates are enqueued on
+    a side stream that waits for the all-reduce, and backward's own stream goes on without
+    waiting for the communication; on the CPU (gloo) a bucket is taken at the next hook call
+    that finds its all-reduce done, or at the end of backward.
+  - at the end of backward, after DDP's own finalize (queued by DDP once its last bucket is
+    ready, so this queues itself again from a callback queued at the pass's first bucket),
+    before emsa's end of the pass (run from here, not queued): the rest, then the parameters that
+    got no local gradient (find_unused_parameters): DDP has by then written .grad for those some
+    rank used (updated as usual) and left the rest None (skipped with their step count, as
+    torch.optim skips them); DDP's finalize wrote .grad back for parameters emsa had already
+    updated from, which are set to None again so that the end of the pass does not update
+    them twice; the compute stream waits for the side stream.
+
+Accumulation: backward passes under ddp_model.no_sync() call no hook, so emsa updates nothing
+and .grad accumulates; the next synchronized backward reduces and updates (accumulate= must
+stay 1). static_graph=True and find_unused_parameters=True work (the latter as above). A comm
+hook replaces DDP's default reduction, and DDP takes one: another registered hook (fp16
+compression, PowerSGD) cannot be combined with ddp=.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import weakref
+
+import torch
+import torch.distributed as dist
+
+
+class DdpUpdates:
+    def __init__(self, opt, ddp):
+        slots = opt._slots
+        ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+        reduced = {id(p) for name, p in ddp.module.named_parameters()
+                   if p.requires_grad and name not in ignored}
+        missing = [s.name for s in slots if id(s.param) not in reduced]
+        if missing:
+            raise ValueError(
+                f"ddp=: {', '.join(missing[:3])}{' and more' if len(missing) > 3 else ''} "
+                "are not among the DDP model's reduced parameters (another module's, or "
+                "ignored by DDP), so no DDP bucket would ever hand them to emsa: build the "
+                "optimizer over the DDP model's parameters (ddp_model.parameters())")
+        if getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_emsa_updates", None):
+            raise ValueError("ddp=: this DDP model already has a communication hook; DDP takes "
+                             "one, and emsa's averages like DDP's default: drop the other hook, "
+                             "or build one emsa optimizer over all the model's parameters")
+        self.opt = weakref.ref(opt)
+        self.group = ddp.process_group
+        self.size = dist.get_world_size(self.group)
+        self.params = [s.param for s in slots]
+        self.slot_of = {id(s.param): i for i, s in enumerate(slots)}
+        self.pending: collections.deque = collections.deque()  # (future, [(slot, averaged)])
+        self.unused: list[int] = []  # slots with no local gradient this pass
+        self.consumed: list[int] = []  # slots updated from (their .grad set to None)
+        self.in_pass = False
+        device = self.params[0].device
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        opt.remove_hooks()  # local gradients are not final under DDP: the buckets drive
+        ddp.register_comm_hook(self, _comm_hook)
+        ddp._emsa_updates = self
+
+    # ---- in backward ----------------------------------------------------------------------
+    def reduced(self, opt, bucket, future) -> None:
+        """A bucket's all-reduce is under way (its gradients are in the bucket)."""
+        if not self.in_pass:
+            self.in_pass = True
+            # DDP queues its finalize when its last bucket is ready, after this: a callback
+            # queued by this callback runs after DDP's.
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(lambda: engine.queue_callback(self._end_of_backward))
+            if not opt._pass_open:
+                try:
+                    opt._open_pass()
+                except BaseException:
+                    self._reset()
+                    opt._abandon_pass()
+                    raise
+        entries = []
+        for p, averaged in zip(bucket.parameters(), bucket.gradients()):
+            i = self.slot_of.get(id(p))
+            if i is None:
+                continue  # a parameter DDP reduces for another optimizer
+            if p.grad is None:
+                self.unused.append(i)  # decided at the end: did any rank use it?
+            else:
+                entries.append((i, averaged))
+        self.pending.append((future, entries))
+        self._drain(opt, wait=False)
+
+    def _drain(self, opt, wait: bool) -> None:
+        """Updates from every bucket whose all-reduce is done (all of them with wait)."""
+        with self._on_side():
+            while self.pending:
+                future, entries = self.pending[0]
+                if not wait and not future.done():
+                    return
+                self.pending.popleft()
+                future.wait()  # CUDA: the side stream waits for the all-reduce's events
+                for i, averaged in entries:
+                    self._update(opt, i, averaged)
+
+    def _update(self, opt, i: int, grad: torch.Tensor) -> None:
+        p = self.params[i]
+        p.grad = grad
+        opt._grad_ready(i)
+        if p.grad is None:
+            self.consumed.append(i)
+
+    def _end_of_backward(self) -> None:
+        opt = self.opt()
+        try:
+            if opt is None or not opt._pass_open:
+                return
+            if self.side is not None:  # DDP's finalize wrote .grad on the compute stream
+                self.side.wait_stream(torch.cuda.current_stream(self.side.device))
+            self._drain(opt, wait=True)
+            with self._on_side():
+                for i in self.unused:
+                    g = self.params[i].grad
+                    if g is not None:  # another rank used it: DDP wrote the average
+                        self._update(opt, i, g)
+            for i in self.consumed:
+                self.params[i].grad = None  # DDP's finalize wrote it back; already updated
+            if self.side is not None:  # the next forward reads what the side stream wrote
+                torch.cuda.current_stream(self.side.device).wait_stream(self.side)
+            opt._close_pass(opt._pass_token)  # the optimizer's end of the pass (end_pass)
+        except BaseException:
+            if opt is not None:
+                opt._abandon_pass()
+            raise
+        finally:
+            self._reset()
+
+    def _on_side(self):
+        return torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
+
+    def _reset(self) -> None:
+        self.in_pass = False
+        self.pending.clear()
+        self.unused.clear()
+        self.consumed.clear()
+
+
+def _comm_hook(state, bucket):  # no annotations: DDP compares them with its own types
+    """DDP's default reduction (average: divide, then sum), and emsa's updates once done."""
+    buffer = bucket.buffer()
+    buffer.div_(state.size)
+    future = dist.all_reduce(buffer, group=state.group, async_op=True).get_future()
+    opt = state.opt()
+    if opt is not None:
+        state.reduced(opt, bucket, future)
+    return future.then(lambda f: f.value()[0])

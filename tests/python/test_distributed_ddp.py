@@ -1,0 +1,277 @@
+"""emsa under torch.distributed, compared with torch.optim.AdamW in the same setup: DDP with
+step(), DDP with updates in backward (emsa's communication hook), ZeroRedundancyOptimizer, each
+with and without max_grad_norm=1.0 (emsa's, against torch's clip_grad_norm_ on the full model);
+the refusals; plan agreement between replicas.
+
+Each test runs its body in every rank of a fresh group (dist_util.run): gloo with 2 CPU ranks,
+and NCCL at world size 1 on cuda:0 where there is one. Inside a rank the emsa setup and the
+torch setup train side by side from the same initial weights and the same per-rank batches, for
+STEPS steps in fp32, and the rank compares them (so a rank's failure names its step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.testing import assert_close
+
+import dist_util
+
+pytestmark = [dist_util.needs_distributed, pytest.mark.numerics]
+
+STEPS = 20
+LR = 1e-2
+MAX_NORM = 1.0
+# Tighter than one update (lr 1e-2): float32 rounding of a few ops per step, over 20 steps.
+RTOL, ATOL = 1e-6, 1e-7
+
+configs = pytest.mark.parametrize("backend,world", dist_util.CONFIGS, ids=dist_util.config_ids)
+
+
+class Net(torch.nn.Module):
+    """An MLP; with extra, a second head that only rank 0 uses, and only on some steps (for
+    DDP's find_unused_parameters)."""
+
+    def __init__(self, width: int = 16, extra: bool = False):
+        super().__init__()
+        self.inner = torch.nn.Linear(8, width)
+        self.outer = torch.nn.Linear(width, 4)
+        self.extra = torch.nn.Linear(width, 4) if extra else None
+
+    def forward(self, x, use_extra: bool = False):
+        h = torch.tanh(self.inner(x))
+        y = self.outer(h)
+        return y + self.extra(h) if use_extra else y
+
+
+def _pair(device, width: int = 16, extra: bool = False):
+    torch.manual_seed(0)
+    a = Net(width, extra).to(device)
+    b = Net(width, extra).to(device)
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def _batch(ctx, step: int):
+    g = torch.Generator().manual_seed(1000 * ctx.rank + step)
+    x = torch.randn(16, 8, generator=g)
+    y = 2.0 * torch.randn(16, 4, generator=g)  # gradient norms around 1: clipping fires sometimes
+    return x.to(ctx.device), y.to(ctx.device)
+
+
+def _uses_extra(ctx, step: int, unused: bool) -> bool:
+    return unused and ctx.rank == 0 and step % 3 == 0
+
+
+def _loss(model, ctx, step, unused=False):
+    x, y = _batch(ctx, step)
+    return torch.nn.functional.mse_loss(model(x, _uses_extra(ctx, step, unused)), y)
+
+
+def _compare(a: torch.nn.Module, b: torch.nn.Module, what: str) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: "
+                     f"{name}: {m}")
+
+
+def _torch_clip(model, max_norm) -> bool:
+    if max_norm is None:
+        return False
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return bool(norm > max_norm)
+
+
+# ---- DDP, step() ------------------------------------------------------------------------------
+def _ddp_step_body(ctx):
+    import emsa
+
+    out = {}
+    for max_norm in (None, MAX_NORM):
+        a, b = _pair(ctx.device)
+        ea, eb = DDP(a), DDP(b)
+        opt = emsa.AdamW(ea.parameters(), lr=LR, max_grad_norm=max_norm)
+        ref = torch.optim.AdamW(eb.parameters(), lr=LR)
+        clips = 0
+        for step in range(STEPS):
+            for model, o in ((ea, opt), (eb, ref)):
+                o.zero_grad(set_to_none=True)
+                _loss(model, ctx, step).backward()
+            clips += _torch_clip(eb, max_norm)
+            opt.step()
+            ref.step()
+            _compare(a, b, f"DDP step() max_grad_norm={max_norm} step {step}")
+        out[max_norm] = (clips, opt.clip_count)
+    return out
+
+
+@configs
+def test_ddp_step_matches_torch(backend, world):
+    results = dist_util.run(_ddp_step_body, world, backend)
+    for r in results:
+        clips, emsa_clips = r[MAX_NORM]
+        assert 0 < clips < STEPS, f"clipping fired on {clips} of {STEPS} steps: not a test of it"
+        assert emsa_clips == clips
+        assert r[None] == (0, 0)
+
+
+# ---- DDP, updates in backward (the communication hook) ---------------------------------------
+def _ddp_in_backward_body(ctx, unused: bool, bucket_view: bool):
+    import emsa
+
+    out = {}
+    for max_norm in (None, MAX_NORM):
+        a, b = _pair(ctx.device, extra=unused)
+        kw = dict(find_unused_parameters=unused, gradient_as_bucket_view=bucket_view,
+                  bucket_cap_mb=0.0005)  # several buckets, so updates run while backward does
+        ea, eb = DDP(a, **kw), DDP(b, **kw)
+        opt = emsa.AdamW(ea.parameters(), lr=LR, max_grad_norm=max_norm, step_in_backward=True,
+                         ddp=ea)
+        ref = torch.optim.AdamW(eb.parameters(), lr=LR)
+        clips = 0
+        for step in range(STEPS):
+            _loss(ea, ctx, step, unused).backward()
+            assert all(p.grad is None for p in a.parameters()), "gradients left after backward"
+            opt.step()  # nothing: the updates were made in backward
+            ref.zero_grad(set_to_none=True)
+            _loss(eb, ctx, step, unused).backward()
+            clips += _torch_clip(eb, max_norm)
+            ref.step()
+            _compare(a, b, f"DDP in backward max_grad_norm={max_norm} step {step}")
+        if unused:  # skipped where no rank used it, as torch skips a None gradient
+            assert_close(opt.state[a.extra.weight]["step"], ref.state[b.extra.weight]["step"])
+        out[max_norm] = (clips, opt.clip_count)
+    return out
+
+
+@configs
+@pytest.mark.parametrize("unused,bucket_view", [(False, False), (True, True)],
+                         ids=["all-used", "find-unused+bucket-view"])
+def test_ddp_in_backward_matches_torch(backend, world, unused, bucket_view):
+    results = dist_util.run(_ddp_in_backward_body, world, backend, args=(unused, bucket_view))
+    for r in results:
+        clips, emsa_clips = r[MAX_NORM]
+        assert 0 < clips < STEPS, f"clipping fired on {clips} of {STEPS} steps: not a test of it"
+        assert emsa_clips == clips
+
+
+# ---- ZeroRedundancyOptimizer ------------------------------------------------------------------
+def _zero_body(ctx):
+    import emsa
+    from torch.distributed.optim import ZeroRedundancyOptimizer as ZeRO
+
+    out = {}
+    for max_norm in (None, MAX_NORM):
+        a, b = _pair(ctx.device, width=24)
+        ea, eb = DDP(a), DDP(b)
+        kw = {} if max_norm is None else {"max_grad_norm": max_norm}
+        opt = ZeRO(ea.parameters(), optimizer_class=emsa.AdamW, lr=LR, **kw)
+        ref = ZeRO(eb.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+        held = sum(p.numel() for g in opt.optim.param_groups for p in g["params"])
+        assert held < sum(p.numel() for p in a.parameters()) or ctx.world_size == 1
+        assert opt.optim._norm_group is opt.process_group  # the partition's norm is not global
+        clips = 0
+        for step in range(STEPS):
+            for model, o in ((ea, opt), (eb, ref)):
+                o.zero_grad(set_to_none=True)
+                _loss(model, ctx, step).backward()
+            clips += _torch_clip(eb, max_norm)
+            opt.step()
+            ref.step()
+            _compare(a, b, f"ZeRO-1 max_grad_norm={max_norm} step {step}")
+        out[max_norm] = (clips, opt.optim.clip_count)
+        # The whole state on rank 0, then loaded into a fresh ZeRO + emsa on every rank.
+        opt.consolidate_state_dict(to=0)
+        ref.consolidate_state_dict(to=0)
+        objects = [opt.state_dict(), ref.state_dict()] if ctx.rank == 0 else [None, None]
+        dist.broadcast_object_list(objects, src=0)
+        mine, theirs = objects
+        for k, st in theirs["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert_close(mine["state"][k][key], st[key], rtol=1e-5, atol=1e-8)
+            assert float(mine["state"][k]["step"]) == float(st["step"]) == STEPS
+        c, d = _pair(ctx.device, width=24)
+        c.load_state_dict(a.state_dict())
+        d.load_state_dict(a.state_dict())
+        ec, ed = DDP(c), DDP(d)
+        again = ZeRO(ec.parameters(), optimizer_class=emsa.AdamW, lr=LR, **kw)
+        again.load_state_dict(mine)
+        ref2 = torch.optim.AdamW(ed.parameters(), lr=LR)
+        ref2.load_state_dict(theirs)
+        for step in range(STEPS, STEPS + 3):
+            for model, o in ((ec, again), (ed, ref2)):
+                o.zero_grad(set_to_none=True)
+                _loss(model, ctx, step).backward()
+            _torch_clip(ed, max_norm)
+            again.step()
+            ref2.step()
+            _compare(c, d, f"ZeRO-1 after load max_grad_norm={max_norm} step {step}")
+    return out
+
+
+@configs
+def test_zero1_matches_torch(backend, world):
+    results = dist_util.run(_zero_body, world, backend)
+    for r in results:
+        clips, emsa_clips = r[MAX_NORM]
+        assert 0 < clips < STEPS, f"clipping fired on {clips} of {STEPS} steps: not a test of it"
+        assert emsa_clips == clips  # every rank clipped by the global norm
+        assert r[None] == (0, 0)
+
+
+# ---- refusals and plan agreement --------------------------------------------------------------
+def _refusal_body(ctx):
+    import emsa
+
+    model = Net().to(ctx.device)
+    messages = []
+    try:
+        emsa.AdamW(model.parameters(), step_in_backward=True)
+    except RuntimeError as e:
+        messages.append(str(e))
+    ddp = DDP(model)
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        emsa.AdamW(model.parameters(), step_in_backward=True, ddp=model)
+    with pytest.raises(ValueError, match="no_sync"):
+        emsa.AdamW(ddp.parameters(), step_in_backward=True, ddp=ddp, accumulate=2)
+    with pytest.raises(ValueError, match="drop process_group"):
+        emsa.AdamW(ddp.parameters(), ddp=ddp, process_group=dist.group.WORLD)
+    other = torch.nn.Linear(3, 3).to(ctx.device)
+    with pytest.raises(ValueError, match="not among the DDP model"):
+        emsa.AdamW(list(ddp.parameters()) + list(other.parameters()), step_in_backward=True,
+                   ddp=ddp)
+    emsa.AdamW(other.parameters(), step_in_backward=True, ddp=False)  # rank-local: allowed
+    return messages
+
+
+@configs
+def test_in_backward_without_ddp_is_refused(backend, world):
+    for messages in dist_util.run(_refusal_body, world, backend):
+        if world > 1:
+            assert len(messages) == 1 and "ddp=ddp_model" in messages[0], messages
+        else:  # one rank: nothing reduces its gradients, nothing to refuse
+            assert messages == []
+
+
+def _disagree_body(ctx, what: str):
+    import emsa
+
+    width = 16 + (ctx.rank if what == "shape" else 0)
+    model = Net(width).to(ctx.device)
+    tier = ("host" if ctx.rank else "device") if what == "layout" else None
+    opt = emsa.AdamW(model.parameters(), lr=LR, tier=tier)
+    _loss(model, ctx, 0).backward()
+    try:
+        opt.step()  # plans now: the replicas compare their plans
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("what", ["shape", "layout"])
+def test_replicas_with_different_plans_refuse(what):
+    if ("gloo", 2) not in dist_util.CONFIGS:
+        pytest.skip("needs gloo")
+    messages = dist_util.run(_disagree_body, 2, "gloo", args=(what,))
+    want = "same parameters" if what == "shape" else "another state layout"
+    assert all("plans disagree" in m and want in m for m in messages), messages
