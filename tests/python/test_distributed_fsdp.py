@@ -105,7 +105,12 @@ def _worker(cfg: dict) -> None:
     opt = _optimizer(cfg, model, rank, world)
     start = 0
     if cfg.get("load"):
+        before = [p.detach().clone() for p in model.parameters()]
+        # With no state yet, get_optimizer_state_dict runs step() at lr=0 on zero gradients
+        # (torch's _init_optim_state): as torch, the counts become 1, nothing else moves.
         state = _state(model, opt)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        assert {float(st["step"]) for st in opt.state_dict()["state"].values()} == {1.0}
         dcp.load(state, checkpoint_id=cfg["load"])
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, opt, state["optim"])
@@ -243,11 +248,25 @@ pytestmark = pytest.mark.skipif(bool(_missing()), reason=_missing() or "runs")
 
 
 # ---- the tests ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def torch_runs(tmp_path_factory):
+    """FSDP2 + torch.optim.AdamW, by clip threshold, each run once for the module."""
+    runs = {}
+
+    def run(clip):
+        if clip not in runs:
+            runs[clip] = _launch(tmp_path_factory.mktemp("torch"), "torch", opt="torch",
+                                 clip=clip)
+        return runs[clip]
+
+    return run
+
+
 @pytest.mark.numerics
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in_backward"])
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["noclip", "clip"])
-def test_fsdp2_equals_torch_adamw(tmp_path, in_backward, clip):
-    ref = _launch(tmp_path, "torch", opt="torch", clip=clip)
+def test_fsdp2_equals_torch_adamw(tmp_path, torch_runs, in_backward, clip):
+    ref = torch_runs(clip)
     got = _launch(tmp_path, "emsa", opt="emsa", clip=clip, in_backward=in_backward)
     _assert_params(got["params"], ref["params"], rtol=1e-6)
     assert got["moved"] == [], "FSDP2 moved a sharded parameter's storage"
@@ -261,9 +280,9 @@ def test_fsdp2_equals_torch_adamw(tmp_path, in_backward, clip):
 
 
 @pytest.mark.numerics
-def test_fsdp2_probed_plan_equals_torch_adamw(tmp_path):
+def test_fsdp2_probed_plan_equals_torch_adamw(tmp_path, torch_runs):
     """emsa.probe on the sharded model records each rank's shards in FSDP2's order of use."""
-    ref = _launch(tmp_path, "torch", opt="torch")
+    ref = torch_runs(None)
     got = _launch(tmp_path, "emsa", opt="emsa", probe=True)
     _assert_params(got["params"], ref["params"], rtol=1e-6)
 
