@@ -10,23 +10,18 @@ shard on rank 1 is empty: FSDP2 shards dim 0 unevenly) and no bias without a tru
   run; the 2-rank checkpoint loaded into 1 rank (a plain model) with emsa and with
   torch.optim.AdamW continues within 1e-6 of the uninterrupted 2-rank run.
 
-Each rank is this file run as a script (`python test_distributed_fsdp.py CONFIG_JSON`); a hang
-fails the test at its timeout.
+The ranks are started by tests/python/dist_util.py (a fresh process group per run; a hang fails
+the test at its timeout).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-STEPS, SAVE_AT, TIMEOUT_S = 20, 10, 240
+import dist_util
+
+STEPS, SAVE_AT, TIMEOUT_S = 20, 10, 120
 GLOBAL_BATCH, IN, HIDDEN = 8, 16, 33
 
 
@@ -42,7 +37,7 @@ def _missing() -> str:
     return ""
 
 
-# ---- one rank (run as a script) -------------------------------------------------------------
+# ---- one rank ----------------------------------------------------------------------------------
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(),
@@ -84,18 +79,16 @@ def _state(model, opt):
     return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
 
 
-def _worker(cfg: dict) -> None:
-    import torch.distributed as dist
+def _train(ctx, cfg: dict) -> dict:
+    """Trains the MLP (sharded by FSDP2 unless cfg["fsdp"] is False) to cfg["stop"] steps,
+    from the checkpoint cfg["load"] if given, saving one at cfg["save_at"]; returns the full
+    parameters, the gradient norms and which sharded parameters' storage moved."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
                                                          set_optimizer_state_dict)
     from torch.distributed.fsdp import fully_shard
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    from datetime import timedelta
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=TIMEOUT_S // 2))
+    rank, world = ctx.rank, ctx.world_size
     model = _model()
     if cfg.get("fsdp", True):
         for layer in model:
@@ -134,26 +127,18 @@ def _worker(cfg: dict) -> None:
              if (p._local_tensor.data_ptr() if hasattr(p, "_local_tensor") else p.data_ptr()) != q]
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
               for n, p in model.named_parameters()}
-    out = {"params": params, "norms": norms, "moved": moved,
-           "clip_count": getattr(opt, "clip_count", None)}
-    torch.save(out, Path(cfg["out"]) / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    return {"params": params, "norms": norms, "moved": moved,
+            "clip_count": getattr(opt, "clip_count", None)}
 
 
-def _cuda_twins(cfg: dict) -> None:
+def _cuda_twins(ctx, cfg: dict) -> None:
     """World size 1, NCCL: FSDP2 + emsa.AdamW(tier="host") against a twin with tier="device",
     each its own forward and backward, bitwise every step (the engines' updates are bitwise
     equal): an all-gather that read a shard before its upload, a gradient released before its
     copy, change bits."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     import emsa
-
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=0,
-                            world_size=1)
-    torch.cuda.set_device(0)
 
     def build():
         torch.manual_seed(0)
@@ -190,48 +175,13 @@ def _cuda_twins(cfg: dict) -> None:
             assert torch.equal(p._local_tensor, q._local_tensor), f"step {step + 1}: {name}"
     if cfg.get("clip"):
         assert opts[0].clip_count == opts[1].clip_count == STEPS
-    torch.save({"ok": True}, Path(cfg["out"]) / "rank0.pt")
-    dist.destroy_process_group()
 
 
 # ---- the launcher -----------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(tmp_path: Path, name: str, world: int = 2, **cfg) -> dict:
-    """Runs the worker on `world` processes; returns rank 0's output. Fails on a nonzero exit
-    or when the ranks have not finished within TIMEOUT_S (a hang)."""
-    from conftest import subprocess_env
-
-    out = tmp_path / name
-    out.mkdir()
-    cfg = {**cfg, "port": _free_port(), "out": str(out)}
-    procs, logs = [], []
-    for rank in range(world):
-        log = open(out / f"rank{rank}.log", "w+")
-        env = subprocess_env(RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, json.dumps(cfg)], env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))
-        logs.append(log)
-    try:
-        for p in procs:
-            p.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"{name}: the ranks did not finish within {TIMEOUT_S} s (a hang)")
-    finally:
-        for p in procs:
-            p.wait()
-    for rank, (p, log) in enumerate(zip(procs, logs)):
-        log.seek(0)
-        text = log.read()
-        log.close()
-        assert p.returncode == 0, f"{name}: rank {rank} exited {p.returncode}:\n{text[-4000:]}"
-    return torch.load(out / "rank0.pt")
+def _launch(world: int = 2, **cfg) -> dict:
+    """Runs _train on `world` gloo ranks; returns rank 0's result."""
+    return dist_util.run(_train, world_size=world, backend="gloo", args=(cfg,),
+                         timeout=TIMEOUT_S)[0]
 
 
 def _assert_params(got: dict, want: dict, rtol: float, exact: bool = False) -> None:
@@ -249,14 +199,13 @@ pytestmark = pytest.mark.skipif(bool(_missing()), reason=_missing() or "runs")
 
 # ---- the tests ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def torch_runs(tmp_path_factory):
+def torch_runs():
     """FSDP2 + torch.optim.AdamW, by clip threshold, each run once for the module."""
     runs = {}
 
     def run(clip):
         if clip not in runs:
-            runs[clip] = _launch(tmp_path_factory.mktemp("torch"), "torch", opt="torch",
-                                 clip=clip)
+            runs[clip] = _launch(opt="torch", clip=clip)
         return runs[clip]
 
     return run
@@ -265,9 +214,9 @@ def torch_runs(tmp_path_factory):
 @pytest.mark.numerics
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in_backward"])
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["noclip", "clip"])
-def test_fsdp2_equals_torch_adamw(tmp_path, torch_runs, in_backward, clip):
+def test_fsdp2_equals_torch_adamw(torch_runs, in_backward, clip):
     ref = torch_runs(clip)
-    got = _launch(tmp_path, "emsa", opt="emsa", clip=clip, in_backward=in_backward)
+    got = _launch(opt="emsa", clip=clip, in_backward=in_backward)
     _assert_params(got["params"], ref["params"], rtol=1e-6)
     assert got["moved"] == [], "FSDP2 moved a sharded parameter's storage"
     if clip:
@@ -280,10 +229,10 @@ def test_fsdp2_equals_torch_adamw(tmp_path, torch_runs, in_backward, clip):
 
 
 @pytest.mark.numerics
-def test_fsdp2_probed_plan_equals_torch_adamw(tmp_path, torch_runs):
+def test_fsdp2_probed_plan_equals_torch_adamw(torch_runs):
     """emsa.probe on the sharded model records each rank's shards in FSDP2's order of use."""
     ref = torch_runs(None)
-    got = _launch(tmp_path, "emsa", opt="emsa", probe=True)
+    got = _launch(opt="emsa", probe=True)
     _assert_params(got["params"], ref["params"], rtol=1e-6)
 
 
@@ -291,35 +240,30 @@ def test_fsdp2_probed_plan_equals_torch_adamw(tmp_path, torch_runs):
 def checkpoint(tmp_path_factory):
     """The uninterrupted 2-rank emsa run, and a DCP checkpoint of it at step SAVE_AT."""
     tmp = tmp_path_factory.mktemp("dcp")
-    full = _launch(tmp, "full", opt="emsa")
-    _launch(tmp, "save", opt="emsa", stop=SAVE_AT, save_at=SAVE_AT, save=str(tmp / "ckpt"))
+    full = _launch(opt="emsa")
+    _launch(opt="emsa", stop=SAVE_AT, save_at=SAVE_AT, save=str(tmp / "ckpt"))
     return full, tmp / "ckpt"
 
 
 @pytest.mark.numerics
-def test_dcp_resume_is_bitwise(tmp_path, checkpoint):
+def test_dcp_resume_is_bitwise(checkpoint):
     full, ckpt = checkpoint
-    resumed = _launch(tmp_path, "resume", opt="emsa", load=str(ckpt))
+    resumed = _launch(opt="emsa", load=str(ckpt))
     _assert_params(resumed["params"], full["params"], rtol=0, exact=True)
 
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("opt", ["emsa", "torch"])
-def test_two_rank_checkpoint_into_one_rank(tmp_path, checkpoint, opt):
+def test_two_rank_checkpoint_into_one_rank(checkpoint, opt):
     full, ckpt = checkpoint
-    got = _launch(tmp_path, f"one-{opt}", world=1, opt=opt, fsdp=False, load=str(ckpt))
+    got = _launch(world=1, opt=opt, fsdp=False, load=str(ckpt))
     _assert_params(got["params"], full["params"], rtol=1e-6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not torch.distributed.is_nccl_available(),
                     reason="needs a CUDA GPU and NCCL")
 @pytest.mark.parametrize("variant", ["step", "in_backward", "clipped_in_backward"])
-def test_cuda_host_tier_under_fsdp2_equals_device_tier_bitwise(tmp_path, variant):
-    _launch(tmp_path, "cuda", world=1, cuda=True, in_backward=variant != "step",
-            clip=1e-3 if variant.startswith("clipped") else None)
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
-    config = json.loads(sys.argv[1])
-    (_cuda_twins if config.get("cuda") else _worker)(config)
+def test_cuda_host_tier_under_fsdp2_equals_device_tier_bitwise(variant):
+    dist_util.run(_cuda_twins, world_size=1, backend="nccl", timeout=TIMEOUT_S,
+                  args=({"in_backward": variant != "step",
+                         "clip": 1e-3 if variant.startswith("clipped") else None},))
