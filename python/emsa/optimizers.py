@@ -111,6 +111,7 @@ import torch
 from torch.optim import Optimizer
 
 from . import _binding, _tuning
+from ._arena import host_memory
 from ._backend import Backend, check_param, select
 from .plan import STATE_DTYPES, Plan, make_plan, parse_bytes, profile_json, require_library
 from .probe_record import ProbeRecord
@@ -310,6 +311,8 @@ class _EmsaOptimizer(Optimizer):
                               len(self.param_groups), in_backward=self._in_backward)
         for i, s in enumerate(slots):
             self.state[s.param] = backend.state(i)
+        self.__dict__.setdefault("_setup_times", {}).update(getattr(backend, "setup_times", {}))
+        self._host_memory = host_memory(backend)
         self._plan, self._backend, self._record = plan, backend, planned
         self._planned_release = self._releases_grads()
         self._frozen, self._slots = frozen, slots
@@ -489,6 +492,8 @@ class _EmsaOptimizer(Optimizer):
         backend = self._backend
         self._updating = (self._passes + 1) % self._accumulate == 0
         groups = self._engine_groups(unfrozen=True)
+        if self._updating and "first_step" not in self._setup_times:
+            self._first_pass_start = time.perf_counter()
         if self._updating:  # the pass's first gradient: its lr and hyperparameters
             self._configure(backend, **self._pass_scaling())
             with torch.no_grad():
@@ -543,6 +548,9 @@ class _EmsaOptimizer(Optimizer):
             self._last_skipped = bool(skips)
         if self._grad_scaler is None:  # a scaler's skips are routine: no warning
             self._warn_skipped(skips, stacklevel=3)
+        start = self.__dict__.pop("_first_pass_start", None)
+        if start is not None:
+            self._setup_times["first_step"] = time.perf_counter() - start
 
     def _pass_scaling(self) -> dict:
         """The in-backward pass's loss scale and found_inf output, from grad_scaler=."""
@@ -671,6 +679,7 @@ class _EmsaOptimizer(Optimizer):
         self._configure(backend, loss_scale=scale, amp=amp)
         start = time.perf_counter()
         result = backend.step(groups)
+        self._setup_times.setdefault("first_step", time.perf_counter() - start)
         if not hasattr(backend, "step_stats"):
             self._wall.append((start, time.perf_counter()))
             self._norms.append((result.grad_norm, result.clipped))
