@@ -103,10 +103,14 @@ def timed_steps(model, opt, ids, ctx, device, count: int) -> list[dict]:
 
 
 def optimizer_facts(opt) -> dict:
+    """Set-up phases, host memory, arena sizes, and the engine's own per-step times (GPU time,
+    host-tier copy and CPU busy times, forward waits): a slow first step shows which part of
+    emsa, if any, it spent in."""
     return dict(setup_times=dict(getattr(opt, "_setup_times", {})),
                 host_memory=getattr(opt, "_host_memory", None),
                 device_arena_bytes=opt.plan.device_arena_bytes,
-                host_arena_bytes=opt.plan.host_arena_bytes)
+                host_arena_bytes=opt.plan.host_arena_bytes,
+                engine_steps=opt.step_stats())
 
 
 def steady(steps: list[dict]) -> float:
@@ -246,6 +250,12 @@ def print_table(results: dict, dry: bool) -> None:
                   + (f" ({arenas[0]['fallback_reason']})"
                      if arenas[0].get("fallback_reason") else ""))
             first = r["steps"][0]
+            engine = r.get("engine_steps") or []
+            if engine and "cpu_s" in engine[0]:
+                keys = ("time_s", "d2h_s", "cpu_s", "h2d_s", "wait_s", "grad_wait_s")
+                for row in engine[:3]:
+                    print(f"{case} engine step {row['step']}: " + ", ".join(
+                        f"{k} {row[k]:.3f}" for k in keys if row.get(k) is not None))
             print(f"{case} first step: forward {first['forward_s']:.3f} s, backward (with the "
                   f"update) {first['backward_s']:.3f} s, total {first['step_s']:.3f} s; steps: "
                   + " ".join(f"{s['step_s']:.3f}" for s in r["steps"]))

@@ -9,8 +9,8 @@
 // resident costs a fraction of cudaHostAlloc, which locks and clears pages one by one in the
 // driver; cudaHostAlloc (portable, never write-combined: the CPU reads state back every step)
 // is only the fallback when registering fails, and facts() says which way the memory was
-// pinned and why. The arena is freed exactly once, by the destructor, with the call matching
-// how it was obtained. Nothing grows later.
+// pinned and why. Registered memory is not inherited by a fork (MADV_DONTFORK). The arena is freed
+// exactly once, by the destructor, with the call matching how it was obtained. Nothing grows later.
 //
 // Before anything is mapped, Create checks that the host can hold the arena (CheckFits): more
 // than the memory available now (MemAvailable) less a reserve for the rest of the process fails

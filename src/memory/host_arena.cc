@@ -221,6 +221,13 @@ Status HostArena::MapAndFill(ThreadPool* pool) {
 
 Status HostArena::Register() {
 #if EMSA_HAVE_CUDA
+  // A fork (a DataLoader worker) must not inherit pinned pages: the kernel would copy every
+  // one of them into the child at fork time, since a pinned page cannot be shared copy-on-write
+  // (and a child cannot use this CUDA context anyway).
+  if (madvise(data_, mapped_, MADV_DONTFORK) != 0) {
+    return Status::Internal(std::string("madvise(MADV_DONTFORK) on the host arena: ") +
+                            std::strerror(errno));
+  }
   const auto begin = std::chrono::steady_clock::now();
   // Portable: any context may copy from it. The pages are resident already, so the driver
   // only pins and maps them.

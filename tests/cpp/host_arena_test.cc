@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -255,6 +256,32 @@ TEST(HostArena, PinnedIsUnregisteredOnDestruction) {
   cudaPointerAttributes attr{};
   ASSERT_EQ(cudaPointerGetAttributes(&attr, data), cudaSuccess);
   EXPECT_EQ(attr.type, cudaMemoryTypeUnregistered);
+#else
+  GTEST_SKIP() << "built without CUDA";
+#endif
+}
+
+// A fork does not inherit registered memory (the kernel would otherwise copy every pinned page
+// into the child): in the child the range is not mapped. The child calls no CUDA. GPU only.
+TEST(HostArena, PinnedIsNotInheritedByAFork) {
+#if EMSA_HAVE_CUDA
+  if (!CudaDeviceUsable()) GTEST_SKIP() << "no usable CUDA device";
+  Result<std::unique_ptr<HostArena>> arena = HostArena::Create(4 * kMiB, HostArenaOptions{});
+  ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+  ASSERT_EQ((*arena)->facts().pin, HostPin::kRegistered) << (*arena)->facts().fallback_reason;
+  void* data = (*arena)->data();
+  std::vector<unsigned char> resident(4 * kMiB / static_cast<uint64_t>(sysconf(_SC_PAGESIZE)));
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    const bool unmapped = mincore(data, 4 * kMiB, resident.data()) != 0 && errno == ENOMEM;
+    _exit(unmapped ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child inherited the registered arena";
+  EXPECT_EQ(FirstNonZero(data, 4 * kMiB), -1);  // the parent's memory is untouched
 #else
   GTEST_SKIP() << "built without CUDA";
 #endif
