@@ -45,20 +45,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from offload_e2e import make_llama, provenance  # noqa: E402
+from offload_capacity import SIZES, enable_checkpointing  # noqa: E402
+from offload_e2e import LLAMA_1B, LLAMA_TINY, make_llama, provenance  # noqa: E402
 
-SHAPES = {
-    "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=5632,
-               num_attention_heads=16, num_key_value_heads=16, vocab_size=32000),
-    "7b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008,
-               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
-}
-DRY_SHAPES = {
-    "1b": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-               num_attention_heads=4, num_key_value_heads=4, vocab_size=256),
-    "7b": dict(hidden_size=96, num_hidden_layers=2, intermediate_size=192,
-               num_attention_heads=4, num_key_value_heads=4, vocab_size=256),
-}
+SHAPES = {"1b": LLAMA_1B, "7b": SIZES["7b"]}
+DRY_SHAPES = {"1b": LLAMA_TINY, "7b": dict(LLAMA_TINY, hidden_size=96, intermediate_size=192)}
 BATCH = {"1b": (4, 512), "7b": (1, 1024)}
 DRY_BATCH = {"1b": (2, 32), "7b": (1, 64)}
 STEPS = {"1b": 7, "7b": 4}  # emsa steps per case: the first, one more, then the steady ones
@@ -70,14 +61,6 @@ CASE_TIMEOUT_S = 240
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def enable_checkpointing(model) -> None:
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
-        model.activation_checkpointing_enable(kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def timed_steps(model, opt, ids, ctx, device, count: int) -> list[dict]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+import warnings
 
 import torch
 
@@ -77,6 +78,8 @@ class HostArena:
         self.pageable_bytes = facts.pageable_bytes
         self.nbytes = size.value
         self.bytes = torch.frombuffer(buf, dtype=torch.uint8)
+        if facts.pin == 2:  # pinned, but the slow way: say so rather than be slow silently
+            warnings.warn(f"emsa: {self.fallback_reason}", RuntimeWarning, stacklevel=3)
         self.times = {"host_arena": time.perf_counter() - start,
                       "host_arena.fill": facts.fill_seconds,
                       "host_arena.pin": facts.pin_seconds}
@@ -96,6 +99,18 @@ class HostArena:
                                f"outside the {self.nbytes}-byte arena; please report it")
         flat = self.bytes[offset:offset + nbytes].view(dtype)
         return flat.as_strided(like.shape, like.stride())
+
+
+def pinned_arena(nbytes: int, times: dict) -> HostArena:
+    """The host tier's arena, page-locked (the host tier copies only from pinned memory), or
+    an error saying why it could not be; its set-up phases are added to `times`."""
+    arena = HostArena(nbytes, pinned=True)
+    times.update(arena.times)
+    if not arena.pinned:
+        raise RuntimeError(f"emsa could not pin the host arena ({arena.fallback_reason}), and "
+                           "the host tier copies only from pinned memory; free host memory, "
+                           "or raise the budget so less state goes to the host")
+    return arena
 
 
 def host_memory(backend) -> dict:

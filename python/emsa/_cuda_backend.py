@@ -85,7 +85,7 @@ from ._backend import DTYPE_NAMES, Backend, StepResult, kernel_grad, state_view
 from ._binding import Slot
 from ._capi import (DeviceTableOptions, EmsaError, HostTierTensor, Hyperparams, TensorUpdate,
                     check, lib)
-from ._arena import HostArena, check_fits
+from ._arena import HostArena, check_fits, pinned_arena
 from ._cuda_passes import InBackward, Pass, on, ptr
 from ._cuda_stats import HeaderRing, StepClock, counted_mask
 from ._device_arena import DeviceArena
@@ -150,14 +150,7 @@ class CudaBackend(InBackward, Backend):
                     self.arena = DeviceArena(plan.device_arena_bytes, self.index)
                     self.setup_times["device_arena"] = time.perf_counter() - device_start
                 if plan.host_arena_bytes:
-                    self.host_arena = HostArena(plan.host_arena_bytes, pinned=True)
-                    self.setup_times.update(self.host_arena.times)
-                    if not self.host_arena.pinned:
-                        raise RuntimeError(
-                            f"emsa could not pin the host arena ({self.host_arena.fallback_reason})"
-                            ", and "
-                            "the host tier copies only from pinned memory; free host memory, "
-                            "or raise the budget so less state goes to the host")
+                    self.host_arena = pinned_arena(plan.host_arena_bytes, self.setup_times)
                 state_code = _capi.DTYPE[DTYPE_NAMES[state_dtype]]
                 self.hidden: list[dict] = [{} for _ in slots]  # host-tier staging and masters
                 bind_start = time.perf_counter()

@@ -3,6 +3,11 @@
 
 using namespace emsa::capi;  // NOLINT(google-build-using-namespace)
 
+static_assert(static_cast<int>(emsa::HostPin::kNone) == EMSA_HOST_PIN_NONE &&
+                  static_cast<int>(emsa::HostPin::kRegistered) == EMSA_HOST_PIN_REGISTERED &&
+                  static_cast<int>(emsa::HostPin::kHostAlloc) == EMSA_HOST_PIN_HOST_ALLOC,
+              "emsa_host_arena_facts.pin mirrors emsa::HostPin");
+
 namespace {
 
 // The C options as HostArenaOptions; NULL stands for the defaults.
@@ -101,16 +106,9 @@ emsa_status emsa_host_arena_describe(const emsa_host_arena* arena, emsa_host_are
       if (reason == nullptr) return Fail(EMSA_OUT_OF_MEMORY, "cannot allocate the reason");
       *fallback_reason_out = reason;
     }
-    facts->pin = f.pin == emsa::HostPin::kRegistered  ? EMSA_HOST_PIN_REGISTERED
-                 : f.pin == emsa::HostPin::kHostAlloc ? EMSA_HOST_PIN_HOST_ALLOC
-                                                      : EMSA_HOST_PIN_NONE;
-    facts->huge_pages = f.huge_pages ? 1 : 0;
-    facts->fill_threads = f.fill_threads;
-    facts->locked_bytes = f.locked_bytes;
-    facts->pageable_bytes = f.pageable_bytes;
-    facts->locked_limit_bytes = f.locked_limit_bytes;
-    facts->fill_seconds = f.fill_seconds;
-    facts->pin_seconds = f.pin_seconds;
+    Fields<emsa_host_arena_facts>::ForEach(*facts, f, [](auto& to, const auto& from) {
+      to = static_cast<std::remove_reference_t<decltype(to)>>(from);
+    });
     return Report(emsa::Status::Ok());
   });
 }

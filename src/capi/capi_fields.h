@@ -70,6 +70,24 @@ struct Fields<emsa_host_arena_options> {
   }
 };
 
+// The other way: emsa_host_arena_describe fills the C facts from the arena's (pin goes through
+// int32_t; HostPin's values are the EMSA_HOST_PIN_* ones, checked in capi_cpu.cc).
+template <>
+struct Fields<emsa_host_arena_facts> {
+  using Cpp = emsa::HostArenaFacts;
+  template <typename CRef, typename CppRef, typename Fn>
+  static void ForEach(CRef& c, CppRef& cpp, Fn fn) {
+    fn(c.pin, cpp.pin);
+    fn(c.huge_pages, cpp.huge_pages);
+    fn(c.fill_threads, cpp.fill_threads);
+    fn(c.locked_bytes, cpp.locked_bytes);
+    fn(c.pageable_bytes, cpp.pageable_bytes);
+    fn(c.locked_limit_bytes, cpp.locked_limit_bytes);
+    fn(c.fill_seconds, cpp.fill_seconds);
+    fn(c.pin_seconds, cpp.pin_seconds);
+  }
+};
+
 template <>
 struct Fields<emsa_hyperparams> {
   using Cpp = emsa::HyperParams;
