@@ -180,14 +180,61 @@ EMSA_API emsa_status emsa_device_preset(const char* name, char** json_out);
 /* ---- pinned host arena --------------------------------------------------------------------- */
 typedef struct emsa_host_arena emsa_host_arena;
 
-/* One zero-filled allocation; pinned (cudaHostAlloc) when want_pinned is 1 and a device is
- * usable, otherwise plain memory aligned to 2 MiB. 0 never touches CUDA. emsa_host_arena_info's
- * pinned_out tells whether it is pinned. */
+/* One zero-filled allocation aligned to 2 MiB, first-touched on every CPU; page-locked
+ * (cudaHostRegister, cudaHostAlloc as the fallback) when want_pinned is 1 and a device is
+ * usable, otherwise pageable. 0 never touches CUDA. emsa_host_arena_info's pinned_out tells
+ * whether it is pinned. A host without room for it fails before anything is allocated
+ * (emsa_host_arena_check). */
 EMSA_API emsa_status emsa_host_arena_create(uint64_t bytes, int32_t want_pinned,
                                             emsa_host_arena** arena_out);
 EMSA_API void emsa_host_arena_destroy(emsa_host_arena* arena);
 EMSA_API emsa_status emsa_host_arena_info(const emsa_host_arena* arena, void** data_out,
                                           uint64_t* bytes_out, int32_t* pinned_out);
+
+/* How a host arena is made (emsa/host_arena.h HostArenaOptions; defaults from
+ * emsa_host_arena_options_init). emsa_host_arena_create is emsa_host_arena_create_with with the
+ * defaults and its want_pinned. */
+typedef struct emsa_host_arena_options {
+  uint32_t struct_size;     /* sizeof(emsa_host_arena_options) */
+  int32_t want_pinned;      /* 1 (default): page-locked when a CUDA device is usable; 0: never
+                             * touches CUDA */
+  int32_t fill_threads;     /* threads for the first touch; 0 (default): every CPU this process
+                             * may run on; 1: the calling thread */
+  int32_t reserved;         /* 0 */
+  uint64_t available_bytes; /* host memory the arena may take; 0 (default): MemAvailable now */
+} emsa_host_arena_options;
+EMSA_API void emsa_host_arena_options_init(emsa_host_arena_options* options);
+/* EMSA_OK when the host can hold an arena of `bytes` now; else the EMSA_OUT_OF_MEMORY that
+ * creating it would return, whose message names the largest size that fits. Allocates nothing.
+ * options may be NULL (defaults). */
+EMSA_API emsa_status emsa_host_arena_check(uint64_t bytes, const emsa_host_arena_options* options);
+EMSA_API emsa_status emsa_host_arena_create_with(uint64_t bytes,
+                                                 const emsa_host_arena_options* options,
+                                                 emsa_host_arena** arena_out);
+
+#define EMSA_HOST_PIN_NONE 0       /* pageable (not asked for, or no device: fallback_reason) */
+#define EMSA_HOST_PIN_REGISTERED 1 /* mapped, first-touched, cudaHostRegister'd */
+#define EMSA_HOST_PIN_HOST_ALLOC 2 /* cudaHostAlloc: registering failed (fallback_reason) */
+
+/* How an arena was obtained and what it cost (emsa/host_arena.h HostArenaFacts). */
+typedef struct emsa_host_arena_facts {
+  uint32_t struct_size;        /* sizeof(emsa_host_arena_facts) */
+  int32_t pin;                 /* EMSA_HOST_PIN_* */
+  int32_t huge_pages;          /* 1: the kernel accepted MADV_HUGEPAGE for the mapping */
+  int32_t fill_threads;        /* threads that ran the first touch */
+  uint64_t locked_bytes;       /* page-locked */
+  uint64_t pageable_bytes;     /* resident, not locked */
+  uint64_t locked_limit_bytes; /* soft RLIMIT_MEMLOCK, UINT64_MAX unlimited (reported only:
+                                * CUDA's pinning does not count against it) */
+  double fill_seconds;         /* first touch (zero fill) */
+  double pin_seconds;          /* cudaHostRegister, or cudaHostAlloc on the fallback */
+} emsa_host_arena_facts;
+EMSA_API void emsa_host_arena_facts_init(emsa_host_arena_facts* facts);
+/* facts must be initialized; *fallback_reason_out ("" when none; may be NULL) is freed with
+ * emsa_free. */
+EMSA_API emsa_status emsa_host_arena_describe(const emsa_host_arena* arena,
+                                              emsa_host_arena_facts* facts,
+                                              char** fallback_reason_out);
 
 /* ---- CPU optimizer step -------------------------------------------------------------------- */
 typedef struct emsa_cpu_updater emsa_cpu_updater;

@@ -1,5 +1,11 @@
 """A libemsa host arena seen from torch: one allocation, state tensors are views, no copies.
 
+libemsa maps it on 2 MiB boundaries (huge pages where the kernel offers them), touches every
+page on all CPUs, then page-locks it with one cudaHostRegister when pinned memory is asked for
+and a device is usable (cudaHostAlloc only when registering fails: `pin` and
+`fallback_reason` say which way it went). `check_fits` refuses, before anything is allocated, an
+arena the host cannot hold now, naming the size that fits.
+
 Lifetime: every view holds the torch storage, which holds the ctypes buffer, which holds the
 arena's owner; the arena is freed when the last view is gone, never earlier, even if a
 state_dict outlives its optimizer.
@@ -8,10 +14,29 @@ state_dict outlives its optimizer.
 from __future__ import annotations
 
 import ctypes
+import time
+import warnings
 
 import torch
 
-from ._capi import check, lib
+from ._capi import HostArenaFacts, HostArenaOptions, check, lib, take_string
+
+# EMSA_HOST_PIN_* as words, for reports.
+PIN_NAMES = {0: "pageable", 1: "cudaHostRegister", 2: "cudaHostAlloc"}
+
+
+def _options(pinned: bool, available_bytes: int = 0) -> HostArenaOptions:
+    options = HostArenaOptions()
+    lib.emsa_host_arena_options_init(ctypes.byref(options))
+    options.want_pinned = int(pinned)
+    options.available_bytes = int(available_bytes)
+    return options
+
+
+def check_fits(nbytes: int, pinned: bool, available_bytes: int = 0) -> None:
+    """Raises EmsaError (out of memory, with the largest size that fits) when the host cannot
+    hold `nbytes` of arena now; allocates nothing. available_bytes=0: MemAvailable."""
+    check(lib.emsa_host_arena_check(int(nbytes), ctypes.byref(_options(pinned, available_bytes))))
 
 
 class _Owner:
@@ -29,19 +54,41 @@ class _Owner:
 
 class HostArena:
     def __init__(self, nbytes: int, pinned: bool):
-        """pinned: page-locked (cudaHostAlloc) when a CUDA device is usable; `self.pinned`
-        says."""
+        """pinned: page-locked when a CUDA device is usable; `self.pinned` says, `self.pin`
+        how. `self.times`: seconds of the whole creation ("host_arena") and of its parts, as
+        opt._setup_times names them."""
+        start = time.perf_counter()
         handle = ctypes.c_void_p()
-        check(lib.emsa_host_arena_create(nbytes, int(pinned), ctypes.byref(handle)))
+        check(lib.emsa_host_arena_create_with(nbytes, ctypes.byref(_options(pinned)),
+                                              ctypes.byref(handle)))
         owner = _Owner(handle)
         data, size, got_pinned = ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_int32()
         check(lib.emsa_host_arena_info(handle, ctypes.byref(data), ctypes.byref(size),
                                        ctypes.byref(got_pinned)))
+        facts, reason = HostArenaFacts(), ctypes.c_void_p()
+        lib.emsa_host_arena_facts_init(ctypes.byref(facts))
+        check(lib.emsa_host_arena_describe(handle, ctypes.byref(facts), ctypes.byref(reason)))
         buf = (ctypes.c_uint8 * size.value).from_address(data.value)
         buf._emsa_owner = owner
         self.pinned = bool(got_pinned.value)
+        self.pin = PIN_NAMES.get(facts.pin, "unknown")
+        self.fallback_reason = take_string(reason)
+        self.huge_pages = bool(facts.huge_pages)
+        self.locked_bytes = facts.locked_bytes
+        self.pageable_bytes = facts.pageable_bytes
         self.nbytes = size.value
         self.bytes = torch.frombuffer(buf, dtype=torch.uint8)
+        if facts.pin == 2:  # pinned, but the slow way: say so rather than be slow silently
+            warnings.warn(f"emsa: {self.fallback_reason}", RuntimeWarning, stacklevel=3)
+        self.times = {"host_arena": time.perf_counter() - start,
+                      "host_arena.fill": facts.fill_seconds,
+                      "host_arena.pin": facts.pin_seconds}
+
+    def describe(self) -> dict:
+        """What the report shows: bytes locked and pageable, and how the memory was pinned."""
+        return {"bytes": self.nbytes, "locked_bytes": self.locked_bytes,
+                "pageable_bytes": self.pageable_bytes, "pin": self.pin,
+                "huge_pages": self.huge_pages, "fallback_reason": self.fallback_reason}
 
     def view(self, offset: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A tensor of `like`'s shape and strides (dense layouts: channels_last stays
@@ -52,3 +99,25 @@ class HostArena:
                                f"outside the {self.nbytes}-byte arena; please report it")
         flat = self.bytes[offset:offset + nbytes].view(dtype)
         return flat.as_strided(like.shape, like.stride())
+
+
+def pinned_arena(nbytes: int, times: dict) -> HostArena:
+    """The host tier's arena, page-locked (the host tier copies only from pinned memory), or
+    an error saying why it could not be; its set-up phases are added to `times`."""
+    arena = HostArena(nbytes, pinned=True)
+    times.update(arena.times)
+    if not arena.pinned:
+        raise RuntimeError(f"emsa could not pin the host arena ({arena.fallback_reason}), and "
+                           "the host tier copies only from pinned memory; free host memory, "
+                           "or raise the budget so less state goes to the host")
+    return arena
+
+
+def host_memory(backend) -> dict:
+    """The host memory a backend's arenas hold: bytes page-locked and pageable, and how each
+    arena was obtained (opt._host_memory, for the report)."""
+    arenas = [getattr(backend, "host_arena", None), *getattr(backend, "arenas", {}).values()]
+    described = [a.describe() for a in arenas if isinstance(a, HostArena)]
+    return {"locked_bytes": sum(d["locked_bytes"] for d in described),
+            "pageable_bytes": sum(d["pageable_bytes"] for d in described),
+            "arenas": described}

@@ -236,6 +236,31 @@ class ModelOptions(ctypes.Structure):
     ]
 
 
+
+class HostArenaOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("want_pinned", ctypes.c_int32),
+        ("fill_threads", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("available_bytes", ctypes.c_uint64),
+    ]
+
+
+class HostArenaFacts(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("pin", ctypes.c_int32),
+        ("huge_pages", ctypes.c_int32),
+        ("fill_threads", ctypes.c_int32),
+        ("locked_bytes", ctypes.c_uint64),
+        ("pageable_bytes", ctypes.c_uint64),
+        ("locked_limit_bytes", ctypes.c_uint64),
+        ("fill_seconds", ctypes.c_double),
+        ("pin_seconds", ctypes.c_double),
+    ]
+
+
 _P = ctypes.c_void_p
 _S = ctypes.c_int32  # emsa_status
 _TABLE = {
@@ -277,6 +302,13 @@ _TABLE = {
     "emsa_device_preset": (_S, [ctypes.c_char_p, ctypes.POINTER(_P)]),
     "emsa_host_arena_create": (_S, [ctypes.c_uint64, ctypes.c_int32, ctypes.POINTER(_P)]),
     "emsa_host_arena_destroy": (None, [_P]),
+    "emsa_host_arena_options_init": (None, [ctypes.POINTER(HostArenaOptions)]),
+    "emsa_host_arena_check": (_S, [ctypes.c_uint64, ctypes.POINTER(HostArenaOptions)]),
+    "emsa_host_arena_create_with": (
+        _S, [ctypes.c_uint64, ctypes.POINTER(HostArenaOptions), ctypes.POINTER(_P)]),
+    "emsa_host_arena_facts_init": (None, [ctypes.POINTER(HostArenaFacts)]),
+    "emsa_host_arena_describe": (
+        _S, [_P, ctypes.POINTER(HostArenaFacts), ctypes.POINTER(_P)]),
     "emsa_host_arena_info": (
         _S, [_P, ctypes.POINTER(_P), ctypes.POINTER(ctypes.c_uint64),
              ctypes.POINTER(ctypes.c_int32)]),

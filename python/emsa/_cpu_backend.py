@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import math
+import time
 import warnings
 
 import torch
 
 from . import _capi
-from ._arena import HostArena
+from ._arena import HostArena, check_fits
 from ._backend import (DTYPE_NAMES, Backend, StepResult, check_param, clip_coefficient,
                        kernel_grad, state_view)
 from ._binding import Slot
@@ -64,11 +65,13 @@ class CpuBackend(Backend):
         used = {}
         for m in plan.json.get("modules", []):
             used[m["tier"]] = max(used.get(m["tier"], 0), m["offset"] + m["bytes"])
-        self.arenas = {}
-        for tier, planned in (("L1", plan.device_arena_bytes), ("L2", plan.host_arena_bytes)):
-            if planned:
-                self.arenas[tier] = HostArena(min(planned, used.get(tier, planned)),
-                                              pinned=False)
+        sizes = {tier: min(planned, used.get(tier, planned)) for tier, planned in
+                 (("L1", plan.device_arena_bytes), ("L2", plan.host_arena_bytes)) if planned}
+        if sizes:  # both tiers are host memory: a host too small fails before either exists
+            check_fits(sum(sizes.values()), pinned=False)
+        start = time.perf_counter()
+        self.arenas = {tier: HostArena(nbytes, pinned=False) for tier, nbytes in sizes.items()}
+        self.setup_times = {"host_arena": time.perf_counter() - start}
 
         self.hyper = (Hyperparams * max(group_count, 1))()
         for h in self.hyper:

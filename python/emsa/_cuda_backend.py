@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import time
 import warnings
 
 import torch
@@ -84,7 +85,7 @@ from ._backend import DTYPE_NAMES, Backend, StepResult, kernel_grad, state_view
 from ._binding import Slot
 from ._capi import (DeviceTableOptions, EmsaError, HostTierTensor, Hyperparams, TensorUpdate,
                     check, lib)
-from ._arena import HostArena
+from ._arena import HostArena, check_fits, pinned_arena
 from ._cuda_passes import InBackward, Pass, on, ptr
 from ._cuda_stats import HeaderRing, StepClock, counted_mask
 from ._device_arena import DeviceArena
@@ -137,22 +138,23 @@ class CudaBackend(InBackward, Backend):
         self.scalars = ctypes.c_void_p()
         self.arena: DeviceArena | None = None
         self.host_arena: HostArena | None = None
+        self.setup_times: dict[str, float] = {}  # opt._setup_times' phases measured here
         self.host: HostTier | None = None
         self.step_times = StepClock()
         self.warned_unwaited = False
         try:
             with on(self.index):
+                if plan.host_arena_bytes:  # a host too small fails before any allocation
+                    check_fits(plan.host_arena_bytes, pinned=True)
                 if plan.device_arena_bytes:
+                    device_start = time.perf_counter()
                     self.arena = DeviceArena(plan.device_arena_bytes, self.index)
+                    self.setup_times["device_arena"] = time.perf_counter() - device_start
                 if plan.host_arena_bytes:
-                    self.host_arena = HostArena(plan.host_arena_bytes, pinned=True)
-                    if not self.host_arena.pinned:
-                        raise RuntimeError(
-                            "emsa could not pin the host arena, and "
-                            "the host tier copies only from pinned memory; free host memory, "
-                            "or raise the budget so less state goes to the host")
+                    self.host_arena = pinned_arena(plan.host_arena_bytes, self.setup_times)
                 state_code = _capi.DTYPE[DTYPE_NAMES[state_dtype]]
                 self.hidden: list[dict] = [{} for _ in slots]  # host-tier staging and masters
+                bind_start = time.perf_counter()
                 self.views = [self._bind_views(i, s, pp, state_dtype)
                               for i, (s, pp) in enumerate(zip(slots, entries))]
                 self.masters = [i for i in range(len(slots)) if self._master(i) is not None]
@@ -160,6 +162,7 @@ class CudaBackend(InBackward, Backend):
                 self._make_scalars(group_count)
                 self._make_tables(slots, plan, state_code)
                 self._make_host_tier(slots, plan, entries, state_code, group_count)
+                self.setup_times["bind"] = time.perf_counter() - bind_start
                 stream = torch.cuda.current_stream(self.device)
                 check(lib.emsa_device_scalars_set_inputs(self.scalars, 1.0, 0.0, 0,
                                                          stream.cuda_stream))

@@ -126,6 +126,7 @@ import torch
 from torch.optim import Optimizer
 
 from . import _binding, _distributed, _dtensor, _tuning
+from ._arena import host_memory
 from ._backend import Backend, check_param, select
 from .plan import STATE_DTYPES, Plan, make_plan, parse_bytes, profile_json, require_library
 from .probe_record import ProbeRecord
@@ -331,6 +332,8 @@ class _EmsaOptimizer(Optimizer):
             self.state[s.param] = _dtensor.wrap_state(backend.state(i), s.param)
         self._shards = shards
         _dtensor.forward_waits(backend, shards)
+        self.__dict__.setdefault("_setup_times", {}).update(getattr(backend, "setup_times", {}))
+        self._host_memory = host_memory(backend)
         self._plan, self._backend, self._record = plan, backend, planned
         self._planned_release = self._releases_grads()
         self._frozen, self._slots = frozen, slots
@@ -513,6 +516,8 @@ class _EmsaOptimizer(Optimizer):
         backend = self._backend
         self._updating = (self._passes + 1) % self._accumulate == 0
         groups = self._engine_groups(unfrozen=True)
+        if self._updating and "first_step" not in self._setup_times:
+            self._first_pass_start = time.perf_counter()
         if self._updating:  # the pass's first gradient: its lr and hyperparameters
             self._configure(backend, **self._pass_scaling())
             with torch.no_grad():
@@ -568,6 +573,9 @@ class _EmsaOptimizer(Optimizer):
             self._last_skipped = bool(skips)
         if self._grad_scaler is None:  # a scaler's skips are routine: no warning
             self._warn_skipped(skips, stacklevel=3)
+        start = self.__dict__.pop("_first_pass_start", None)
+        if start is not None:
+            self._setup_times["first_step"] = time.perf_counter() - start
 
     def _pass_scaling(self) -> dict:
         """The in-backward pass's loss scale and found_inf output, from grad_scaler=."""
@@ -697,6 +705,7 @@ class _EmsaOptimizer(Optimizer):
         start = time.perf_counter()
         with self._shards.step_groups(groups) as engine_groups:
             result = backend.step(engine_groups)
+        self._setup_times.setdefault("first_step", time.perf_counter() - start)
         if not hasattr(backend, "step_stats"):
             self._wall.append((start, time.perf_counter()))
             self._norms.append((result.grad_norm, result.clipped))

@@ -3,24 +3,71 @@
 
 using namespace emsa::capi;  // NOLINT(google-build-using-namespace)
 
+static_assert(static_cast<int>(emsa::HostPin::kNone) == EMSA_HOST_PIN_NONE &&
+                  static_cast<int>(emsa::HostPin::kRegistered) == EMSA_HOST_PIN_REGISTERED &&
+                  static_cast<int>(emsa::HostPin::kHostAlloc) == EMSA_HOST_PIN_HOST_ALLOC,
+              "emsa_host_arena_facts.pin mirrors emsa::HostPin");
+
+namespace {
+
+// The C options as HostArenaOptions; NULL stands for the defaults.
+emsa_status ToArenaOptions(const emsa_host_arena_options* c, emsa::HostArenaOptions* out) {
+  if (c == nullptr) return EMSA_OK;
+  const emsa_status size = CheckSize(c, "emsa_host_arena_options", "emsa_host_arena_options_init");
+  if (size != EMSA_OK) return size;
+  if (!IsFlag(c->want_pinned)) {
+    return Fail(EMSA_INVALID_ARGUMENT, "want_pinned is " + std::to_string(c->want_pinned) +
+                                           "; use 0 (plain) or 1 (pinned)");
+  }
+  if (c->fill_threads < 0) {
+    return Fail(EMSA_INVALID_ARGUMENT, "fill_threads is " + std::to_string(c->fill_threads) +
+                                           "; use 0 (every CPU) or a thread count");
+  }
+  CopyFields(*c, out);
+  return EMSA_OK;
+}
+
+}  // namespace
+
 extern "C" {
 
 // ---- host arena
 // ----------------------------------------------------------------------------------
 
-emsa_status emsa_host_arena_create(uint64_t bytes, int32_t want_pinned,
-                                   emsa_host_arena** arena_out) {
+void emsa_host_arena_options_init(emsa_host_arena_options* options) {
+  if (options == nullptr) return;
+  InitFields(options);
+}
+
+emsa_status emsa_host_arena_check(uint64_t bytes, const emsa_host_arena_options* options) {
+  return Guard([&] {
+    emsa::HostArenaOptions o;
+    const emsa_status converted = ToArenaOptions(options, &o);
+    if (converted != EMSA_OK) return converted;
+    return Report(emsa::HostArena::CheckFits(bytes, o));
+  });
+}
+
+emsa_status emsa_host_arena_create_with(uint64_t bytes, const emsa_host_arena_options* options,
+                                        emsa_host_arena** arena_out) {
   return Guard([&] {
     if (arena_out == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "arena_out is NULL");
-    if (want_pinned != 0 && want_pinned != 1) {
-      return Fail(EMSA_INVALID_ARGUMENT, "want_pinned is " + std::to_string(want_pinned) +
-                                             "; use 0 (plain) or 1 (pinned)");
-    }
-    auto arena = emsa::HostArena::Create(bytes, want_pinned != 0);
+    emsa::HostArenaOptions o;
+    const emsa_status converted = ToArenaOptions(options, &o);
+    if (converted != EMSA_OK) return converted;
+    auto arena = emsa::HostArena::Create(bytes, o);
     if (!arena.ok()) return Report(arena.status());
     *arena_out = new emsa_host_arena{std::move(arena).value()};
     return Report(emsa::Status::Ok());
   });
+}
+
+emsa_status emsa_host_arena_create(uint64_t bytes, int32_t want_pinned,
+                                   emsa_host_arena** arena_out) {
+  emsa_host_arena_options options;
+  emsa_host_arena_options_init(&options);
+  options.want_pinned = want_pinned;
+  return emsa_host_arena_create_with(bytes, &options, arena_out);
 }
 
 void emsa_host_arena_destroy(emsa_host_arena* arena) { delete arena; }
@@ -38,6 +85,32 @@ emsa_status emsa_host_arena_info(const emsa_host_arena* arena, void** data_out, 
   if (bytes_out != nullptr) *bytes_out = arena->arena->size();
   if (pinned_out != nullptr) *pinned_out = arena->arena->kind() == emsa::HostArena::Kind::kPinned;
   return Report(emsa::Status::Ok());
+}
+
+void emsa_host_arena_facts_init(emsa_host_arena_facts* facts) {
+  if (facts == nullptr) return;
+  *facts = emsa_host_arena_facts{};
+  facts->struct_size = sizeof(emsa_host_arena_facts);
+}
+
+emsa_status emsa_host_arena_describe(const emsa_host_arena* arena, emsa_host_arena_facts* facts,
+                                     char** fallback_reason_out) {
+  return Guard([&] {
+    if (arena == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "arena is NULL");
+    const emsa_status size =
+        CheckSize(facts, "emsa_host_arena_facts", "emsa_host_arena_facts_init");
+    if (size != EMSA_OK) return size;
+    const emsa::HostArenaFacts& f = arena->arena->facts();
+    if (fallback_reason_out != nullptr) {
+      char* reason = CopyString(f.fallback_reason);
+      if (reason == nullptr) return Fail(EMSA_OUT_OF_MEMORY, "cannot allocate the reason");
+      *fallback_reason_out = reason;
+    }
+    Fields<emsa_host_arena_facts>::ForEach(*facts, f, [](auto& to, const auto& from) {
+      to = static_cast<std::remove_reference_t<decltype(to)>>(from);
+    });
+    return Report(emsa::Status::Ok());
+  });
 }
 
 // ---- CPU step

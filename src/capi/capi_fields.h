@@ -15,6 +15,7 @@
 
 #include "emsa/cuda_update.h"
 #include "emsa/emsa.h"
+#include "emsa/host_arena.h"
 #include "emsa/host_tier.h"
 #include "emsa/model_config.h"
 #include "emsa/plan.h"
@@ -55,6 +56,35 @@ struct Fields<emsa_model_options> {
     fn(c.param_dtype, cpp.param_dtype);
     fn(c.matmul_flops, cpp.matmul_flops);
     fn(c.eager_attention, cpp.eager_attention);
+  }
+};
+
+template <>
+struct Fields<emsa_host_arena_options> {
+  using Cpp = emsa::HostArenaOptions;
+  template <typename CRef, typename CppRef, typename Fn>
+  static void ForEach(CRef& c, CppRef& cpp, Fn fn) {
+    fn(c.want_pinned, cpp.want_pinned);
+    fn(c.fill_threads, cpp.fill_threads);
+    fn(c.available_bytes, cpp.available_bytes);
+  }
+};
+
+// The other way: emsa_host_arena_describe fills the C facts from the arena's (pin goes through
+// int32_t; HostPin's values are the EMSA_HOST_PIN_* ones, checked in capi_cpu.cc).
+template <>
+struct Fields<emsa_host_arena_facts> {
+  using Cpp = emsa::HostArenaFacts;
+  template <typename CRef, typename CppRef, typename Fn>
+  static void ForEach(CRef& c, CppRef& cpp, Fn fn) {
+    fn(c.pin, cpp.pin);
+    fn(c.huge_pages, cpp.huge_pages);
+    fn(c.fill_threads, cpp.fill_threads);
+    fn(c.locked_bytes, cpp.locked_bytes);
+    fn(c.pageable_bytes, cpp.pageable_bytes);
+    fn(c.locked_limit_bytes, cpp.locked_limit_bytes);
+    fn(c.fill_seconds, cpp.fill_seconds);
+    fn(c.pin_seconds, cpp.pin_seconds);
   }
 };
 

@@ -1,14 +1,19 @@
-// host_arena.cc — one host allocation per plan: cudaHostAlloc'd (pinned) when asked and a CUDA
-// device can use it, else 2 MiB-aligned memory on transparent huge pages; zero-filled once and
-// freed once with the matching call.
+// host_arena.cc — one host allocation per plan: mapped on 2 MiB boundaries, advised to huge
+// pages, first-touched in parallel, then registered with CUDA when pinned memory is asked for
+// (cudaHostAlloc only when registering fails); checked against the host's free memory first.
 #include "emsa/host_arena.h"
 
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
-#include <cstdlib>
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <string>
+#include <system_error>
 
 #include "common/cuda_util.h"
 #include "common/thread_pool.h"
@@ -17,21 +22,35 @@ namespace emsa {
 namespace {
 
 constexpr uint64_t kHugePage = uint64_t{2} << 20;
+constexpr uint64_t kGiB = uint64_t{1} << 30;
 constexpr uint64_t kMaxBytes = uint64_t{1} << 50;  // 1 PiB: larger is a units mistake
 
-// Writing every page now, rather than on first use in a step, moves the page faults out of the
-// step; with a pool, each worker touches a contiguous share, so on a NUMA host the pages land
-// near the threads that will update them.
-void ZeroFill(void* data, uint64_t bytes, ThreadPool* pool) {
-  char* base = static_cast<char*>(data);
-  if (pool == nullptr || pool->size() <= 1) {
-    std::memset(base, 0, bytes);
-    return;
+uint64_t RoundUp(uint64_t bytes) { return (bytes + kHugePage - 1) / kHugePage * kHugePage; }
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// "N bytes (X.XX GiB)": exact for scripts, readable for people.
+std::string Size(uint64_t bytes) {
+  char gib[32];
+  std::snprintf(gib, sizeof(gib), "%.2f", static_cast<double>(bytes) / static_cast<double>(kGiB));
+  return std::to_string(bytes) + " bytes (" + gib + " GiB)";
+}
+
+// MemAvailable from /proc/meminfo in bytes: what the kernel can give without swapping
+// (free memory plus reclaimable caches). 0 when it cannot be read.
+uint64_t MemAvailableBytes() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  unsigned long long kib = 0;
+  bool found = false;
+  while (!found && std::fgets(line, sizeof(line), f) != nullptr) {
+    found = std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1;
   }
-  pool->ParallelFor(static_cast<int64_t>(bytes), static_cast<int64_t>(kHugePage),
-                    [base](int64_t begin, int64_t end) {
-                      std::memset(base + begin, 0, static_cast<size_t>(end - begin));
-                    });
+  std::fclose(f);
+  return found ? static_cast<uint64_t>(kib) * 1024 : 0;
 }
 
 uint64_t PhysicalMemoryBytes() {
@@ -39,69 +58,252 @@ uint64_t PhysicalMemoryBytes() {
   return pages > 0 && page_size > 0 ? static_cast<uint64_t>(pages) * page_size : 0;
 }
 
+uint64_t LockedLimitBytes() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_MEMLOCK, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) {
+    return UINT64_MAX;
+  }
+  return static_cast<uint64_t>(limit.rlim_cur);
+}
+
+// Kept out of the arena's share: the rest of this process (torch, the CUDA context, page
+// tables, the probe's tensors) and the system need memory too, and locked pages cannot be
+// reclaimed to make room for them.
+uint64_t Reserve(uint64_t available) { return std::min(kGiB, available / 8); }
+
+// The pool a fill runs on: the caller's, one made for this arena, or none (calling thread).
+class FillPool {
+ public:
+  explicit FillPool(const HostArenaOptions& options) : pool_(options.fill_pool) {
+    if (pool_ != nullptr || options.fill_threads == 1) return;
+    try {
+      own_ = std::make_unique<ThreadPool>(options.fill_threads);
+      pool_ = own_.get();
+    } catch (const std::system_error&) {
+      // The OS refused a thread: the calling thread fills alone (facts().fill_threads says).
+    }
+  }
+  ThreadPool* get() const { return pool_; }
+
+ private:
+  std::unique_ptr<ThreadPool> own_;
+  ThreadPool* pool_;
+};
+
+// Runs fn(begin, end) over [0, bytes) in contiguous 2 MiB-grained shares, one per worker, so
+// on a NUMA host each share's pages land near the thread that touched them.
+template <typename Fn>
+void ForShares(uint64_t bytes, ThreadPool* pool, Fn fn) {
+  if (pool == nullptr || pool->size() <= 1) {
+    fn(uint64_t{0}, bytes);
+    return;
+  }
+  pool->ParallelFor(static_cast<int64_t>(bytes), static_cast<int64_t>(kHugePage),
+                    [&fn](int64_t begin, int64_t end) {
+                      fn(static_cast<uint64_t>(begin), static_cast<uint64_t>(end));
+                    });
+}
+
+// Fresh anonymous memory already reads as zero; what is missing is its pages. One write per
+// base page faults each in (the kernel hands it over zeroed, a huge page at a time where it
+// can), so the page faults happen now rather than in a step.
+void TouchPages(void* data, uint64_t bytes, ThreadPool* pool) {
+  volatile char* base = static_cast<char*>(data);
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  ForShares(bytes, pool, [base, page](uint64_t begin, uint64_t end) {
+    for (uint64_t at = begin; at < end; at += page) base[at] = 0;
+  });
+}
+
+// Memory from an allocator may hold anything: zero every byte.
+void ZeroFill(void* data, uint64_t bytes, ThreadPool* pool) {
+  char* base = static_cast<char*>(data);
+  ForShares(bytes, pool, [base](uint64_t begin, uint64_t end) {
+    std::memset(base + begin, 0, static_cast<size_t>(end - begin));
+  });
+}
+
 }  // namespace
 
-Result<std::unique_ptr<HostArena>> HostArena::Create(uint64_t bytes, bool want_pinned,
-                                                     ThreadPool* zero_fill_pool) {
+Status HostArena::CheckFits(uint64_t bytes, const HostArenaOptions& options) {
   if (bytes == 0 || bytes > kMaxBytes) {
     return Status::InvalidArgument("host arena size must be between 1 byte and 1 PiB, got " +
                                    std::to_string(bytes) + " bytes");
   }
-  // Overcommit would let a larger plain allocation succeed, and the zero fill would then meet
-  // the OOM killer instead of returning an error.
-  const uint64_t physical = PhysicalMemoryBytes();
-  if (physical != 0 && bytes > physical) {
-    return Status::OutOfMemory("a host arena of " + std::to_string(bytes) +
-                               " bytes exceeds this machine's physical memory (" +
-                               std::to_string(physical) + " bytes); lower the host budget");
+  uint64_t available = options.available_bytes;
+  const char* source = "as given";
+  if (available == 0) {
+    available = MemAvailableBytes();
+    source = "MemAvailable in /proc/meminfo";
   }
+  if (available == 0) {
+    available = PhysicalMemoryBytes();
+    source = "the physical memory; /proc/meminfo is unreadable";
+  }
+  if (available == 0) return Status::Ok();  // nothing known: the allocation decides
+  const uint64_t reserve = Reserve(available);
+  const uint64_t fits = (available - reserve) / kHugePage * kHugePage;
+  if (RoundUp(bytes) <= fits) return Status::Ok();
+  return Status::OutOfMemory(
+      "a host arena of " + Size(bytes) + " does not fit in this host's memory: " + Size(available) +
+      " is available (" + source + "), " + Size(reserve) +
+      " of it is kept for the rest of the process, so the largest host arena that fits now is " +
+      Size(fits) +
+      ". Nothing was allocated. Keep less optimizer state on the host (a larger device budget "
+      "keeps more on the GPU; bf16 state halves the moments), or free host memory");
+}
+
+Result<std::unique_ptr<HostArena>> HostArena::Create(uint64_t bytes, bool want_pinned,
+                                                     ThreadPool* zero_fill_pool) {
+  HostArenaOptions options;
+  options.want_pinned = want_pinned;
+  options.fill_pool = zero_fill_pool;
+  options.fill_threads = 1;
+  return Create(bytes, options);
+}
+
+Result<std::unique_ptr<HostArena>> HostArena::Create(uint64_t bytes,
+                                                     const HostArenaOptions& options) {
+  EMSA_RETURN_IF_ERROR(CheckFits(bytes, options));
   std::unique_ptr<HostArena> arena(new HostArena());
   arena->size_ = bytes;
-
+  arena->facts_.locked_limit_bytes = LockedLimitBytes();
+  const FillPool pool(options);
+  EMSA_RETURN_IF_ERROR(arena->MapAndFill(pool.get()));
+  if (!options.want_pinned) return arena;
 #if EMSA_HAVE_CUDA
-  if (want_pinned && CudaDeviceUsable()) {
-    // Portable: any context may copy from it. Not write-combined: the CPU reads state back
-    // every step, and reads from write-combined memory are uncached.
-    cudaError_t err = cudaHostAlloc(&arena->data_, bytes, cudaHostAllocPortable);
-    if (err != cudaSuccess) {
-      arena->data_ = nullptr;
-      (void)cudaGetLastError();
-      if (err == cudaErrorMemoryAllocation) {
-        return Status::OutOfMemory(
-            "cannot allocate a pinned host arena of " + std::to_string(bytes) +
-            " bytes; lower the host budget or raise the locked-memory limit");
-      }
-      return CudaStatus(err, "cudaHostAlloc for the host arena");
-    }
-    arena->kind_ = Kind::kPinned;
-    ZeroFill(arena->data_, bytes, zero_fill_pool);
+  if (!CudaDeviceUsable()) {
+    arena->facts_.fallback_reason = "no usable CUDA device: the arena is pageable";
     return arena;
   }
-#endif
-
-  // aligned_alloc wants a size that is a multiple of the alignment.
-  const uint64_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
-  arena->data_ = std::aligned_alloc(kHugePage, rounded);
-  if (arena->data_ == nullptr) {
-    return Status::OutOfMemory("cannot allocate a host arena of " + std::to_string(bytes) +
-                               " bytes; lower the host budget or free host memory");
-  }
-  arena->kind_ = Kind::kPageable;
-  // Huge pages: fewer TLB misses while the CPU streams through state. Advice only.
-  (void)madvise(arena->data_, rounded, MADV_HUGEPAGE);
-  ZeroFill(arena->data_, bytes, zero_fill_pool);
+  const Status registered = arena->Register();
+  if (registered.ok()) return arena;
+  arena->Release();
+  arena->facts_.fallback_reason =
+      registered.message() + "; pinned with cudaHostAlloc instead, which takes longer";
+  EMSA_RETURN_IF_ERROR(arena->HostAllocFallback(pool.get()));
   return arena;
+#else
+  arena->facts_.fallback_reason = "built without CUDA: the arena is pageable";
+  return arena;
+#endif
 }
 
-HostArena::~HostArena() {
+Status HostArena::MapAndFill(ThreadPool* pool) {
+  const uint64_t rounded = RoundUp(size_);
+  // One huge page more than needed, so that a 2 MiB-aligned range can be cut out of it; the
+  // slack on either side is unmapped at once.
+  const uint64_t span = rounded + kHugePage;
+  void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) {
+    return Status::OutOfMemory("cannot map a host arena of " + Size(size_) + ": " +
+                               std::strerror(errno) +
+                               "; keep less optimizer state on the host or free host memory");
+  }
+  const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t aligned = (start + kHugePage - 1) / kHugePage * kHugePage;
+  if (aligned > start) (void)munmap(raw, aligned - start);
+  if (start + span > aligned + rounded) {
+    (void)munmap(reinterpret_cast<void*>(aligned + rounded), start + span - (aligned + rounded));
+  }
+  data_ = reinterpret_cast<void*>(aligned);
+  mapped_ = rounded;
+  // Advice only: where the kernel offers no transparent huge pages this fails and base pages
+  // serve; facts() says which.
+  facts_.huge_pages = madvise(data_, mapped_, MADV_HUGEPAGE) == 0;
+  facts_.fill_threads = pool != nullptr ? pool->size() : 1;
+  const auto begin = std::chrono::steady_clock::now();
+  TouchPages(data_, mapped_, pool);
+  facts_.fill_seconds = SecondsSince(begin);
+  facts_.pageable_bytes = mapped_;
+  return Status::Ok();
+}
+
+Status HostArena::Register() {
+#if EMSA_HAVE_CUDA
+  // A fork (a DataLoader worker) must not inherit pinned pages: the kernel would copy every
+  // one of them into the child at fork time, since a pinned page cannot be shared copy-on-write
+  // (and a child cannot use this CUDA context anyway).
+  if (madvise(data_, mapped_, MADV_DONTFORK) != 0) {
+    return Status::Internal(std::string("madvise(MADV_DONTFORK) on the host arena: ") +
+                            std::strerror(errno));
+  }
+  const auto begin = std::chrono::steady_clock::now();
+  // Portable: any context may copy from it. The pages are resident already, so the driver
+  // only pins and maps them.
+  const cudaError_t err = cudaHostRegister(data_, mapped_, cudaHostRegisterPortable);
+  facts_.pin_seconds = SecondsSince(begin);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return CudaStatus(err, "cudaHostRegister of the host arena");
+  }
+  facts_.pin = HostPin::kRegistered;
+  facts_.locked_bytes = mapped_;
+  facts_.pageable_bytes = 0;
+  return Status::Ok();
+#else
+  return Status::Internal("HostArena::Register without CUDA");
+#endif
+}
+
+Status HostArena::HostAllocFallback(ThreadPool* pool) {
+#if EMSA_HAVE_CUDA
+  const auto begin = std::chrono::steady_clock::now();
+  // Portable as above; not write-combined: the CPU reads state back every step, and reads
+  // from write-combined memory are uncached.
+  const cudaError_t err = cudaHostAlloc(&data_, size_, cudaHostAllocPortable);
+  facts_.pin_seconds = SecondsSince(begin);
+  if (err != cudaSuccess) {
+    data_ = nullptr;
+    (void)cudaGetLastError();
+    const uint64_t limit = facts_.locked_limit_bytes;
+    return Status::OutOfMemory(
+        "cannot pin a host arena of " + Size(size_) + ": " + facts_.fallback_reason +
+        ", and cudaHostAlloc failed too (" + cudaGetErrorName(err) +
+        "); the locked-memory limit (ulimit -l) is " +
+        (limit == UINT64_MAX ? std::string("unlimited") : Size(limit)) +
+        ". Keep less optimizer state on the host, free host memory, or raise the limit");
+  }
+  facts_.pin = HostPin::kHostAlloc;
+  facts_.locked_bytes = size_;
+  facts_.pageable_bytes = 0;
+  const auto fill = std::chrono::steady_clock::now();
+  ZeroFill(data_, size_, pool);
+  facts_.fill_seconds = SecondsSince(fill);
+  return Status::Ok();
+#else
+  (void)pool;
+  return Status::Internal("HostArena::HostAllocFallback without CUDA");
+#endif
+}
+
+// Frees what the arena holds with the call matching how it was obtained; safe to repeat.
+void HostArena::Release() {
   if (data_ == nullptr) return;
 #if EMSA_HAVE_CUDA
-  if (kind_ == Kind::kPinned) {
+  if (facts_.pin == HostPin::kHostAlloc) {
     (void)cudaFreeHost(data_);
+    (void)cudaGetLastError();
+    data_ = nullptr;
+    facts_.pin = HostPin::kNone;
+    facts_.locked_bytes = 0;
     return;
   }
+  if (facts_.pin == HostPin::kRegistered) {
+    // At interpreter exit the runtime may be unloading: the unmap below still returns the
+    // memory, and the driver's pins go with the process.
+    (void)cudaHostUnregister(data_);
+    (void)cudaGetLastError();
+  }
 #endif
-  std::free(data_);
+  (void)munmap(data_, mapped_);
+  data_ = nullptr;
+  mapped_ = 0;
+  facts_.pin = HostPin::kNone;
+  facts_.locked_bytes = 0;
+  facts_.pageable_bytes = 0;
 }
+
+HostArena::~HostArena() { Release(); }
 
 }  // namespace emsa

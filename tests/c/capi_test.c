@@ -669,11 +669,57 @@ static void test_device_recipe(void) {
   emsa_device_scalars_destroy(sc);
 }
 
+/* The host arena's options and facts: a host too small is refused before anything is
+ * allocated (the available memory is injected), with the size that fits; a pageable arena
+ * accounts its bytes as pageable and says why it is not pinned when pinning was asked. */
+static void test_host_arena_check(void) {
+  emsa_host_arena_options o;
+  emsa_host_arena_options_init(&o);
+  CHECK(o.struct_size == sizeof(o) && o.want_pinned == 1 && o.fill_threads == 0 &&
+        o.available_bytes == 0);
+  /* 1 PiB: a legal size no host has. */
+  CHECK(emsa_host_arena_check((uint64_t)1 << 50, NULL) == EMSA_OUT_OF_MEMORY);
+  CHECK(strstr(emsa_last_error(), "largest host arena that fits now is") != NULL);
+  CHECK(strstr(emsa_last_error(), "GiB") != NULL);
+  o.available_bytes = (uint64_t)64 << 20;
+  CHECK(emsa_host_arena_check((uint64_t)56 << 20, &o) == EMSA_OK);
+  emsa_host_arena* const sentinel = (emsa_host_arena*)&g_passed;
+  emsa_host_arena* arena = sentinel;
+  CHECK(emsa_host_arena_create_with((uint64_t)57 << 20, &o, &arena) == EMSA_OUT_OF_MEMORY);
+  CHECK(arena == sentinel);
+  CHECK(strstr(emsa_last_error(), "58720256 bytes (0.05 GiB)") != NULL);
+  o.struct_size = 1;
+  CHECK(emsa_host_arena_check(4096, &o) == EMSA_INVALID_ARGUMENT);
+  emsa_host_arena_options_init(&o);
+  o.want_pinned = 2;
+  CHECK(emsa_host_arena_create_with(4096, &o, &arena) == EMSA_INVALID_ARGUMENT);
+  CHECK(arena == sentinel);
+
+  emsa_host_arena_options_init(&o);
+  o.want_pinned = 0;
+  o.fill_threads = 2;
+  arena = NULL;
+  CHECK(emsa_host_arena_create_with(3u << 20, &o, &arena) == EMSA_OK);
+  if (arena == NULL) return;
+  emsa_host_arena_facts f;
+  emsa_host_arena_facts_init(&f);
+  char* reason = NULL;
+  CHECK(emsa_host_arena_describe(arena, &f, &reason) == EMSA_OK);
+  CHECK(f.pin == EMSA_HOST_PIN_NONE && f.locked_bytes == 0 && f.pageable_bytes == (4u << 20));
+  CHECK(f.fill_threads == 2 && f.pin_seconds == 0.0);
+  CHECK(reason != NULL && reason[0] == '\0');
+  emsa_free(reason);
+  f.struct_size = 3;
+  CHECK(emsa_host_arena_describe(arena, &f, NULL) == EMSA_INVALID_ARGUMENT);
+  emsa_host_arena_destroy(arena);
+}
+
 int main(void) {
   test_library();
   test_cli_run();
   test_cpu_step();
   test_plan_and_arena();
+  test_host_arena_check();
   test_dlpack_exports();
   test_model_probe();
   test_host_tier();

@@ -1,10 +1,13 @@
-// Tests for include/emsa/host_arena.h: sizes, alignment, zero fill (serial and pooled), views.
+// Tests for include/emsa/host_arena.h: sizes, alignment, zero fill (serial and pooled), views,
+// the host-memory check before allocation, the facts, and the pinned path (GPU only).
 #include "emsa/host_arena.h"
 
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -83,6 +86,8 @@ TEST(HostArena, PinnedRequestFallsBackWithoutADevice) {
   const bool device_usable = false;
 #endif
   EXPECT_EQ(a.kind(), device_usable ? HostArena::Kind::kPinned : HostArena::Kind::kPageable);
+  // Never a silent fallback: a pageable arena that was asked to be pinned says why.
+  EXPECT_EQ(a.facts().fallback_reason.empty(), device_usable) << a.facts().fallback_reason;
 }
 
 // Pinned memory is memory the device copies to and from directly (the pointer is registered
@@ -97,9 +102,19 @@ TEST(HostArena, PinnedIsCopyableByTheDevice) {
     ASSERT_TRUE(arena.ok()) << arena.status().ToString();
     const HostArena& a = **arena;
     ASSERT_EQ(a.kind(), HostArena::Kind::kPinned);
+    // Registered, not the cudaHostAlloc fallback, and every byte of it accounted as locked.
+    EXPECT_EQ(a.facts().pin, HostPin::kRegistered) << a.facts().fallback_reason;
+    EXPECT_EQ(a.facts().fallback_reason, "");
+    EXPECT_GE(a.facts().locked_bytes, bytes);
+    EXPECT_EQ(a.facts().pageable_bytes, 0u);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(a.data()) % (2 * kMiB), 0u);
     EXPECT_EQ(FirstNonZero(a.data(), bytes), -1);
     cudaPointerAttributes attr{};
     ASSERT_EQ(cudaPointerGetAttributes(&attr, a.data()), cudaSuccess);
+    EXPECT_EQ(attr.type, cudaMemoryTypeHost);
+    // The last byte is registered too (the whole mapping is).
+    ASSERT_EQ(cudaPointerGetAttributes(&attr, static_cast<char*>(a.data()) + bytes - 1),
+              cudaSuccess);
     EXPECT_EQ(attr.type, cudaMemoryTypeHost);
     auto* host = static_cast<unsigned char*>(a.data());
     for (uint64_t i = 0; i < bytes; ++i) host[i] = static_cast<unsigned char>(i * 7 + 1);
@@ -162,6 +177,114 @@ TEST(HostArena, FailedAllocationIsOutOfMemoryWithTheSize) {
   EXPECT_EQ(arena.status().code(), StatusCode::kOutOfMemory);
   EXPECT_NE(arena.status().message().find(std::to_string(bytes)), std::string::npos)
       << arena.status().message();
+}
+
+// A host without room fails before anything is mapped, with the size that fits in bytes and
+// GiB; the available memory is injected, so nothing of that size is ever allocated.
+TEST(HostArena, ShortfallFailsBeforeAllocationNamingTheSizeThatFits) {
+  HostArenaOptions options;
+  options.want_pinned = false;
+  options.available_bytes = 64 * kMiB;
+  // The reserve is an eighth of 64 MiB here; 56 MiB fits.
+  const std::string fits = std::to_string(56 * kMiB) + " bytes (0.05 GiB)";
+  for (uint64_t bytes : {57 * kMiB, uint64_t{1} << 49}) {
+    const Status checked = HostArena::CheckFits(bytes, options);
+    EXPECT_EQ(checked.code(), StatusCode::kOutOfMemory) << bytes;
+    EXPECT_NE(checked.message().find("largest host arena that fits now is " + fits),
+              std::string::npos)
+        << checked.message();
+    EXPECT_NE(checked.message().find(std::to_string(bytes) + " bytes"), std::string::npos)
+        << checked.message();
+    EXPECT_NE(checked.message().find("Nothing was allocated"), std::string::npos);
+    Result<std::unique_ptr<HostArena>> arena = HostArena::Create(bytes, options);
+    ASSERT_FALSE(arena.ok());
+    EXPECT_EQ(arena.status().message(), checked.message());
+  }
+  EXPECT_TRUE(HostArena::CheckFits(56 * kMiB, options).ok());
+  Result<std::unique_ptr<HostArena>> fits_now = HostArena::Create(56 * kMiB, options);
+  ASSERT_TRUE(fits_now.ok()) << fits_now.status().ToString();
+  // Sizes are checked before memory.
+  EXPECT_EQ(HostArena::CheckFits(0, options).code(), StatusCode::kInvalidArgument);
+}
+
+// The default options fill on a pool of their own; the facts account every mapped byte as
+// pageable when nothing is pinned, and the memory is unmapped when the arena goes.
+TEST(HostArena, OwnPoolFillsFactsAccountAndDestructionUnmaps) {
+  HostArenaOptions options;
+  options.want_pinned = false;
+  options.fill_threads = 3;
+  const uint64_t bytes = 11 * kMiB + 5;
+  void* data = nullptr;
+  {
+    Result<std::unique_ptr<HostArena>> arena = HostArena::Create(bytes, options);
+    ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+    const HostArena& a = **arena;
+    data = a.data();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(data) % (2 * kMiB), 0u);
+    EXPECT_EQ(NonResidentPages(data, bytes), 0);
+    EXPECT_EQ(FirstNonZero(data, bytes), -1);
+    const HostArenaFacts& f = a.facts();
+    EXPECT_EQ(f.pin, HostPin::kNone);
+    EXPECT_EQ(f.fallback_reason, "");  // pinning was not asked for
+    EXPECT_EQ(f.fill_threads, 3);
+    EXPECT_EQ(f.locked_bytes, 0u);
+    EXPECT_EQ(f.pageable_bytes, 12 * kMiB);  // whole 2 MiB pages
+    EXPECT_GE(f.fill_seconds, 0.0);
+    EXPECT_GT(f.locked_limit_bytes, 0u);
+    std::memset(data, 0x5A, bytes);
+  }
+  // mincore fails with ENOMEM on a range that is no longer mapped.
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> resident((12 * kMiB) / page);
+  errno = 0;
+  EXPECT_NE(mincore(data, 12 * kMiB, resident.data()), 0);
+  EXPECT_EQ(errno, ENOMEM);
+}
+
+// Registered memory is unregistered before it is unmapped: afterwards the runtime no longer
+// knows the pointer. GPU only.
+TEST(HostArena, PinnedIsUnregisteredOnDestruction) {
+#if EMSA_HAVE_CUDA
+  if (!CudaDeviceUsable()) GTEST_SKIP() << "no usable CUDA device";
+  void* data = nullptr;
+  {
+    Result<std::unique_ptr<HostArena>> arena = HostArena::Create(4 * kMiB, HostArenaOptions{});
+    ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+    ASSERT_EQ((*arena)->facts().pin, HostPin::kRegistered) << (*arena)->facts().fallback_reason;
+    data = (*arena)->data();
+  }
+  cudaPointerAttributes attr{};
+  ASSERT_EQ(cudaPointerGetAttributes(&attr, data), cudaSuccess);
+  EXPECT_EQ(attr.type, cudaMemoryTypeUnregistered);
+#else
+  GTEST_SKIP() << "built without CUDA";
+#endif
+}
+
+// A fork does not inherit registered memory (the kernel would otherwise copy every pinned page
+// into the child): in the child the range is not mapped. The child calls no CUDA. GPU only.
+TEST(HostArena, PinnedIsNotInheritedByAFork) {
+#if EMSA_HAVE_CUDA
+  if (!CudaDeviceUsable()) GTEST_SKIP() << "no usable CUDA device";
+  Result<std::unique_ptr<HostArena>> arena = HostArena::Create(4 * kMiB, HostArenaOptions{});
+  ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+  ASSERT_EQ((*arena)->facts().pin, HostPin::kRegistered) << (*arena)->facts().fallback_reason;
+  void* data = (*arena)->data();
+  std::vector<unsigned char> resident(4 * kMiB / static_cast<uint64_t>(sysconf(_SC_PAGESIZE)));
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    const bool unmapped = mincore(data, 4 * kMiB, resident.data()) != 0 && errno == ENOMEM;
+    _exit(unmapped ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child inherited the registered arena";
+  EXPECT_EQ(FirstNonZero(data, 4 * kMiB), -1);  // the parent's memory is untouched
+#else
+  GTEST_SKIP() << "built without CUDA";
+#endif
 }
 
 }  // namespace
