@@ -7,6 +7,7 @@
 
 #include "common/cuda_util.h"
 #include "emsa/profile.h"
+#include "emsa/profile_cache.h"
 
 #if EMSA_HAVE_CUDA
 
@@ -14,6 +15,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <vector>
 
@@ -334,6 +336,29 @@ Result<GpuProfile> MeasureGpuProfile(const ProfileOptions& options) {
   return gpu;
 }
 
+std::string GpuDriverVersion() {
+  int api = 0;
+  if (cudaDriverGetVersion(&api) != cudaSuccess || api == 0) {
+    (void)cudaGetLastError();
+    return "none";
+  }
+  // The kernel module's version is finer than the API's (two drivers share one API version):
+  // "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 ..." names it.
+  std::string module;
+  std::ifstream in("/proc/driver/nvidia/version");
+  std::string line;
+  if (in && std::getline(in, line)) {
+    const std::string marker = "Kernel Module";
+    const size_t at = line.find(marker);
+    if (at != std::string::npos) {
+      const size_t begin = line.find_first_not_of(' ', at + marker.size());
+      const size_t end = line.find(' ', begin == std::string::npos ? line.size() : begin);
+      if (begin != std::string::npos) module = line.substr(begin, end - begin) + " ";
+    }
+  }
+  return module + "cuda " + std::to_string(api);
+}
+
 }  // namespace emsa
 
 #else  // !EMSA_HAVE_CUDA
@@ -344,6 +369,8 @@ Result<GpuProfile> MeasureGpuProfile(const ProfileOptions& options) {
   (void)options;
   return GpuProfile{};
 }
+
+std::string GpuDriverVersion() { return "none"; }
 
 }  // namespace emsa
 
