@@ -84,7 +84,8 @@ EMSA_API emsa_status emsa_profile_measure(int32_t measure_bandwidth, int32_t gpu
  * rewritten atomically. folder NULL or "": $XDG_CACHE_HOME/emsa, else ~/.cache/emsa;
  * max_age_seconds < 0: the default (a week); refresh != 0 measures and rewrites regardless.
  * JSON out: {"profile": {...}, "path": "...", "from_cache": bool, "age_seconds": s,
- * "why_measured": "...", "why_not_saved": "...", "key": "..."}. */
+ * "why_measured": "...", "why_not_saved": "...", "key": "...", "summary": "from cache PATH,
+ * measured 3 h ago" or "measured now (why), cached at PATH"}. */
 EMSA_API emsa_status emsa_profile_cached(int32_t gpu_device, const char* folder,
                                          int64_t max_age_seconds, int32_t refresh, char** json_out);
 /* Bandwidth measurements emsa_profile_cached made in this process (a cache hit adds none). */

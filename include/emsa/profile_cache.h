@@ -54,7 +54,8 @@ std::string ProfileCachePath(const ProfileCacheOptions& options, const DevicePro
 Result<CachedProfile> CachedDeviceProfile(const ProfileCacheOptions& options = {});
 
 // {"profile": {...}, "path": "...", "from_cache": bool, "age_seconds": s, "why_measured": "...",
-// "why_not_saved": "...", "key": "..."}: what the C ABI hands to Python's report.
+// "why_not_saved": "...", "key": "...", "summary": CachedProfileSummary}: what the C ABI hands to
+// Python's report.
 std::string CachedProfileToJson(const CachedProfile& cached);
 // One line for people: "from cache PATH, measured 3.2 h ago" or "measured now (why), cached at
 // PATH" (or "not cached: why").

@@ -224,6 +224,7 @@ std::string CachedProfileToJson(const CachedProfile& cached) {
   doc.Set("why_measured", cached.why_measured);
   doc.Set("why_not_saved", cached.why_not_saved);
   doc.Set("key", ProfileCacheKey(cached.profile));
+  doc.Set("summary", CachedProfileSummary(cached));
   return json::Write(doc);
 }
 
