@@ -22,6 +22,7 @@
 #include "common/thread_pool.h"
 #include "emsa/cpu_update.h"
 #include "emsa/host_tier_costs.h"
+#include "profile/pinned_pages.h"
 #include "profile/update_probe.h"
 
 namespace emsa {
@@ -41,10 +42,8 @@ struct DeviceBuffer {
   }
 };
 struct PinnedBuffer {
+  profile_internal::PinnedPages pages;
   void* ptr = nullptr;
-  ~PinnedBuffer() {
-    if (ptr != nullptr) (void)cudaFreeHost(ptr);
-  }
 };
 struct Stream {
   cudaStream_t stream = nullptr;
@@ -167,13 +166,14 @@ Result<UpdateAndCopies> UpdateWhileCopying(int threads, cudaStream_t stream, dou
 }
 
 Status AllocPinned(PinnedBuffer* buf, uint64_t bytes) {
-  const cudaError_t err = cudaHostAlloc(&buf->ptr, bytes, cudaHostAllocPortable);
+  const cudaError_t err = buf->pages.Allocate(bytes);
   if (err == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();
-    return Status::OutOfMemory("GPU profile: cudaHostAlloc of " + std::to_string(bytes) +
-                               " pinned bytes failed; set measure_bandwidth=false");
+    return Status::OutOfMemory("GPU profile: pinning " + std::to_string(bytes) +
+                               " bytes of host memory failed; set measure_bandwidth=false");
   }
-  return CudaStatus(err, "GPU profile: cudaHostAlloc");
+  buf->ptr = buf->pages.get();
+  return CudaStatus(err, "GPU profile: cudaHostRegister");
 }
 
 // Device to device: `bytes` read and written, so 2 x bytes counted.

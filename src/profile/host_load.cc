@@ -1,12 +1,9 @@
 // host_load.cc — HostLoad (emsa/profile.h): the host tier's load on the machine, made on
 // purpose, so that the probe can time the model's forward and backward under it.
 
-#include <sys/mman.h>
-
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -18,6 +15,7 @@
 #include "emsa/cpu_update.h"
 #include "emsa/host_tier_costs.h"
 #include "emsa/profile.h"
+#include "profile/pinned_pages.h"
 #include "profile/update_probe.h"
 
 namespace emsa {
@@ -35,8 +33,7 @@ struct HostLoad::Impl {
   bool stopped = false;
 #if EMSA_HAVE_CUDA
   void* device[2] = {nullptr, nullptr};
-  void* pinned[2] = {nullptr, nullptr};
-  bool registered[2] = {false, false};
+  profile_internal::PinnedPages pinned[2];
   cudaStream_t streams[2] = {nullptr, nullptr};
 #endif
 
@@ -66,12 +63,12 @@ struct HostLoad::Impl {
     while (s.ok() && !stop.load(std::memory_order_relaxed)) {
       for (int k = 0; k < 4 && s.ok(); ++k) {
         s = CudaStatus(
-            cudaMemcpyAsync(device[0], pinned[0], bytes, cudaMemcpyHostToDevice, streams[0]),
+            cudaMemcpyAsync(device[0], pinned[0].get(), bytes, cudaMemcpyHostToDevice, streams[0]),
             "HostLoad: copy to the device");
         if (s.ok()) {
-          s = CudaStatus(
-              cudaMemcpyAsync(pinned[1], device[1], bytes, cudaMemcpyDeviceToHost, streams[1]),
-              "HostLoad: copy to the host");
+          s = CudaStatus(cudaMemcpyAsync(pinned[1].get(), device[1], bytes, cudaMemcpyDeviceToHost,
+                                         streams[1]),
+                         "HostLoad: copy to the host");
         }
       }
       for (cudaStream_t st : streams) {
@@ -83,29 +80,12 @@ struct HostLoad::Impl {
     if (!s.ok()) Fail(s);
   }
 
-  // Pinned host memory as mapped pages, large where the kernel offers them, filled and then
-  // registered: registering pages that exist is several times faster than cudaHostAlloc, whose
-  // zeroed, pinned allocation makes the probe wait under load for its buffers.
-  cudaError_t PinHost(int k) {
-    void* p = mmap(nullptr, options.copy_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                   -1, 0);
-    if (p == MAP_FAILED) return cudaErrorMemoryAllocation;
-    pinned[k] = p;
-#ifdef MADV_HUGEPAGE
-    (void)madvise(p, options.copy_bytes, MADV_HUGEPAGE);  // advice: refused is fine
-#endif
-    std::memset(p, 0, options.copy_bytes);
-    const cudaError_t e = cudaHostRegister(p, options.copy_bytes, cudaHostRegisterPortable);
-    registered[k] = e == cudaSuccess;
-    return e;
-  }
-
   Status AllocateCopies() {
     EMSA_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.gpu_device));
     for (int k = 0; k < 2; ++k) {
       cudaError_t e = cudaMalloc(&device[k], options.copy_bytes);
       if (e == cudaSuccess) e = cudaMemset(device[k], 0, options.copy_bytes);
-      if (e == cudaSuccess) e = PinHost(k);
+      if (e == cudaSuccess) e = pinned[k].Allocate(options.copy_bytes);
       if (e == cudaErrorMemoryAllocation) {
         (void)cudaGetLastError();
         return Status::OutOfMemory("HostLoad: could not allocate two copy buffers of " +
@@ -134,8 +114,6 @@ struct HostLoad::Impl {
     for (int k = 0; k < 2; ++k) {
       if (streams[k] != nullptr) (void)cudaStreamDestroy(streams[k]);
       if (device[k] != nullptr) (void)cudaFree(device[k]);
-      if (registered[k]) (void)cudaHostUnregister(pinned[k]);
-      if (pinned[k] != nullptr) (void)munmap(pinned[k], options.copy_bytes);
     }
 #endif
   }
