@@ -95,6 +95,16 @@ def verbose() -> bool:
     return _log.isEnabledFor(logging.INFO)
 
 
+def _other_rank() -> bool:
+    """True in a torch.distributed job's ranks other than 0."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(dist and dist.is_available() and dist.is_initialized()
+                    and dist.get_rank() != 0)
+    except (RuntimeError, ValueError):
+        return False
+
+
 class Phase:
     """What timed() yields: .progress(done, total) puts "done/total" on the line."""
 
@@ -128,6 +138,8 @@ class Setup:
         self._written = ""  # the phase last written as a plain line
         self._stop = threading.Event()
         self._thread = None
+        if _other_rank():  # one line per job, not one per rank
+            self.tty, self.threshold = False, float("inf")
         if background and (self.tty or verbose()):
             self._thread = threading.Thread(target=self._run, name="emsa-setup-progress",
                                             daemon=True)
@@ -161,7 +173,8 @@ class Setup:
             self.stream.write("\r\x1b[K" + self.line())
             self._drawn = True
         elif verbose():
-            current = self.phases[-1].name if self.phases else ""
+            with self._lock:
+                current = self.phases[-1].name if self.phases else ""
             if current == self._written:
                 return
             self._written = current
