@@ -78,6 +78,19 @@ EMSA_API int32_t emsa_simd_level(void);
 EMSA_API emsa_status emsa_profile_measure(int32_t measure_bandwidth, int32_t gpu_device,
                                           char** json_out);
 
+/* The profile kept in the machine's cache (emsa/profile_cache.h): the untimed description read
+ * now, the bandwidths from the cache file when it holds this machine's (same GPU, driver, CPU
+ * model, cores, format) and is younger than max_age_seconds, else measured now and the file
+ * rewritten atomically. folder NULL or "": $XDG_CACHE_HOME/emsa, else ~/.cache/emsa;
+ * max_age_seconds < 0: the default (a week); refresh != 0 measures and rewrites regardless.
+ * JSON out: {"profile": {...}, "path": "...", "from_cache": bool, "age_seconds": s,
+ * "why_measured": "...", "why_not_saved": "...", "key": "...", "summary": "from cache PATH,
+ * measured 3 h ago" or "measured now (why), cached at PATH"}. */
+EMSA_API emsa_status emsa_profile_cached(int32_t gpu_device, const char* folder,
+                                         int64_t max_age_seconds, int32_t refresh, char** json_out);
+/* Bandwidth measurements emsa_profile_cached made in this process (a cache hit adds none). */
+EMSA_API int64_t emsa_profile_measurement_count(void);
+
 /* The host tier's load made on purpose (emsa::HostLoad): the CPU update of `threads` threads
  * (0: the host tier's count) over `update_params` fp32 parameters' state, and with copies != 0
  * and a CUDA device, copies of `copy_bytes` both ways between pinned memory and `gpu_device`,

@@ -125,7 +125,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from . import _binding, _distributed, _dtensor, _tuning
+from . import _binding, _distributed, _dtensor, _progress, _setup, _tuning
 from ._arena import host_memory
 from ._backend import Backend, check_param, select
 from .plan import STATE_DTYPES, Plan, make_plan, parse_bytes, profile_json, require_library
@@ -204,6 +204,7 @@ class _EmsaOptimizer(Optimizer):
         self._plan: Plan | None = None
         self._record: ProbeRecord | None = None
         self._recorder = None
+        self._setup_times: dict[str, float] = {}  # seconds per set-up phase (emsa._setup)
         super().__init__(params, defaults)
         _distributed.configure(self, process_group, ddp)  # norm group, replicas, refusals
         if probe is not None:
@@ -299,6 +300,10 @@ class _EmsaOptimizer(Optimizer):
         return self._record
 
     def _bind(self, record: ProbeRecord | None) -> None:
+        with _setup.planning(self):
+            self._plan_and_bind(record)
+
+    def _plan_and_bind(self, record: ProbeRecord | None) -> None:
         slots = _binding.slots_of(self.param_groups)
         if not slots:
             raise ValueError("the optimizer holds no parameters that require a gradient"
@@ -317,13 +322,15 @@ class _EmsaOptimizer(Optimizer):
             # plan may use the host tier for a reason (a budget, or tier="host").
             may_offload = self._tier == "host" or (self._tier is None
                                                    and self._budget is not None)
-            profile = backend_cls.planning_profile(slots[0].param.device, may_offload)
-        plan = make_plan(planned, profile, optimizer=self._kind, state_dtype=self._state_dtype,
-                         budget=self._budget,
-                         allow_host_tier=backend_cls.host_tier and self._tier != "device",
-                         force_all_host=self._tier == "host",
-                         release_grads=self._releases_grads(),
-                         device_update_share=_tuning.host_device_share())
+            with _setup.profile_phase(self):
+                profile = backend_cls.planning_profile(slots[0].param.device, may_offload)
+        with _progress.timed("plan", self._setup_times):
+            plan = make_plan(planned, profile, optimizer=self._kind,
+                             state_dtype=self._state_dtype, budget=self._budget,
+                             allow_host_tier=backend_cls.host_tier and self._tier != "device",
+                             force_all_host=self._tier == "host",
+                             release_grads=self._releases_grads(),
+                             device_update_share=_tuning.host_device_share())
         plan = _distributed.agreed_plan(self, plan)  # replicas compare layouts: one collective
         shards = _dtensor.Shards(slots)  # DTensor parameters: the engine binds local shards
         backend = backend_cls(shards.engine_slots, plan, self._kind, self._state_dtype,
@@ -664,7 +671,7 @@ class _EmsaOptimizer(Optimizer):
             raise ValueError("the optimizer has not planned yet: report after the first step")
         return write_run(run_dir, plan=self._plan, record=self._record,
                          steps=self.step_stats(), losses=losses, peer_losses=peer_losses,
-                         meta=meta)
+                         meta=meta, setup=_setup.summary(self))
 
     def remove_hooks(self) -> None:
         """Step in backward: removes the gradient hooks; later backwards update nothing."""

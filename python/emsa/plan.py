@@ -53,8 +53,18 @@ def parse_bytes(value: int | str) -> int:
     return out.value
 
 
-def measure_profile(measure_bandwidth: bool = True, gpu_device: int = 0) -> dict[str, Any]:
-    """This machine's DeviceProfile (CPU; GPU when one is usable), as the C++ side writes it."""
+def measure_profile(measure_bandwidth: bool = True, gpu_device: int = 0, *, cache: bool = True,
+                    refresh: bool = False) -> dict[str, Any]:
+    """This machine's DeviceProfile (CPU; GPU when one is usable), as the C++ side writes it.
+
+    With measure_bandwidth, the bandwidths come from the machine's profile cache (measured once
+    per machine and kept for a week under $XDG_CACHE_HOME/emsa, else ~/.cache/emsa; the rest is
+    read fresh): cache=False measures them without reading or writing it, refresh=True measures
+    and rewrites it (as `emsa profile --refresh`)."""
+    if measure_bandwidth and cache:
+        from ._profile_cache import cached_profile
+
+        return cached_profile(gpu_device, refresh=refresh)["profile"]
     out = ctypes.c_void_p()
     check(lib.emsa_profile_measure(int(measure_bandwidth), int(gpu_device), ctypes.byref(out)))
     return json.loads(take_string(out))

@@ -16,6 +16,7 @@ symbolically).
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import warnings
 import weakref
@@ -24,12 +25,14 @@ from typing import Any, Callable
 
 import torch
 
-from . import _dtensor
+from . import _dtensor, _profile_cache, _progress
 from ._backend import DTYPE_NAMES, check_param
 from .plan import measure_profile, profile_json, require_library
 from .probe_record import GraphOp, MemorySample, ParamRecord, ProbeRecord
 
 __all__ = ["probe", "default_loss"]
+
+_log = logging.getLogger("emsa")
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -132,23 +135,35 @@ def _preserved_state(model: torch.nn.Module, params: list[torch.Tensor]):
 
 def probe(model: torch.nn.Module, *example_args: Any, loss_fn: Callable[[Any], torch.Tensor]
           | None = None, profile: Any = None, trace: bool = True, warmup: bool = True,
-          under_load: bool = True, **example_kwargs: Any) -> ProbeRecord:
+          under_load: bool | None = None, **example_kwargs: Any) -> ProbeRecord:
     """Runs model(*example_args, **example_kwargs), then backward of loss_fn(output) (default:
     default_loss), without updating anything, and returns what it observed.
 
-    profile: the DeviceProfile to embed (dict, JSON text or path); None measures this machine
-    (well under a second on the CPU side). trace=False skips the optional torch.fx graph.
-    warmup: on a GPU, one unobserved forward and backward first, so the observed one is timed
+    profile: the DeviceProfile to embed (dict, JSON text or path); None: this machine's, its
+    bandwidths from the machine's profile cache (measured, about a second with a GPU, only when
+    the cache has no good entry: the first probe on a machine, a week after the last, or after
+    `emsa profile --refresh`). trace=False skips the optional torch.fx graph.
+    warmup: on a GPU, one pass first that the hooks do not observe, so the observed one is timed
     as training runs it (the first pass pays for cuBLAS set-up and the caching allocator's
-    cudaMalloc calls, which made a 0.95 B Llama's probed step 3-4x its real length), and three
-    more after it, each timed with three events only (the median one counts): the hooks'
-    Python work can outlast a fast GPU's kernels, so the observed pass's forward and backward
-    are rescaled to the unobserved durations (each only shortened) with every time inside them.
-    under_load: on a GPU (with warmup), forward and backward timed once more while emsa makes
-    the host tier's load on purpose (its CPU update and PCIe copies both ways, emsa::HostLoad):
-    the threads launching the GPU's work slow down under it, and a launch-bound step with it
-    (record.period_under_load; the planner uses it for plans with a host tier). Adds nine passes
-    and about 1 GiB of host memory, 128 MiB of device memory while it runs.
+    cudaMalloc calls, which made a 0.95 B Llama's probed step 3-4x its real length), and after
+    the observed pass, unobserved passes timed with three events only until the median has
+    settled (SETTLED; at most ALONE_PASSES; the first pass counts when it was not slow): the
+    hooks' Python work can outlast a fast GPU's kernels, so the observed pass's forward and
+    backward are rescaled to the unobserved durations (each only shortened) with every time
+    inside them.
+    under_load: on a GPU (with warmup), forward and backward timed again while emsa makes the
+    host tier's load on purpose (its CPU update and PCIe copies both ways, emsa::HostLoad): the
+    threads launching the GPU's work slow down under it (record.period_under_load; the planner
+    uses it for plans with a host tier). None (the default) times it only when the host tier
+    may be used: when the model's optimizer state (two fp32 moments, and an fp32 master for
+    parameters of 16 bits) does not fit the device beside its measured peak with room; True
+    always (pass it when you will plan with budget= or tier="host" on a model whose state would
+    fit), False never. Adds three to nine passes, about 1 GiB of host memory and 128 MiB of
+    device memory while it runs.
+
+    record.setup_times holds the seconds of each phase ("profile", "passes", "trace",
+    "under_load"); record.profile_source where the profile came from. A probe that lasts more
+    than two seconds shows its progress on stderr (emsa._progress).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"emsa.probe takes an nn.Module, not {type(model).__name__}")
@@ -167,43 +182,55 @@ def probe(model: torch.nn.Module, *example_args: Any, loss_fn: Callable[[Any], t
             if p is not None and m not in owners.setdefault(id(p), []):
                 owners[id(p)].append(m)
 
-    profile_dict = _profile(profile, device)
-    obs = _Observer(model, named, names_of, owners, device)
-    with _preserved_state(model, params):
-        if warmup and device.type == "cuda":
-            _unobserved_pass(model, loss_fn or default_loss, example_args, example_kwargs,
-                             [p for p in params if p.requires_grad])
-        # torch.fx calls submodules on their own, which FSDP2 refuses (its root runs first).
-        sharded = any(_dtensor.is_dtensor(p) for p in params)
-        graph = _trace_graph(model, names_of) if trace and not sharded else []
-        with obs.installed():
-            record = obs.run(loss_fn or default_loss, example_args, example_kwargs)
-        if warmup and device.type == "cuda":
-            forward, backward = _median_pass(model, loss_fn or default_loss, example_args,
-                                             example_kwargs,
-                                             [p for p in params if p.requires_grad], device,
-                                             ALONE_PASSES)
-            _rescale(record, forward, backward)
-            if under_load:
-                record.period_under_load = _period_under_load(
-                    model, loss_fn or default_loss, example_args, example_kwargs,
-                    [p for p in params if p.requires_grad], device)
-    record.graph = graph
+    times: dict[str, float] = {}
+    with _progress.setup("emsa.probe"):
+        with _progress.timed("profile", times):
+            profile_dict, source = _profile(profile, device)
+        obs = _Observer(model, named, names_of, owners, device)
+        run = _Passes(model, loss_fn or default_loss, example_args, example_kwargs,
+                      [p for p in params if p.requires_grad], device)
+        with _preserved_state(model, params):
+            record = _observe(run, obs, trace, warmup and device.type == "cuda", names_of, times)
+            if warmup and device.type == "cuda" and _wants_load(under_load, run, record):
+                with _progress.timed("under_load", times):
+                    record.period_under_load = _period_under_load(run)
     record.profile = profile_dict
+    record.setup_times = times
+    record.profile_source = source
     return record
 
 
-def _unobserved_pass(model, loss_fn, args, kwargs, targets: list[torch.Tensor]) -> None:
-    loss = loss_fn(model(*args, **kwargs))
-    if targets and isinstance(loss, torch.Tensor) and loss.requires_grad:
-        _dtensor.backward(loss, targets)
-    del loss
-    for p in targets:
-        p.grad = None
-    # Under the caller's autocast, the casts of the weights are cached for the whole context:
-    # the observed pass would reuse this pass's cast nodes, and the order in which gradients
-    # become final would be wrong (the casts' leaves all at once). Make it cast anew.
-    torch.clear_autocast_cache()
+def _observe(run: "_Passes", obs: "_Observer", trace: bool, timed: bool,
+             names_of: dict[int, list[str]], times: dict[str, float]) -> ProbeRecord:
+    """The warm-up pass, the graph, the observed pass and the unobserved ones it is rescaled to."""
+    first = None
+    if timed:
+        with _progress.timed("passes", times):
+            first = run.timed()
+    with _progress.timed("trace", times):
+        # torch.fx calls submodules on their own, which FSDP2 refuses (its root runs first).
+        sharded = any(_dtensor.is_dtensor(p) for p in run.targets)
+        graph = _trace_graph(run.model, names_of) if trace and not sharded else []
+    with _progress.timed("passes", times):
+        with obs.installed():
+            record = obs.run(run.loss_fn, run.args, run.kwargs)
+        if timed:
+            forward, backward = _settled_pass(run, 2, ALONE_PASSES, first)
+            _rescale(record, forward, backward)
+    record.graph = graph
+    return record
+
+
+class _Passes:
+    """The model's forward and backward on the example batch, run unobserved."""
+
+    def __init__(self, model, loss_fn, args, kwargs, targets: list[torch.Tensor], device):
+        self.model, self.loss_fn, self.args, self.kwargs = model, loss_fn, args, kwargs
+        self.targets, self.device = targets, device
+
+    def timed(self) -> tuple[float, float]:
+        return _timed_pass(self.model, self.loss_fn, self.args, self.kwargs, self.targets,
+                           self.device)
 
 
 def _timed_pass(model, loss_fn, args, kwargs, targets, device) -> tuple[float, float]:
@@ -218,35 +245,80 @@ def _timed_pass(model, loss_fn, args, kwargs, targets, device) -> tuple[float, f
     del loss
     for p in targets:
         p.grad = None
+    # Under the caller's autocast, the casts of the weights are cached for the whole context:
+    # the observed pass would reuse this pass's cast nodes, and the order in which gradients
+    # become final would be wrong (the casts' leaves all at once). Make it cast anew.
     torch.clear_autocast_cache()
     _, forward, end = clock.resolve()
     return forward, end - forward
 
 
-# Passes timed: alone, and under the host tier's load. One pass under load varies by a factor of
-# two or more pass to pass, while the training step is a median over steps; so the probe's
-# figures are medians over enough passes that one slow pass does not make them (a pass under
-# load costs a fraction of a second). What is left after that is the host's own drift over
-# seconds, which more passes would not remove.
-ALONE_PASSES = 3
-LOADED_PASSES = 9
+# Passes timed: alone, and under the host tier's load. The training step is a median over steps,
+# so the probe's figures are medians too; passes stop once one more pass no longer moves the
+# median by more than SETTLED of it. Alone, passes agree within a few per cent, so two usually
+# settle it (the warm-up pass counts as one when it paid no first-use costs); under load one pass
+# can take twice another, so at least three are run. What is left after that is the host's own
+# drift over seconds, which more passes would not remove.
+SETTLED = 0.05
+ALONE_PASSES = 3  # at most, after the observed pass
+LOADED_PASSES = 9  # at most
+LOADED_LEAST = 3
 
 
-def _median_pass(model, loss_fn, args, kwargs, targets, device, count: int) -> tuple[float, float]:
-    """The forward and backward of the pass with the median forward + backward of `count`."""
-    passes = sorted((_timed_pass(model, loss_fn, args, kwargs, targets, device)
-                     for _ in range(count)), key=sum)
-    return passes[len(passes) // 2]
+def _median(passes: list[tuple[float, float]]) -> tuple[float, float]:
+    """The pass with the median forward + backward (the faster middle one of an even count)."""
+    ordered = sorted(passes, key=sum)
+    return ordered[(len(ordered) - 1) // 2]
 
 
-def _period_under_load(model, loss_fn, args, kwargs, targets, device) -> float:
-    """Forward + backward seconds while emsa::HostLoad runs: the median of LOADED_PASSES (the
-    training step under load is an average, not a best case)."""
+def _settled_pass(run: _Passes, least: int, most: int,
+                  first: tuple[float, float] | None = None) -> tuple[float, float]:
+    """The median pass of at least `least` (counting `first`, a pass timed before) and at most
+    `most` new ones, stopping once the newest moved the median by at most SETTLED."""
+    passes = [first] if first is not None else []
+    for _ in range(most):
+        passes.append(run.timed())
+        if len(passes) >= max(least, 2):
+            now, before = sum(_median(passes)), sum(_median(passes[:-1]))
+            if abs(now - before) <= SETTLED * now:
+                break
+    return _median(passes)
+
+
+# The optimizer state the host tier would take: two fp32 moments, and an fp32 master copy for
+# parameters of 16 bits. It "fits with room" when it fits beside the probed peak, a margin (the
+# planner's default safety margin) and a tenth of the device for fragmentation.
+_STATE_MARGIN = 1 << 30
+
+
+def _wants_load(under_load: bool | None, run: _Passes, record: ProbeRecord) -> bool:
+    """Whether to time the passes under the host tier's load (see probe's under_load)."""
+    if under_load is not None:
+        return bool(under_load)
+    state = sum(p.numel() * (8 if p.dtype == torch.float32 else 12) for p in run.targets)
+    free, total = torch.cuda.mem_get_info(run.device)
+    # What this process can have: what the driver has free and what torch's pool holds (the
+    # probed peak, which counts the parameters and gradients, lies within it).
+    capacity = free + torch.cuda.memory_reserved(run.device)
+    fits = record.peak_device_bytes + state + _STATE_MARGIN + total // 10 <= capacity
+    if fits:
+        _log.info("emsa.probe: not timed under the host tier's load: the optimizer state "
+                  "(%.1f GiB) fits the device beside the model's peak (%.1f GiB) with room; "
+                  "probe(..., under_load=True) times it for plans with budget= or tier='host'",
+                  state / 2**30, record.peak_device_bytes / 2**30)
+    return not fits
+
+
+def _period_under_load(run: _Passes) -> float:
+    """Forward + backward seconds while emsa::HostLoad runs: the settled median of
+    LOADED_LEAST..LOADED_PASSES passes (the training step under load is an average, not a best
+    case)."""
     import ctypes
 
     from ._capi import EmsaError, check, lib
 
     load = ctypes.c_void_p()
+    device = run.device
     try:
         index = device.index if device.index is not None else torch.cuda.current_device()
         check(lib.emsa_host_load_start(0, 64 << 20, index, 1, 64 << 20, ctypes.byref(load)))
@@ -256,8 +328,7 @@ def _period_under_load(model, loss_fn, args, kwargs, targets, device) -> float:
                       f"(probe(..., under_load=False) skips this)", stacklevel=3)
         return 0.0
     try:
-        forward, backward = _median_pass(model, loss_fn, args, kwargs, targets, device,
-                                         LOADED_PASSES)
+        forward, backward = _settled_pass(run, LOADED_LEAST, LOADED_PASSES)
     finally:
         check(lib.emsa_host_load_stop(load, None, None))
     return forward + backward
@@ -413,18 +484,20 @@ class _Observer:
         return record
 
 
-def _profile(profile: Any, device: torch.device) -> dict[str, Any]:
+def _profile(profile: Any, device: torch.device) -> tuple[dict[str, Any], str]:
+    """The profile to embed and where its bandwidths came from ("" when given)."""
     import json
 
     if profile is not None:
-        return json.loads(profile_json(profile))
+        return json.loads(profile_json(profile)), ""
     gpu = device.index if device.type == "cuda" and device.index is not None else 0
     try:
-        return measure_profile(measure_bandwidth=True, gpu_device=gpu)
+        measured = _profile_cache.cached_profile(gpu)
+        return measured["profile"], _profile_cache.source_line(measured)
     except RuntimeError as e:  # e.g. too little free device memory for the bandwidth test
         warnings.warn(f"emsa.probe: measuring bandwidths failed ({e}); the profile holds the "
                       "device description only", stacklevel=3)
-        return measure_profile(measure_bandwidth=False, gpu_device=gpu)
+        return measure_profile(measure_bandwidth=False, gpu_device=gpu), "description only"
 
 
 def _trace_graph(model: torch.nn.Module, names_of: dict[int, list[str]]) -> list[GraphOp]:

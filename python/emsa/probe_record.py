@@ -73,12 +73,17 @@ class ProbeRecord:
     # Not serialized: weak references to the live parameters, parallel to `params`, when the
     # record was made by emsa.probe() in this process. Lets an optimizer match by identity.
     tensors: list[Any] | None = field(default=None, repr=False, compare=False)
+    # Not serialized: seconds per phase of the emsa.probe() that made it ("profile", "passes",
+    # "trace", "under_load"), and where its profile's bandwidths came from (the profile cache's
+    # summary; "" when the caller passed the profile).
+    setup_times: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
+    profile_source: str = field(default="", repr=False, compare=False)
 
     # ---- JSON -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"format": FORMAT, "version": VERSION}
         for f in dataclasses.fields(self):
-            if f.name in ("tensors", "profile"):
+            if f.name in ("tensors", "profile", "setup_times", "profile_source"):
                 continue
             value = getattr(self, f.name)
             if isinstance(value, list):

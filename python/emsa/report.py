@@ -23,6 +23,12 @@ A run directory holds (times in seconds, memory in bytes):
                 the predicted memory timeline and its forward order orders the tier map.
   meta.json     optional. A free-form object shown at the top ("title", "device", "date",
                 "commit", ...).
+  setup.json    optional. Where the set-up's seconds went (opt.report() writes it):
+                {"times": {phase: seconds, ...}, "total": seconds, "profile": "from cache
+                PATH, measured 2 h ago" | "measured now (why), cached at PATH" | ...,
+                "probe": {"times": {...}, "total": ..., "profile": ...}} (probe optional);
+                phases as opt._setup_times names them ("profile", "plan", "host_arena",
+                "host_arena.*", "device_arena", "bind", "first_step").
 
 report.md and its PNGs are written into the run directory. A plot whose data is missing is
 left out, and report.md says why. Exit status of main(): 0 written, 2 bad RUN_DIR or unreadable
@@ -66,6 +72,7 @@ class Run:
     steps: list[dict[str, Any]]
     probe: dict[str, Any] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    setup: dict[str, Any] | None = None
 
 
 # ---- reading ---------------------------------------------------------------------------------
@@ -141,7 +148,12 @@ def load(run_dir: str | Path) -> Run:
     meta = _read_json(path / "meta.json") if (path / "meta.json").is_file() else {}
     if not isinstance(meta, dict):
         raise RunDirError(f"{path / 'meta.json'}: expected a JSON object")
-    return Run(path, plan, _read_steps(path / "steps.jsonl"), probe, meta)
+    setup = _read_json(path / "setup.json") if (path / "setup.json").is_file() else None
+    if setup is not None and not (isinstance(setup, dict)
+                                  and isinstance(setup.get("times", {}), dict)):
+        raise RunDirError(f"{path / 'setup.json'}: expected a JSON object with \"times\": "
+                          "{phase: seconds}")
+    return Run(path, plan, _read_steps(path / "steps.jsonl"), probe, meta, setup)
 
 
 # ---- units -----------------------------------------------------------------------------------
@@ -437,6 +449,20 @@ def _tables(run: Run) -> list[str]:
     return out
 
 
+def _setup_lines(setup: dict[str, Any]) -> list[str]:
+    """The "Set-up" section: the phases' seconds and where the profile came from."""
+    out = ["| phase | seconds |", "|---|---|"]
+    out += [f"| {k} | {v:.3f} |" for k, v in setup.get("times", {}).items()]
+    out.append(f"| total | {setup.get('total', 0.0):.3f} |")
+    out += ["", f"Profile: {setup.get('profile', 'not recorded')}."]
+    probe = setup.get("probe")
+    if probe:
+        out += ["", "emsa.probe:", "", "| phase | seconds |", "|---|---|"]
+        out += [f"| {k} | {v:.3f} |" for k, v in probe["times"].items()]
+        out += [f"| total | {probe['total']:.3f} |", "", f"Probe's profile: {probe['profile']}."]
+    return out
+
+
 def write(run_dir: str | Path) -> Path:
     """Writes report.md and its PNGs into run_dir; returns report.md's path. Raises
     RunDirError for a bad run directory, ImportError when matplotlib is missing."""
@@ -457,6 +483,8 @@ def write(run_dir: str | Path) -> Path:
     else:
         lines.append("(no meta.json)")
     lines += [""] + _tables(run)
+    if run.setup is not None:
+        lines += ["", "## Set-up", ""] + _setup_lines(run.setup)
     sections = [("Tier map", "tier_map.png", lambda: (_tier_map(run, plt, run.path), "")),
                 ("Memory", "memory.png", lambda: _memory(run, plt, run.path)),
                 ("Step time split", "time_split.png", lambda: _time_split(run, plt, run.path)),
@@ -481,7 +509,7 @@ def write(run_dir: str | Path) -> Path:
 
 def write_run(run_dir: str | Path, *, plan, record=None, steps: list[dict[str, Any]],
               losses: list[float] | None = None, peer_losses: list[float] | None = None,
-              meta: dict[str, Any] | None = None) -> Path:
+              meta: dict[str, Any] | None = None, setup: dict[str, Any] | None = None) -> Path:
     """Writes a run directory in the format above (what opt.report() measured: the plan, the
     probe record, one line per step, optional losses) and then its report; returns
     report.md's path. Every step is written, with its loss; the last has no time_s when its
@@ -506,6 +534,10 @@ def write_run(run_dir: str | Path, *, plan, record=None, steps: list[dict[str, A
         lines.append(json.dumps(row))
     _files.write_text(out / "steps.jsonl", "\n".join(lines) + ("\n" if lines else ""))
     _files.write_text(out / "meta.json", json.dumps(meta or {"title": "emsa run"}, indent=2))
+    if setup is not None:
+        _files.write_text(out / "setup.json", json.dumps(setup, indent=2))
+    elif (out / "setup.json").exists():
+        (out / "setup.json").unlink()  # an older run's set-up must not be reported as this one's
     return write(out)
 
 

@@ -3,6 +3,7 @@
 #include <string_view>
 
 #include "capi/capi_internal.h"
+#include "emsa/profile_cache.h"
 #include "plan/plan_json.h"
 
 using namespace emsa::capi;  // NOLINT(google-build-using-namespace)
@@ -45,6 +46,23 @@ emsa_status emsa_profile_measure(int32_t measure_bandwidth, int32_t gpu_device, 
     return ReturnString(emsa::DeviceProfileToJson(*profile), json_out);
   });
 }
+
+emsa_status emsa_profile_cached(int32_t gpu_device, const char* folder, int64_t max_age_seconds,
+                                int32_t refresh, char** json_out) {
+  return Guard([&] {
+    if (json_out == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "json_out is NULL");
+    emsa::ProfileCacheOptions options;
+    if (folder != nullptr) options.folder = folder;
+    if (max_age_seconds >= 0) options.max_age_seconds = max_age_seconds;
+    options.refresh = refresh != 0;
+    options.gpu_device = gpu_device;
+    auto cached = emsa::CachedDeviceProfile(options);
+    if (!cached.ok()) return Report(cached.status());
+    return ReturnString(emsa::CachedProfileToJson(*cached), json_out);
+  });
+}
+
+int64_t emsa_profile_measurement_count(void) { return emsa::ProfileMeasurementCount(); }
 
 emsa_status emsa_host_load_start(int32_t threads, int64_t update_params, int32_t gpu_device,
                                  int32_t copies, uint64_t copy_bytes, emsa_host_load** load_out) {

@@ -7,6 +7,7 @@
 
 #include "common/cuda_util.h"
 #include "emsa/profile.h"
+#include "emsa/profile_cache.h"
 
 #if EMSA_HAVE_CUDA
 
@@ -14,12 +15,14 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <vector>
 
 #include "common/thread_pool.h"
 #include "emsa/cpu_update.h"
 #include "emsa/host_tier_costs.h"
+#include "profile/pinned_pages.h"
 #include "profile/update_probe.h"
 
 namespace emsa {
@@ -39,10 +42,8 @@ struct DeviceBuffer {
   }
 };
 struct PinnedBuffer {
+  profile_internal::PinnedPages pages;
   void* ptr = nullptr;
-  ~PinnedBuffer() {
-    if (ptr != nullptr) (void)cudaFreeHost(ptr);
-  }
 };
 struct Stream {
   cudaStream_t stream = nullptr;
@@ -165,13 +166,14 @@ Result<UpdateAndCopies> UpdateWhileCopying(int threads, cudaStream_t stream, dou
 }
 
 Status AllocPinned(PinnedBuffer* buf, uint64_t bytes) {
-  const cudaError_t err = cudaHostAlloc(&buf->ptr, bytes, cudaHostAllocPortable);
+  const cudaError_t err = buf->pages.Allocate(bytes);
   if (err == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();
-    return Status::OutOfMemory("GPU profile: cudaHostAlloc of " + std::to_string(bytes) +
-                               " pinned bytes failed; set measure_bandwidth=false");
+    return Status::OutOfMemory("GPU profile: pinning " + std::to_string(bytes) +
+                               " bytes of host memory failed; set measure_bandwidth=false");
   }
-  return CudaStatus(err, "GPU profile: cudaHostAlloc");
+  buf->ptr = buf->pages.get();
+  return CudaStatus(err, "GPU profile: cudaHostRegister");
 }
 
 // Device to device: `bytes` read and written, so 2 x bytes counted.
@@ -334,6 +336,29 @@ Result<GpuProfile> MeasureGpuProfile(const ProfileOptions& options) {
   return gpu;
 }
 
+std::string GpuDriverVersion() {
+  int api = 0;
+  if (cudaDriverGetVersion(&api) != cudaSuccess || api == 0) {
+    (void)cudaGetLastError();
+    return "none";
+  }
+  // The kernel module's version is finer than the API's (two drivers share one API version):
+  // "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 ..." names it.
+  std::string module;
+  std::ifstream in("/proc/driver/nvidia/version");
+  std::string line;
+  if (in && std::getline(in, line)) {
+    const std::string marker = "Kernel Module";
+    const size_t at = line.find(marker);
+    if (at != std::string::npos) {
+      const size_t begin = line.find_first_not_of(' ', at + marker.size());
+      const size_t end = line.find(' ', begin == std::string::npos ? line.size() : begin);
+      if (begin != std::string::npos) module = line.substr(begin, end - begin) + " ";
+    }
+  }
+  return module + "cuda " + std::to_string(api);
+}
+
 }  // namespace emsa
 
 #else  // !EMSA_HAVE_CUDA
@@ -344,6 +369,8 @@ Result<GpuProfile> MeasureGpuProfile(const ProfileOptions& options) {
   (void)options;
   return GpuProfile{};
 }
+
+std::string GpuDriverVersion() { return "none"; }
 
 }  // namespace emsa
 

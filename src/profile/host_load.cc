@@ -15,6 +15,7 @@
 #include "emsa/cpu_update.h"
 #include "emsa/host_tier_costs.h"
 #include "emsa/profile.h"
+#include "profile/pinned_pages.h"
 #include "profile/update_probe.h"
 
 namespace emsa {
@@ -32,7 +33,7 @@ struct HostLoad::Impl {
   bool stopped = false;
 #if EMSA_HAVE_CUDA
   void* device[2] = {nullptr, nullptr};
-  void* pinned[2] = {nullptr, nullptr};
+  profile_internal::PinnedPages pinned[2];
   cudaStream_t streams[2] = {nullptr, nullptr};
 #endif
 
@@ -62,12 +63,12 @@ struct HostLoad::Impl {
     while (s.ok() && !stop.load(std::memory_order_relaxed)) {
       for (int k = 0; k < 4 && s.ok(); ++k) {
         s = CudaStatus(
-            cudaMemcpyAsync(device[0], pinned[0], bytes, cudaMemcpyHostToDevice, streams[0]),
+            cudaMemcpyAsync(device[0], pinned[0].get(), bytes, cudaMemcpyHostToDevice, streams[0]),
             "HostLoad: copy to the device");
         if (s.ok()) {
-          s = CudaStatus(
-              cudaMemcpyAsync(pinned[1], device[1], bytes, cudaMemcpyDeviceToHost, streams[1]),
-              "HostLoad: copy to the host");
+          s = CudaStatus(cudaMemcpyAsync(pinned[1].get(), device[1], bytes, cudaMemcpyDeviceToHost,
+                                         streams[1]),
+                         "HostLoad: copy to the host");
         }
       }
       for (cudaStream_t st : streams) {
@@ -84,8 +85,7 @@ struct HostLoad::Impl {
     for (int k = 0; k < 2; ++k) {
       cudaError_t e = cudaMalloc(&device[k], options.copy_bytes);
       if (e == cudaSuccess) e = cudaMemset(device[k], 0, options.copy_bytes);
-      if (e == cudaSuccess)
-        e = cudaHostAlloc(&pinned[k], options.copy_bytes, cudaHostAllocPortable);
+      if (e == cudaSuccess) e = pinned[k].Allocate(options.copy_bytes);
       if (e == cudaErrorMemoryAllocation) {
         (void)cudaGetLastError();
         return Status::OutOfMemory("HostLoad: could not allocate two copy buffers of " +
@@ -114,7 +114,6 @@ struct HostLoad::Impl {
     for (int k = 0; k < 2; ++k) {
       if (streams[k] != nullptr) (void)cudaStreamDestroy(streams[k]);
       if (device[k] != nullptr) (void)cudaFree(device[k]);
-      if (pinned[k] != nullptr) (void)cudaFreeHost(pinned[k]);
     }
 #endif
   }

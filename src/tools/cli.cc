@@ -18,6 +18,7 @@
 #include "emsa/plan.h"
 #include "emsa/probe_record.h"
 #include "emsa/profile.h"
+#include "emsa/profile_cache.h"
 #include "emsa/types.h"
 #include "plan/plan_json.h"
 
@@ -37,7 +38,12 @@ constexpr const char* kUsage =
     "                                     (an analytic probe, no GPU needed)\n"
     "  emsa plan PROBE.json [options]     the same for a model probed in training (emsa.probe)\n"
     "  emsa plan --list                   the model and device presets, and the model types read\n"
-    "  emsa profile [--no-bandwidth]      measure this machine, print the profile as JSON\n"
+    "  emsa profile [--refresh] [--no-bandwidth] [--cache-dir DIR] [--max-age SECONDS]\n"
+    "                                     this machine's profile as JSON: the bandwidths from\n"
+    "                                     the machine's cache ($XDG_CACHE_HOME/emsa, else\n"
+    "                                     ~/.cache/emsa; a week at most), measured and cached\n"
+    "                                     when it has none; --refresh measures and rewrites it;\n"
+    "                                     --no-bandwidth: the untimed description only\n"
     "  emsa demo | emsa report            (the Python package's emsa command) train a small GPT\n"
     "                                     with emsa and torch side by side; report a run\n"
     "  emsa --help | --version\n"
@@ -467,19 +473,59 @@ int RunPlan(Args* args, Console* con) {
   return plan_args.model.empty() ? RunProbePlan(plan_args, con) : RunModelPlan(plan_args, con);
 }
 
+// One option of `emsa profile`; returns what was wrong, or "".
+std::string ApplyProfileOption(Args* args, const std::string& arg, ProfileCacheOptions* cache,
+                               bool* describe_only) {
+  if (arg == "--no-bandwidth") {
+    *describe_only = true;
+  } else if (arg == "--refresh") {
+    cache->refresh = true;
+  } else if (arg == "--cache-dir" || arg == "--max-age") {
+    if (args->Done()) return "emsa profile: " + arg + " needs a value";
+    const std::string value = args->items[args->next++];
+    int64_t seconds = 0;
+    if (arg == "--cache-dir") {
+      cache->folder = value;
+    } else if (value == "0") {
+      cache->max_age_seconds = 0;
+    } else if (ParseCount(value, &seconds)) {
+      cache->max_age_seconds = seconds;
+    } else {
+      return "emsa profile: --max-age takes whole seconds, got '" + value + "'";
+    }
+  } else {
+    return "emsa profile: unknown argument '" + arg + "'";
+  }
+  return "";
+}
+
 int RunProfile(Args* args, Console* con) {
-  ProfileOptions options;
+  ProfileCacheOptions cache;
+  bool describe_only = false;
   while (!args->Done()) {
     const std::string arg = args->items[args->next++];
-    if (arg == "--no-bandwidth") {
-      options.measure_bandwidth = false;
-    } else {
-      return Usage(con, "emsa profile: unknown argument '" + arg + "'");
+    if (std::string error = ApplyProfileOption(args, arg, &cache, &describe_only); !error.empty()) {
+      return Usage(con, error);
     }
   }
-  auto profile = MeasureDeviceProfile(options);
-  if (!profile.ok()) return Fail(con, kExitFailure, profile.status().message());
-  std::string text = DeviceProfileToJson(*profile);
+  if (describe_only && cache.refresh) {
+    return Usage(con,
+                 "emsa profile: --refresh measures the bandwidths, --no-bandwidth skips "
+                 "them; give one");
+  }
+  std::string text;
+  if (describe_only) {
+    ProfileOptions options;
+    options.measure_bandwidth = false;
+    auto profile = MeasureDeviceProfile(options);
+    if (!profile.ok()) return Fail(con, kExitFailure, profile.status().message());
+    text = DeviceProfileToJson(*profile);
+  } else {
+    auto cached = CachedDeviceProfile(cache);
+    if (!cached.ok()) return Fail(con, kExitFailure, cached.status().message());
+    text = DeviceProfileToJson(cached->profile);
+    con->err += "emsa profile: " + CachedProfileSummary(*cached) + "\n";
+  }
   if (text.empty() || text.back() != '\n') text += '\n';
   con->out += text;
   return kExitOk;

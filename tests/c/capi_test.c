@@ -71,6 +71,43 @@ static void test_library(void) {
   CHECK(emsa_host_load_stop(NULL, NULL, NULL) == EMSA_OK);
 }
 
+/* The machine's profile through its cache, in a folder of its own (never the user's cache):
+ * measured and written once, then read without measuring; refresh measures again. */
+static void test_profile_cache(void) {
+  char folder[] = "/tmp/emsa_capi_cache_XXXXXX";
+  CHECK(mkdtemp(folder) != NULL);
+  char* first = NULL;
+  CHECK(emsa_profile_cached(0, folder, -1, 0, &first) == EMSA_OK);
+  CHECK(first != NULL && strstr(first, "\"from_cache\": false") != NULL);
+  const int64_t measured = emsa_profile_measurement_count();
+  char* second = NULL;
+  CHECK(emsa_profile_cached(0, folder, -1, 0, &second) == EMSA_OK);
+  CHECK(second != NULL && strstr(second, "\"from_cache\": true") != NULL);
+  CHECK(strstr(second, "from cache ") != NULL); /* the summary names the file */
+  CHECK(emsa_profile_measurement_count() == measured);
+  char* refreshed = NULL;
+  CHECK(emsa_profile_cached(0, folder, -1, 1, &refreshed) == EMSA_OK);
+  CHECK(refreshed != NULL && strstr(refreshed, "refresh requested") != NULL);
+  CHECK(emsa_profile_measurement_count() == measured + 1);
+  CHECK(emsa_profile_cached(0, folder, -1, 0, NULL) == EMSA_INVALID_ARGUMENT);
+  const char* at = second != NULL ? strstr(second, "\"path\": \"") : NULL;
+  if (at != NULL) { /* remove the cache file, then the folder */
+    at += strlen("\"path\": \"");
+    char path[512];
+    size_t n = 0;
+    while (at[n] != '"' && at[n] != '\0' && n + 1 < sizeof(path)) {
+      path[n] = at[n];
+      ++n;
+    }
+    path[n] = '\0';
+    remove(path);
+  }
+  remove(folder);
+  emsa_free(first);
+  emsa_free(second);
+  emsa_free(refreshed);
+}
+
 /* AdamW on 1000 elements against a double-precision reference written here, in C. */
 static void test_cpu_step(void) {
   enum { N = 1000, STEPS = 3 };
@@ -716,6 +753,7 @@ static void test_host_arena_check(void) {
 
 int main(void) {
   test_library();
+  test_profile_cache();
   test_cli_run();
   test_cpu_step();
   test_plan_and_arena();

@@ -3,7 +3,9 @@ with --installed, test the installed package (`pip install .`) as a user has it:
 to the path, no library named."""
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 INSTALLED = False  # set by pytest_configure from --installed
+_CACHE = ""  # the tests' own cache folder (XDG_CACHE_HOME), made by pytest_configure
 
 
 def pytest_addoption(parser):
@@ -25,6 +28,11 @@ def pytest_configure(config):
         "markers", "numerics: compares emsa's updates with torch.optim or a float64 reference; "
         "scripts/test requires these to fail against a build whose update does nothing")
     global INSTALLED
+    # emsa keeps the machine's measured profile under $XDG_CACHE_HOME/emsa: tests (and the
+    # processes they start) write theirs into a folder of their own, never the user's.
+    global _CACHE
+    _CACHE = tempfile.mkdtemp(prefix="emsa-test-cache-")
+    os.environ["XDG_CACHE_HOME"] = _CACHE
     INSTALLED = config.getoption("--installed")
     if INSTALLED:
         return
@@ -35,6 +43,11 @@ def pytest_configure(config):
             if candidate.exists():
                 os.environ["EMSA_LIBRARY"] = str(candidate)
                 break
+
+
+def pytest_unconfigure(config):
+    if _CACHE:
+        shutil.rmtree(_CACHE, ignore_errors=True)
 
 
 def subprocess_env(**extra) -> dict:

@@ -325,18 +325,22 @@ def test_cuda_probe_measures_memory_and_restores_cuda_rng():
     model = TinyGPT(dropout=0.2).cuda()
     idx, targets = (t.cuda() for t in gpt_batches(1)[0])
     rng = torch.cuda.get_rng_state()
-    record = emsa.probe(model, idx, targets, profile=PROFILE)
+    record = emsa.probe(model, idx, targets, profile=PROFILE, under_load=True)
     assert torch.equal(rng, torch.cuda.get_rng_state())
     assert record.device.startswith("cuda")
     assert record.peak_device_bytes > 0
     assert 0 < record.activation_peak_bytes <= record.peak_device_bytes
     assert max(m.device_bytes for m in record.memory) > 0
     assert record.param("head.bias").grad_ready_order == 0
-    # Timed again under the host tier's load (the median of nine passes): a real duration,
-    # kept through JSON; the state restored all the same (the RNG check above).
+    # Timed again under the host tier's load (the settled median of three to nine passes): a
+    # real duration, kept through JSON; the state restored all the same (the RNG check above).
     assert record.period_under_load > 0
+    assert record.setup_times["under_load"] > 0
     assert emsa.ProbeRecord.from_json(record.to_json()).period_under_load == \
         record.period_under_load
     off = emsa.probe(model, idx, targets, profile=PROFILE, under_load=False)
     assert off.period_under_load == 0.0
+    # By default only when the host tier may be used: this model's state fits the device.
+    auto = emsa.probe(model, idx, targets, profile=PROFILE)
+    assert auto.period_under_load == 0.0 and "under_load" not in auto.setup_times
     record.check()
