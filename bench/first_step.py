@@ -256,7 +256,8 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="tiny models on the CPU")
     ap.add_argument("--only", choices=["1b", "7b"], help="one case")
-    ap.add_argument("--out", default="", help="JSON path (default bench/results/first_step-<date>.json; a dry run: the temporary folder)")
+    ap.add_argument("--out", default="", help="JSON path (default bench/results/first_step-"
+                    "<date>.json; a dry run's goes to the temporary folder)")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
