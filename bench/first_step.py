@@ -256,7 +256,8 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="tiny models on the CPU")
     ap.add_argument("--only", choices=["1b", "7b"], help="one case")
-    ap.add_argument("--out", default="", help="JSON path (default bench/results/...)")
+    ap.add_argument("--out", default="", help="JSON path (default bench/results/first_step-"
+                    "<date>.json; a dry run's goes to the temporary folder)")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -273,8 +274,9 @@ def main():
     results["bars"] = [dict(zip(("what", "measured", "bar", "verdict"), r))
                        for r in bars(results)]
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    path = Path(args.out) if args.out else (
-        REPO / "bench" / "results" / f"first_step-{date}{'-dry' if args.dry_run else ''}.json")
+    # A dry run's figures are no result: its JSON goes to the temporary folder.
+    folder = Path(tempfile.gettempdir()) if args.dry_run else REPO / "bench" / "results"
+    path = Path(args.out) if args.out else folder / f"first_step-{date}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {path}")
