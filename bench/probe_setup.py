@@ -2,12 +2,13 @@
 
 One 0.95 B Llama (bench/offload_e2e.py's, 4 x 512 tokens, bf16 autocast) on the GPU. Measures,
 in this order: emsa.probe as the process's first GPU work, the steady training step (forward,
-backward, torch's fused AdamW; the median of ten after three), the profile measured into an empty cache folder of its own (what the first
-process on a machine pays; the user's cache is left alone), then emsa.probe twice as a user
-calls it (its profile from the user's cache: measured on the first run on a machine, from the
-cache on every later one), and once with under_load=True (what a plan with budget= or
-tier="host" asks for). Prints each probe's phases (record.setup_times) and writes everything
-as JSON. Run it twice: the second process must show "profile: from cache".
+backward, torch's fused AdamW; the median of ten after three), the profile measured into an
+empty cache folder of its own (what the first process on a machine pays; the user's cache is
+left alone), then emsa.probe twice as a user calls it (its profile from the user's cache:
+measured on the first run on a machine, from the cache on every later one), and once with
+under_load=True (what a plan with budget= or tier="host" asks for). Prints each probe's phases
+(record.setup_times) and writes everything as JSON. Run it twice: the second process must
+show "profile: from cache".
 
     python3 bench/probe_setup.py --out bench/results/probe-setup-$(date +%F).json
 """

@@ -12,8 +12,11 @@
 // The file is never trusted blindly: one that does not parse, holds another machine's key, a
 // format or profile version other than this emsa's, no bandwidths, or a measurement older than
 // max_age_seconds (or dated in the future) is re-measured and rewritten, and the result says why
-// (CachedProfile::why_measured). Writes are atomic (json::WriteFile). A cache folder that cannot
-// be written leaves the measurement unsaved, said in CachedProfile::why_not_saved, not an error.
+// (CachedProfile::why_measured). Writes are atomic (json::WriteFile), and an flock on the file's
+// PATH.lock is held from the read to the write, so that processes started together (one job's
+// ranks) measure one at a time and the rest read the first one's result. A cache folder that
+// cannot be written leaves the measurement unsaved, said in CachedProfile::why_not_saved, not an
+// error.
 #pragma once
 
 #include <cstdint>

@@ -5,7 +5,12 @@
 // again, never an error: a cache is an optimisation, and the measurement is always at hand.
 #include "emsa/profile_cache.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -149,6 +154,29 @@ std::string FormatAge(double seconds) {
   return text;
 }
 
+// An exclusive flock on PATH.lock for the object's life; none (and no error) when the lock file
+// cannot be made: the cache then works unlocked.
+class FileLock {
+ public:
+  explicit FileLock(const std::string& path) {
+    if (path.empty()) return;
+    std::error_code ec;
+    std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
+    fd_ = ::open((path + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd_ < 0) return;
+    while (::flock(fd_, LOCK_EX) != 0 && errno == EINTR) {
+    }
+  }
+  ~FileLock() {
+    if (fd_ >= 0) ::close(fd_);  // releases the lock
+  }
+  FileLock(const FileLock&) = delete;
+  FileLock& operator=(const FileLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
 }  // namespace
 
 std::string ProfileCacheKey(const DeviceProfile& description) {
@@ -183,6 +211,10 @@ Result<CachedProfile> CachedDeviceProfile(const ProfileCacheOptions& options) {
   const json::Value key = KeyValue(description);
   CachedProfile out;
   out.path = ProfileCachePath(options, description);
+  // Held while the file is read, measured and written: processes started together (the ranks
+  // of one job) measure one at a time, never under each other's load, and the ones that waited
+  // read what the first wrote.
+  const FileLock lock(out.path);
   if (out.path.empty()) {
     out.why_measured = "no cache folder ($XDG_CACHE_HOME and $HOME are unset)";
   } else if (options.refresh) {
@@ -202,9 +234,8 @@ Result<CachedProfile> CachedDeviceProfile(const ProfileCacheOptions& options) {
   measure.measure_bandwidth = true;
   g_measurements.fetch_add(1, std::memory_order_relaxed);
   EMSA_ASSIGN_OR_RETURN(DeviceProfile measured, MeasureDeviceProfile(measure));
+  // The description's free memory was read before the measurement's buffers existed.
   out.profile = WithBandwidths(std::move(description), measured);
-  // The measurement's own free_memory is read after its buffers are gone; the description's
-  // was read before them, so both are what a plan gets.
   if (!out.path.empty()) {
     const Status saved = WriteCache(out.path, key, measured);
     if (!saved.ok()) out.why_not_saved = saved.message();

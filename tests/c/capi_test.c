@@ -101,6 +101,8 @@ static void test_profile_cache(void) {
     }
     path[n] = '\0';
     remove(path);
+    strncat(path, ".lock", sizeof(path) - strlen(path) - 1);
+    remove(path);
   }
   remove(folder);
   emsa_free(first);

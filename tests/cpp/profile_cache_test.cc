@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <functional>
 #include <string>
+#include <thread>
 
 #include "common/json.h"
 
@@ -118,6 +119,26 @@ TEST_F(ProfileCacheTest, WhatChangesPerProcessIsReadFreshNotFromTheFile) {
   EXPECT_EQ(second.profile.cpu.host_mem_bandwidth, 1234.0);                  // cached
 }
 
+// GPU hosts only: the key names the GPU and its driver, the PCIe and HBM figures come from the
+// file, and the device's free memory (the default budget) never does.
+TEST_F(ProfileCacheTest, GpuFiguresAreCachedAndFreeMemoryIsReadFresh) {
+  const CachedProfile first = Get();
+  if (!first.profile.gpu.present) GTEST_SKIP() << "no CUDA device";
+  EXPECT_GT(first.profile.gpu.h2d_bandwidth, 0.0);
+  const std::string key = ProfileCacheKey(first.profile);
+  EXPECT_NE(key.find("gpu=" + first.profile.gpu.name), std::string::npos) << key;
+  EXPECT_NE(key.find("cuda "), std::string::npos) << key;  // the driver API's version
+  Edit(first.path, [](json::Value& d) {
+    At(At(d, "profile"), "gpu").Set("free_memory", uint64_t{1});
+    At(At(d, "profile"), "gpu").Set("h2d_bandwidth", 4321.0);
+  });
+  const CachedProfile second = Get();
+  ASSERT_TRUE(second.from_cache) << second.why_measured;
+  EXPECT_EQ(second.profile.gpu.h2d_bandwidth, 4321.0);
+  EXPECT_GT(second.profile.gpu.free_memory, uint64_t{1});
+  EXPECT_EQ(second.profile.gpu.total_memory, first.profile.gpu.total_memory);
+}
+
 TEST_F(ProfileCacheTest, CorruptFileIsMeasuredAgain) {
   ExpectRemeasured(
       [](const std::string& path) { ASSERT_TRUE(json::WriteFile(path, "{\"ver").ok()); },
@@ -196,6 +217,17 @@ TEST_F(ProfileCacheTest, UnwritableFolderStillGivesAProfile) {
   EXPECT_FALSE(got.why_not_saved.empty());
   EXPECT_GT(got.profile.cpu.host_mem_bandwidth, 0.0);
   EXPECT_NE(CachedProfileSummary(got).find("not cached"), std::string::npos);
+}
+
+TEST_F(ProfileCacheTest, CallersStartedTogetherMeasureOnce) {
+  const int64_t before = ProfileMeasurementCount();
+  Result<CachedProfile> a = Status::Internal("not run"), b = Status::Internal("not run");
+  std::thread other([&] { a = CachedDeviceProfile(options_); });
+  b = CachedDeviceProfile(options_);
+  other.join();
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(ProfileMeasurementCount(), before + 1);  // the lock: one measured, one read it
+  EXPECT_NE(a->from_cache, b->from_cache);
 }
 
 TEST_F(ProfileCacheTest, KeyNamesTheMachineAndNegativeAgeIsRefused) {

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import emsa
-from conftest import CPU_PROFILE, subprocess_env
+from conftest import CPU_PROFILE, requires_cuda, subprocess_env
 from emsa import _profile_cache, _progress, _setup
 from models import TinyGPT, gpt_batches
 
@@ -230,3 +230,26 @@ def test_timed_outside_a_set_up_adds_up_in_order():
         with _progress.timed(phase, times):
             pass
     assert list(times) == ["profile", "plan"] and all(v >= 0 for v in times.values())
+
+
+# ---- on a GPU ----------------------------------------------------------------------------------
+@requires_cuda
+def test_cuda_probe_and_host_tier_constructor_take_the_profile_from_the_cache():
+    model = TinyGPT().cuda()
+    idx, targets = (t.cuda() for t in gpt_batches(1)[0])
+    emsa.probe(model, idx, targets)  # measures into the session's cache if nothing did yet
+    count = _profile_cache.measurement_count()
+    record = emsa.probe(model, idx, targets)
+    assert _profile_cache.measurement_count() == count
+    assert record.profile_source.startswith("from cache ")
+    assert record.profile["gpu"]["present"] and record.profile["gpu"]["h2d_bandwidth"] > 0
+    # The first pass, the graph, the observed pass and the settled unobserved ones; no load
+    # passes by default for a model whose optimizer state fits the device.
+    assert list(record.setup_times) == ["profile", "passes", "trace"]
+    assert record.period_under_load == 0.0
+    opt = emsa.AdamW(model.parameters(), tier="host", step_in_backward=True)
+    summary = _setup.summary(opt)
+    assert list(summary["times"])[:2] == ["profile", "plan"]
+    assert summary["profile"].startswith("from cache ")
+    assert _profile_cache.measurement_count() == count
+    opt.remove_hooks()
