@@ -44,11 +44,8 @@ def initialized() -> bool:
 
 
 def _is_dtensor(p: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(p, DTensor)
+    module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before its import
+    return module is not None and isinstance(p, module.DTensor)
 
 
 def _zero_building():
@@ -253,6 +250,12 @@ class DeviceStats:
             self.nonfinite = torch.as_tensor(
                 _DeviceMemory(header.value + DeviceStepHeader.nonfinite_count.offset, "<i8"),
                 device=device)
+        if (self.sum_sq.data_ptr(), self.nonfinite.data_ptr()) != (
+                header.value + DeviceStepHeader.sum_sq.offset,
+                header.value + DeviceStepHeader.nonfinite_count.offset):
+            raise RuntimeError("emsa internal error: torch copied the step header instead of "
+                               "viewing it, so the norm could not be summed over the ranks; "
+                               "please report it")
         self.pair = torch.zeros(2, dtype=torch.float64, device=device)
 
     def all_reduce(self, group) -> None:

@@ -3,8 +3,10 @@ step(), DDP with updates in backward (emsa's communication hook), ZeroRedundancy
 with and without max_grad_norm=1.0 (emsa's, against torch's clip_grad_norm_ on the full model);
 the refusals; plan agreement between replicas.
 
-Each test runs its body in every rank of a fresh group (dist_util.run): gloo with 2 CPU ranks,
-and NCCL at world size 1 on cuda:0 where there is one. Inside a rank the emsa setup and the
+Each test runs its body in every rank of a fresh group (dist_util.run): gloo with 2 CPU ranks;
+where there is a GPU, NCCL at world size 1 on cuda:0 and gloo with 2 ranks sharing cuda:0 (the
+CUDA engine with two ranks whose batches differ: the averaged gradients, the norm summed over
+ZeRO's partitions, on one GPU). Inside a rank the emsa setup and the
 torch setup train side by side from the same initial weights and the same per-rank batches, for
 STEPS steps in fp32, and the rank compares them (so a rank's failure names its step)."""
 
@@ -26,7 +28,8 @@ MAX_NORM = 1.0
 # Tighter than one update (lr 1e-2): float32 rounding of a few ops per step, over 20 steps.
 RTOL, ATOL = 1e-6, 1e-7
 
-configs = pytest.mark.parametrize("backend,world", dist_util.CONFIGS, ids=dist_util.config_ids)
+configs = pytest.mark.parametrize("backend,world,device", dist_util.DEVICE_CONFIGS,
+                                  ids=dist_util.device_config_ids)
 
 
 class Net(torch.nn.Module):
@@ -106,8 +109,8 @@ def _ddp_step_body(ctx):
 
 
 @configs
-def test_ddp_step_matches_torch(backend, world):
-    results = dist_util.run(_ddp_step_body, world, backend)
+def test_ddp_step_matches_torch(backend, world, device):
+    results = dist_util.run(_ddp_step_body, world, backend, device=device)
     for r in results:
         clips, emsa_clips = r[MAX_NORM]
         assert 0 < clips < STEPS, f"clipping fired on {clips} of {STEPS} steps: not a test of it"
@@ -149,14 +152,14 @@ def _ddp_in_backward_run(ctx, unused: bool, bucket_view: bool, max_norm):
                  f"step {step}")
     if unused:  # skipped where no rank used it, as torch skips a None gradient
         assert_close(opt.state[a.extra.weight]["step"], ref.state[b.extra.weight]["step"])
-    if ctx.backend == "nccl":  # NCCL's futures complete at once: every bucket updates early
+    if ctx.backend == "nccl":  # NCCL's futures complete at once: buckets update in backward
         assert opt._ddp.early > 0
     return clips, opt.clip_count
 
 
 @configs
-def test_ddp_in_backward_matches_torch(backend, world):
-    results = dist_util.run(_ddp_in_backward_body, world, backend)
+def test_ddp_in_backward_matches_torch(backend, world, device):
+    results = dist_util.run(_ddp_in_backward_body, world, backend, device=device)
     for r in results:
         for unused in (False, True):
             clips, emsa_clips = r[unused, MAX_NORM]
@@ -221,8 +224,8 @@ def _zero_body(ctx):
 
 
 @configs
-def test_zero1_matches_torch(backend, world):
-    results = dist_util.run(_zero_body, world, backend)
+def test_zero1_matches_torch(backend, world, device):
+    results = dist_util.run(_zero_body, world, backend, device=device)
     for r in results:
         clips, emsa_clips = r[MAX_NORM]
         assert 0 < clips < STEPS, f"clipping fired on {clips} of {STEPS} steps: not a test of it"
@@ -273,8 +276,8 @@ def _disagree(ctx, what: str) -> str:
 
 
 @configs
-def test_refusals_and_plan_agreement(backend, world):
-    for messages, disagree in dist_util.run(_refusal_body, world, backend):
+def test_refusals_and_plan_agreement(backend, world, device):
+    for messages, disagree in dist_util.run(_refusal_body, world, backend, device=device):
         if world > 1:
             assert len(messages) == 1 and "ddp=ddp_model" in messages[0], messages
             assert "plans disagree" in disagree["shape"], disagree
