@@ -273,11 +273,19 @@ class DeviceStats:
         dist.all_reduce(self.pair, group=group)
 
 
-def device_stats(backend) -> DeviceStats:
+def reduce_device_stats(backend, nothing: bool = False) -> None:
+    """CUDA engine, with a norm group: between the step's last accumulate_stats and its finish,
+    on the current stream, the header's sums over the group's ranks. nothing: this rank has no
+    gradient in a gated step (it still takes part; its header is untouched)."""
+    if backend.norm_group is None or (nothing and not backend.gated()):
+        return
     stats = backend.__dict__.get("group_stats")
     if stats is None:
         stats = backend.group_stats = DeviceStats(backend.scalars, backend.device)
-    return stats
+    if nothing:
+        stats.contribute_nothing(backend.norm_group)
+    else:
+        stats.all_reduce(backend.norm_group)
 
 
 # ---- ZeroRedundancyOptimizer: state assigned from outside -----------------------------------

@@ -153,7 +153,8 @@ def _ddp_in_backward_run(ctx, unused: bool, bucket_view: bool, max_norm):
     if unused:  # skipped where no rank used it, as torch skips a None gradient
         assert_close(opt.state[a.extra.weight]["step"], ref.state[b.extra.weight]["step"])
     if ctx.backend == "nccl":  # NCCL's futures complete at once: buckets update in backward
-        assert opt._ddp.early > 0
+        assert opt._ddp.early > 0, ("no bucket was updated before the end of backward: NCCL's "
+                                    "future was not complete when the hook looked")
     return clips, opt.clip_count
 
 
@@ -285,3 +286,23 @@ def test_refusals_and_plan_agreement(backend, world, device):
             assert "another state layout" in disagree["layout"], disagree
         else:  # one rank: nothing reduces its gradients and no replica differs from it
             assert messages == [] and disagree == {"shape": "", "layout": ""}
+
+
+def test_in_backward_refused_at_first_backward_when_the_group_came_later(monkeypatch):
+    """The optimizer was built before init_process_group: its first backward refuses, before
+    any parameter changes. (One process: the group of 2 is simulated.)"""
+    import emsa
+    from emsa import _distributed
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = emsa.AdamW(model.parameters(), lr=LR, step_in_backward=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    monkeypatch.setattr(_distributed, "initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    with pytest.raises(RuntimeError, match="ddp=ddp_model"):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), q)
+    assert opt._hooks == []  # removed: later backwards update nothing
