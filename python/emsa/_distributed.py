@@ -118,6 +118,12 @@ def configure(opt, process_group, ddp) -> None:
             _dtensor = None
         if _dtensor is not None and hasattr(_dtensor, "norm_group"):
             process_group = _dtensor.norm_group(params)
+    if process_group is None and any(getattr(p, "_is_flat_param", False) for p in params):
+        raise ValueError(
+            "these are FullyShardedDataParallel's flat parameters: each rank holds a shard, "
+            "so emsa's gradient norm and non-finite check would see only this rank's part. "
+            "Pass process_group=<FSDP's process group> (the norm is then summed over it), or "
+            "shard with FSDP2 (torch.distributed.fsdp.fully_shard)")
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError("process_group= takes a torch.distributed ProcessGroup (e.g. "
                         f"dist.group.WORLD), not {type(process_group).__name__}")

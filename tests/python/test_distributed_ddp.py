@@ -85,6 +85,22 @@ def _torch_clip(model, max_norm) -> bool:
     return bool(norm > max_norm)
 
 
+def _train(ctx, pair, optimizers, max_norm, steps, what: str) -> int:
+    """emsa (first of each pair) and torch (second, clipped by clip_grad_norm_) in step() mode
+    over the same batches, compared after every step; returns how often torch clipped."""
+    (a, ea), (b, eb) = pair
+    clips = 0
+    for step in steps:
+        for model, o in zip((ea, eb), optimizers):
+            o.zero_grad(set_to_none=True)
+            _loss(model, ctx, step).backward()
+        clips += _torch_clip(eb, max_norm)
+        for o in optimizers:
+            o.step()
+        _compare(a, b, f"{what} max_grad_norm={max_norm} step {step}")
+    return clips
+
+
 # ---- DDP, step() ------------------------------------------------------------------------------
 def _ddp_step_body(ctx):
     import emsa
@@ -95,15 +111,7 @@ def _ddp_step_body(ctx):
         ea, eb = DDP(a), DDP(b)
         opt = emsa.AdamW(ea.parameters(), lr=LR, max_grad_norm=max_norm)
         ref = torch.optim.AdamW(eb.parameters(), lr=LR)
-        clips = 0
-        for step in range(STEPS):
-            for model, o in ((ea, opt), (eb, ref)):
-                o.zero_grad(set_to_none=True)
-                _loss(model, ctx, step).backward()
-            clips += _torch_clip(eb, max_norm)
-            opt.step()
-            ref.step()
-            _compare(a, b, f"DDP step() max_grad_norm={max_norm} step {step}")
+        clips = _train(ctx, ((a, ea), (b, eb)), (opt, ref), max_norm, range(STEPS), "DDP step()")
         out[max_norm] = (clips, opt.clip_count)
     return out
 
@@ -185,15 +193,7 @@ def _zero_body(ctx):
         held = sum(p.numel() for g in opt.optim.param_groups for p in g["params"])
         assert held < sum(p.numel() for p in a.parameters()) or ctx.world_size == 1
         assert opt.optim._norm_group is opt.process_group  # the partition's norm is not global
-        clips = 0
-        for step in range(STEPS):
-            for model, o in ((ea, opt), (eb, ref)):
-                o.zero_grad(set_to_none=True)
-                _loss(model, ctx, step).backward()
-            clips += _torch_clip(eb, max_norm)
-            opt.step()
-            ref.step()
-            _compare(a, b, f"ZeRO-1 max_grad_norm={max_norm} step {step}")
+        clips = _train(ctx, ((a, ea), (b, eb)), (opt, ref), max_norm, range(STEPS), "ZeRO-1")
         out[max_norm] = (clips, opt.optim.clip_count)
         # The whole state on rank 0, then loaded into a fresh ZeRO + emsa on every rank.
         opt.consolidate_state_dict(to=0)
@@ -213,14 +213,8 @@ def _zero_body(ctx):
         again.load_state_dict(mine)
         ref2 = torch.optim.AdamW(ed.parameters(), lr=LR)
         ref2.load_state_dict(theirs)
-        for step in range(STEPS, STEPS + 3):
-            for model, o in ((ec, again), (ed, ref2)):
-                o.zero_grad(set_to_none=True)
-                _loss(model, ctx, step).backward()
-            _torch_clip(ed, max_norm)
-            again.step()
-            ref2.step()
-            _compare(c, d, f"ZeRO-1 after load max_grad_norm={max_norm} step {step}")
+        _train(ctx, ((c, ec), (d, ed)), (again, ref2), max_norm, range(STEPS, STEPS + 3),
+               "ZeRO-1 after load")
     return out
 
 
