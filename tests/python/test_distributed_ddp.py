@@ -85,6 +85,15 @@ def _torch_clip(model, max_norm) -> bool:
     return bool(norm > max_norm)
 
 
+def _check_clipping(rows) -> None:
+    """rows: (torch's, emsa's) clipped-step counts with MAX_NORM, and both without clipping."""
+    for clipped, unclipped in rows:
+        clips, emsa_clips = clipped
+        assert 0 < clips < STEPS, f"clipping fired on {clips} of {STEPS} steps: not a test of it"
+        assert emsa_clips == clips  # every rank clipped by the global norm on the same steps
+        assert unclipped == (0, 0)
+
+
 def _train(ctx, pair, optimizers, max_norm, steps, what: str) -> int:
     """emsa (first of each pair) and torch (second, clipped by clip_grad_norm_) in step() mode
     over the same batches, compared after every step; returns how often torch clipped."""
@@ -119,11 +128,7 @@ def _ddp_step_body(ctx):
 @configs
 def test_ddp_step_matches_torch(backend, world, device):
     results = dist_util.run(_ddp_step_body, world, backend, device=device)
-    for r in results:
-        clips, emsa_clips = r[MAX_NORM]
-        assert 0 < clips < STEPS, f"clipping fired on {clips} of {STEPS} steps: not a test of it"
-        assert emsa_clips == clips
-        assert r[None] == (0, 0)
+    _check_clipping((r[MAX_NORM], r[None]) for r in results)
 
 
 # ---- DDP, updates in backward (the communication hook) ---------------------------------------
@@ -169,12 +174,8 @@ def _ddp_in_backward_run(ctx, unused: bool, bucket_view: bool, max_norm):
 @configs
 def test_ddp_in_backward_matches_torch(backend, world, device):
     results = dist_util.run(_ddp_in_backward_body, world, backend, device=device)
-    for r in results:
-        for unused in (False, True):
-            clips, emsa_clips = r[unused, MAX_NORM]
-            assert 0 < clips < STEPS, f"clipping fired on {clips} of {STEPS} steps"
-            assert emsa_clips == clips
-            assert r[unused, None] == (0, 0)
+    _check_clipping((r[unused, MAX_NORM], r[unused, None]) for r in results
+                    for unused in (False, True))
     print("clipped steps (torch, emsa) per rank:", [r[False, MAX_NORM] for r in results])
 
 
@@ -221,11 +222,7 @@ def _zero_body(ctx):
 @configs
 def test_zero1_matches_torch(backend, world, device):
     results = dist_util.run(_zero_body, world, backend, device=device)
-    for r in results:
-        clips, emsa_clips = r[MAX_NORM]
-        assert 0 < clips < STEPS, f"clipping fired on {clips} of {STEPS} steps: not a test of it"
-        assert emsa_clips == clips  # every rank clipped by the global norm
-        assert r[None] == (0, 0)
+    _check_clipping((r[MAX_NORM], r[None]) for r in results)
 
 
 # ---- refusals and plan agreement --------------------------------------------------------------
