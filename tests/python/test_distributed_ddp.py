@@ -216,6 +216,18 @@ def _zero_body(ctx):
         ref2.load_state_dict(theirs)
         _train(ctx, ((c, ec), (d, ed)), (again, ref2), max_norm, range(STEPS, STEPS + 3),
                "ZeRO-1 after load")
+    # An inf in a gradient of rank 0's partition only: every rank skips (the non-finite counts
+    # are summed), so no rank updates its partition while another does not.
+    again.zero_grad(set_to_none=True)
+    _loss(ec, ctx, 99).backward()
+    owned = next(p for p in c.parameters() if again._param_to_rank[p] == 0)
+    owned.grad.view(-1)[0] = float("inf")
+    before = [p.detach().clone() for p in c.parameters()]
+    with pytest.warns(RuntimeWarning, match="step skipped"):
+        again.step()
+        assert again.optim.last_step_skipped
+    for p, q in zip(c.parameters(), before):
+        assert torch.equal(p.detach(), q), "a rank updated while another skipped"
     return out
 
 
