@@ -39,6 +39,8 @@ in one pass:
     device finishes the statistics, updates every device-tier bucket in one launch and hands
     the host tier its verdict. The device-tier gradients are therefore held until backward ends
     in such a pass (freed once step_in_backward's end_pass has updated from them).
+With a norm group (process_group=) the sums are all-reduced over its ranks on the same stream
+before the finish (emsa._distributed), so every rank clips and skips alike.
 A loss scale (a 0-d float32 on the device: GradScaler's scale) is read on the device, never on
 the host; found_inf_out (a float32 on the device) is set to 1.0 when the step is skipped, else
 left as it was.
@@ -89,7 +91,7 @@ from ._arena import HostArena, check_fits, pinned_arena
 from ._cuda_passes import InBackward, Pass, on, ptr
 from ._cuda_stats import HeaderRing, StepClock, counted_mask
 from ._device_arena import DeviceArena
-from ._distributed import device_stats
+from ._distributed import reduce_device_stats
 from ._host_tier import HostTier
 from .plan import Plan, measure_profile
 
@@ -455,8 +457,7 @@ class CudaBackend(InBackward, Backend):
             grads = self._gradients(param_groups)
             if grads is None:
                 self.noop_last = True
-                if self.norm_group is not None and self.gated():  # the others wait for it
-                    device_stats(self).contribute_nothing(self.norm_group)
+                reduce_device_stats(self, nothing=True)  # norm_group: the others wait for it
                 return StepResult()
             stream = torch.cuda.current_stream(self.device)
             self._follow(stream)
@@ -526,7 +527,7 @@ class CudaBackend(InBackward, Backend):
                 t = self._stats_table_of(b)
                 self._point_table(t, [ptr(grads[i]) for i in members], handle)
                 self._accumulate(t, handle)
-            self._reduce_stats()
+            reduce_device_stats(self)  # norm_group: every rank's sums, before the finish
             check(lib.emsa_device_finish_step(self.scalars, self.step_array, device, handle))
         self._write_found_inf(self.found_inf_out, stream)
         if self.host is not None:
@@ -541,12 +542,6 @@ class CudaBackend(InBackward, Backend):
 
     def _accumulate(self, t: int, handle: int) -> None:
         check(lib.emsa_device_table_accumulate_stats(self.tables[t], self.scalars, handle))
-
-    def _reduce_stats(self) -> None:
-        """Between the last accumulate and the finish, on the current stream: the header's sums
-        over norm_group's ranks (each holds part of the gradients)."""
-        if self.norm_group is not None:
-            device_stats(self).all_reduce(self.norm_group)
 
     def _follow(self, stream: torch.cuda.Stream) -> None:
         """Orders `stream` after the last step's stream: both write the same state."""

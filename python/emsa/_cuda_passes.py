@@ -27,6 +27,7 @@ import torch
 
 from ._capi import check, lib
 from ._cuda_stats import counted_mask
+from ._distributed import reduce_device_stats
 
 
 def on(index: int):
@@ -159,7 +160,7 @@ class InBackward:
         if device:
             self._point_table(self.step_table, ptrs, handle)
             self._refresh_stale_masters([i for i in self.step_members if p.ptrs[i] is not None])
-        self._reduce_stats()  # with a norm group: every rank's sums, before the finish
+        reduce_device_stats(self)  # norm_group: every rank's sums, before the finish
         check(lib.emsa_device_finish_step(self.scalars, self.step_array, device, handle))
         self._write_found_inf(p.found_inf_out, stream)
         if self.host is not None:

@@ -64,6 +64,7 @@ class DdpUpdates:
         self.unused: list[int] = []  # slots with no local gradient this pass
         self.consumed: list[int] = []  # slots updated from (their .grad set to None)
         self.in_pass = False
+        self.early = 0  # buckets updated from within backward, before its end (for tests)
         device = self.params[0].device
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         opt.remove_hooks()  # local gradients are not final under DDP: the buckets drive
@@ -106,6 +107,7 @@ class DdpUpdates:
                 if not wait and not future.done():
                     return
                 self.pending.popleft()
+                self.early += not wait
                 future.wait()  # CUDA: the side stream waits for the all-reduce's events
                 for i, averaged in entries:
                     self._update(opt, i, averaged)

@@ -44,11 +44,8 @@ def initialized() -> bool:
 
 
 def _is_dtensor(p: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(p, DTensor)
+    module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before its import
+    return module is not None and isinstance(p, module.DTensor)
 
 
 def _zero_building():
@@ -121,6 +118,12 @@ def configure(opt, process_group, ddp) -> None:
             _dtensor = None
         if _dtensor is not None and hasattr(_dtensor, "norm_group"):
             process_group = _dtensor.norm_group(params)
+    if process_group is None and any(getattr(p, "_is_flat_param", False) for p in params):
+        raise ValueError(
+            "these are FullyShardedDataParallel's flat parameters: each rank holds a shard, "
+            "so emsa's gradient norm and non-finite check would see only this rank's part. "
+            "Pass process_group=<FSDP's process group> (the norm is then summed over it), or "
+            "shard with FSDP2 (torch.distributed.fsdp.fully_shard)")
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError("process_group= takes a torch.distributed ProcessGroup (e.g. "
                         f"dist.group.WORLD), not {type(process_group).__name__}")
@@ -253,6 +256,12 @@ class DeviceStats:
             self.nonfinite = torch.as_tensor(
                 _DeviceMemory(header.value + DeviceStepHeader.nonfinite_count.offset, "<i8"),
                 device=device)
+        if (self.sum_sq.data_ptr(), self.nonfinite.data_ptr()) != (
+                header.value + DeviceStepHeader.sum_sq.offset,
+                header.value + DeviceStepHeader.nonfinite_count.offset):
+            raise RuntimeError("emsa internal error: torch copied the step header instead of "
+                               "viewing it, so the norm could not be summed over the ranks; "
+                               "please report it")
         self.pair = torch.zeros(2, dtype=torch.float64, device=device)
 
     def all_reduce(self, group) -> None:
@@ -270,11 +279,19 @@ class DeviceStats:
         dist.all_reduce(self.pair, group=group)
 
 
-def device_stats(backend) -> DeviceStats:
+def reduce_device_stats(backend, nothing: bool = False) -> None:
+    """CUDA engine, with a norm group: between the step's last accumulate_stats and its finish,
+    on the current stream, the header's sums over the group's ranks. nothing: this rank has no
+    gradient in a gated step (it still takes part; its header is untouched)."""
+    if backend.norm_group is None or (nothing and not backend.gated()):
+        return
     stats = backend.__dict__.get("group_stats")
     if stats is None:
         stats = backend.group_stats = DeviceStats(backend.scalars, backend.device)
-    return stats
+    if nothing:
+        stats.contribute_nothing(backend.norm_group)
+    else:
+        stats.all_reduce(backend.norm_group)
 
 
 # ---- ZeroRedundancyOptimizer: state assigned from outside -----------------------------------

@@ -12,6 +12,9 @@ start-up allowance, so a hang fails the test instead of blocking CI.
 
 CONFIGS lists what this machine runs: gloo with 2 CPU ranks always; NCCL at world size 1 on
 cuda:0 when a CUDA device and NCCL exist. Tests parametrize over it (config_ids for the ids).
+DEVICE_CONFIGS adds (backend, world_size, device type): gloo with 2 ranks sharing cuda:0 when
+there is a GPU (gloo reduces CUDA tensors through the host), so that one GPU tests the CUDA
+paths with two ranks whose data differ; run(..., device="cuda") for it.
 body must be a module-level function (spawn pickles it by name); keep it small and fp32.
 """
 
@@ -45,6 +48,10 @@ def _configs() -> list[tuple[str, int]]:
 
 CONFIGS = _configs()  # (backend, world_size)
 config_ids = [f"{b}x{n}" for b, n in CONFIGS]
+DEVICE_CONFIGS = [(b, n, "cuda" if b == "nccl" else "cpu") for b, n in CONFIGS]
+if ("gloo", 2) in CONFIGS and torch.cuda.is_available():
+    DEVICE_CONFIGS.append(("gloo", 2, "cuda"))
+device_config_ids = [f"{b}x{n}-{d}" for b, n, d in DEVICE_CONFIGS]
 
 needs_distributed = pytest.mark.skipif(not dist.is_available(),
                                        reason="torch.distributed is not available")
@@ -53,11 +60,12 @@ START_ALLOWANCE = 60.0  # seconds for the processes to import torch and join the
 
 
 def _entry(rank: int, fn: Callable, world_size: int, backend: str, store: str, out_dir: str,
-           timeout: float, args: tuple) -> None:
+           timeout: float, args: tuple, device_type: str) -> None:
     torch.set_num_threads(1)  # the test machine's cores are shared by several ranks
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
+    if device_type == "cuda":
+        index = rank if backend == "nccl" else 0  # gloo: every rank on the one GPU
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
     else:
         device = torch.device("cpu")
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
@@ -71,12 +79,14 @@ def _entry(rank: int, fn: Callable, world_size: int, backend: str, store: str, o
 
 
 def run(fn: Callable, world_size: int = 2, backend: str = "gloo", args: tuple = (),
-        timeout: float = 60.0) -> list[Any]:
-    """fn(ctx, *args) in each of world_size ranks; returns their results in rank order."""
+        timeout: float = 60.0, device: str | None = None) -> list[Any]:
+    """fn(ctx, *args) in each of world_size ranks; returns their results in rank order.
+    device: "cpu" or "cuda" (None: cuda for NCCL, else cpu)."""
+    device = device or ("cuda" if backend == "nccl" else "cpu")
     with tempfile.TemporaryDirectory(prefix="emsa-dist-") as tmp:
         store = os.path.join(tmp, "store")
         context = mp.start_processes(
-            _entry, args=(fn, world_size, backend, store, tmp, timeout, args),
+            _entry, args=(fn, world_size, backend, store, tmp, timeout, args, device),
             nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout + START_ALLOWANCE
         try:

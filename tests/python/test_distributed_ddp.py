@@ -3,8 +3,10 @@ step(), DDP with updates in backward (emsa's communication hook), ZeroRedundancy
 with and without max_grad_norm=1.0 (emsa's, against torch's clip_grad_norm_ on the full model);
 the refusals; plan agreement between replicas.
 
-Each test runs its body in every rank of a fresh group (dist_util.run): gloo with 2 CPU ranks,
-and NCCL at world size 1 on cuda:0 where there is one. Inside a rank the emsa setup and the
+Each test runs its body in every rank of a fresh group (dist_util.run): gloo with 2 CPU ranks;
+where there is a GPU, NCCL at world size 1 on cuda:0 and gloo with 2 ranks sharing cuda:0 (the
+CUDA engine with two ranks whose batches differ: the averaged gradients, the norm summed over
+ZeRO's partitions, on one GPU). Inside a rank the emsa setup and the
 torch setup train side by side from the same initial weights and the same per-rank batches, for
 STEPS steps in fp32, and the rank compares them (so a rank's failure names its step)."""
 
@@ -26,7 +28,8 @@ MAX_NORM = 1.0
 # Tighter than one update (lr 1e-2): float32 rounding of a few ops per step, over 20 steps.
 RTOL, ATOL = 1e-6, 1e-7
 
-configs = pytest.mark.parametrize("backend,world", dist_util.CONFIGS, ids=dist_util.config_ids)
+configs = pytest.mark.parametrize("backend,world,device", dist_util.DEVICE_CONFIGS,
+                                  ids=dist_util.device_config_ids)
 
 
 class Net(torch.nn.Module):
@@ -82,6 +85,31 @@ def _torch_clip(model, max_norm) -> bool:
     return bool(norm > max_norm)
 
 
+def _check_clipping(rows) -> None:
+    """rows: (torch's, emsa's) clipped-step counts with MAX_NORM, and both without clipping."""
+    for clipped, unclipped in rows:
+        clips, emsa_clips = clipped
+        assert 0 < clips < STEPS, f"clipping fired on {clips} of {STEPS} steps: not a test of it"
+        assert emsa_clips == clips  # every rank clipped by the global norm on the same steps
+        assert unclipped == (0, 0)
+
+
+def _train(ctx, pair, optimizers, max_norm, steps, what: str) -> int:
+    """emsa (first of each pair) and torch (second, clipped by clip_grad_norm_) in step() mode
+    over the same batches, compared after every step; returns how often torch clipped."""
+    (a, ea), (b, eb) = pair
+    clips = 0
+    for step in steps:
+        for model, o in zip((ea, eb), optimizers):
+            o.zero_grad(set_to_none=True)
+            _loss(model, ctx, step).backward()
+        clips += _torch_clip(eb, max_norm)
+        for o in optimizers:
+            o.step()
+        _compare(a, b, f"{what} max_grad_norm={max_norm} step {step}")
+    return clips
+
+
 # ---- DDP, step() ------------------------------------------------------------------------------
 def _ddp_step_body(ctx):
     import emsa
@@ -92,67 +120,63 @@ def _ddp_step_body(ctx):
         ea, eb = DDP(a), DDP(b)
         opt = emsa.AdamW(ea.parameters(), lr=LR, max_grad_norm=max_norm)
         ref = torch.optim.AdamW(eb.parameters(), lr=LR)
-        clips = 0
-        for step in range(STEPS):
-            for model, o in ((ea, opt), (eb, ref)):
-                o.zero_grad(set_to_none=True)
-                _loss(model, ctx, step).backward()
-            clips += _torch_clip(eb, max_norm)
-            opt.step()
-            ref.step()
-            _compare(a, b, f"DDP step() max_grad_norm={max_norm} step {step}")
+        clips = _train(ctx, ((a, ea), (b, eb)), (opt, ref), max_norm, range(STEPS), "DDP step()")
         out[max_norm] = (clips, opt.clip_count)
     return out
 
 
 @configs
-def test_ddp_step_matches_torch(backend, world):
-    results = dist_util.run(_ddp_step_body, world, backend)
-    for r in results:
-        clips, emsa_clips = r[MAX_NORM]
-        assert 0 < clips < STEPS, f"clipping fired on {clips} of {STEPS} steps: not a test of it"
-        assert emsa_clips == clips
-        assert r[None] == (0, 0)
+def test_ddp_step_matches_torch(backend, world, device):
+    results = dist_util.run(_ddp_step_body, world, backend, device=device)
+    _check_clipping((r[MAX_NORM], r[None]) for r in results)
 
 
 # ---- DDP, updates in backward (the communication hook) ---------------------------------------
-def _ddp_in_backward_body(ctx, unused: bool, bucket_view: bool):
-    import emsa
-
+def _ddp_in_backward_body(ctx):
     out = {}
-    for max_norm in (None, MAX_NORM):
-        a, b = _pair(ctx.device, extra=unused)
-        kw = dict(find_unused_parameters=unused, gradient_as_bucket_view=bucket_view,
-                  bucket_cap_mb=0.0005)  # several buckets, so updates run while backward does
-        ea, eb = DDP(a, **kw), DDP(b, **kw)
-        opt = emsa.AdamW(ea.parameters(), lr=LR, max_grad_norm=max_norm, step_in_backward=True,
-                         ddp=ea)
-        ref = torch.optim.AdamW(eb.parameters(), lr=LR)
-        clips = 0
-        for step in range(STEPS):
-            _loss(ea, ctx, step, unused).backward()
-            assert all(p.grad is None for p in a.parameters()), "gradients left after backward"
-            opt.step()  # nothing: the updates were made in backward
-            ref.zero_grad(set_to_none=True)
-            _loss(eb, ctx, step, unused).backward()
-            clips += _torch_clip(eb, max_norm)
-            ref.step()
-            _compare(a, b, f"DDP in backward max_grad_norm={max_norm} step {step}")
-        if unused:  # skipped where no rank used it, as torch skips a None gradient
-            assert_close(opt.state[a.extra.weight]["step"], ref.state[b.extra.weight]["step"])
-        out[max_norm] = (clips, opt.clip_count)
+    # find_unused_parameters with a head some steps use on one rank only, and DDP's gradients
+    # as views of its buckets; then neither.
+    for unused, bucket_view in ((False, False), (True, True)):
+        for max_norm in (None, MAX_NORM):
+            out[unused, max_norm] = _ddp_in_backward_run(ctx, unused, bucket_view, max_norm)
     return out
 
 
+def _ddp_in_backward_run(ctx, unused: bool, bucket_view: bool, max_norm):
+    import emsa
+
+    a, b = _pair(ctx.device, extra=unused)
+    kw = dict(find_unused_parameters=unused, gradient_as_bucket_view=bucket_view,
+              bucket_cap_mb=0.0005)  # several buckets, so updates run while backward does
+    ea, eb = DDP(a, **kw), DDP(b, **kw)
+    opt = emsa.AdamW(ea.parameters(), lr=LR, max_grad_norm=max_norm, step_in_backward=True,
+                     ddp=ea)
+    ref = torch.optim.AdamW(eb.parameters(), lr=LR)
+    clips = 0
+    for step in range(STEPS):
+        _loss(ea, ctx, step, unused).backward()
+        assert all(p.grad is None for p in a.parameters()), "gradients left after backward"
+        opt.step()  # nothing: the updates were made in backward
+        ref.zero_grad(set_to_none=True)
+        _loss(eb, ctx, step, unused).backward()
+        clips += _torch_clip(eb, max_norm)
+        ref.step()
+        _compare(a, b, f"DDP in backward find_unused={unused} max_grad_norm={max_norm} "
+                 f"step {step}")
+    if unused:  # skipped where no rank used it, as torch skips a None gradient
+        assert_close(opt.state[a.extra.weight]["step"], ref.state[b.extra.weight]["step"])
+    if ctx.backend == "nccl":  # NCCL's futures complete at once: buckets update in backward
+        assert opt._ddp.early > 0, ("no bucket was updated before the end of backward: NCCL's "
+                                    "future was not complete when the hook looked")
+    return clips, opt.clip_count
+
+
 @configs
-@pytest.mark.parametrize("unused,bucket_view", [(False, False), (True, True)],
-                         ids=["all-used", "find-unused+bucket-view"])
-def test_ddp_in_backward_matches_torch(backend, world, unused, bucket_view):
-    results = dist_util.run(_ddp_in_backward_body, world, backend, args=(unused, bucket_view))
-    for r in results:
-        clips, emsa_clips = r[MAX_NORM]
-        assert 0 < clips < STEPS, f"clipping fired on {clips} of {STEPS} steps: not a test of it"
-        assert emsa_clips == clips
+def test_ddp_in_backward_matches_torch(backend, world, device):
+    results = dist_util.run(_ddp_in_backward_body, world, backend, device=device)
+    _check_clipping((r[unused, MAX_NORM], r[unused, None]) for r in results
+                    for unused in (False, True))
+    print("clipped steps (torch, emsa) per rank:", [r[False, MAX_NORM] for r in results])
 
 
 # ---- ZeroRedundancyOptimizer ------------------------------------------------------------------
@@ -170,15 +194,7 @@ def _zero_body(ctx):
         held = sum(p.numel() for g in opt.optim.param_groups for p in g["params"])
         assert held < sum(p.numel() for p in a.parameters()) or ctx.world_size == 1
         assert opt.optim._norm_group is opt.process_group  # the partition's norm is not global
-        clips = 0
-        for step in range(STEPS):
-            for model, o in ((ea, opt), (eb, ref)):
-                o.zero_grad(set_to_none=True)
-                _loss(model, ctx, step).backward()
-            clips += _torch_clip(eb, max_norm)
-            opt.step()
-            ref.step()
-            _compare(a, b, f"ZeRO-1 max_grad_norm={max_norm} step {step}")
+        clips = _train(ctx, ((a, ea), (b, eb)), (opt, ref), max_norm, range(STEPS), "ZeRO-1")
         out[max_norm] = (clips, opt.optim.clip_count)
         # The whole state on rank 0, then loaded into a fresh ZeRO + emsa on every rank.
         opt.consolidate_state_dict(to=0)
@@ -198,25 +214,27 @@ def _zero_body(ctx):
         again.load_state_dict(mine)
         ref2 = torch.optim.AdamW(ed.parameters(), lr=LR)
         ref2.load_state_dict(theirs)
-        for step in range(STEPS, STEPS + 3):
-            for model, o in ((ec, again), (ed, ref2)):
-                o.zero_grad(set_to_none=True)
-                _loss(model, ctx, step).backward()
-            _torch_clip(ed, max_norm)
-            again.step()
-            ref2.step()
-            _compare(c, d, f"ZeRO-1 after load max_grad_norm={max_norm} step {step}")
+        _train(ctx, ((c, ec), (d, ed)), (again, ref2), max_norm, range(STEPS, STEPS + 3),
+               "ZeRO-1 after load")
+    # An inf in a gradient of rank 0's partition only: every rank skips (the non-finite counts
+    # are summed), so no rank updates its partition while another does not.
+    again.zero_grad(set_to_none=True)
+    _loss(ec, ctx, 99).backward()
+    owned = next(p for p in c.parameters() if again._param_to_rank[p] == 0)
+    owned.grad.view(-1)[0] = float("inf")
+    before = [p.detach().clone() for p in c.parameters()]
+    with pytest.warns(RuntimeWarning, match="step skipped"):
+        again.step()
+        assert again.optim.last_step_skipped
+    for p, q in zip(c.parameters(), before):
+        assert torch.equal(p.detach(), q), "a rank updated while another skipped"
     return out
 
 
 @configs
-def test_zero1_matches_torch(backend, world):
-    results = dist_util.run(_zero_body, world, backend)
-    for r in results:
-        clips, emsa_clips = r[MAX_NORM]
-        assert 0 < clips < STEPS, f"clipping fired on {clips} of {STEPS} steps: not a test of it"
-        assert emsa_clips == clips  # every rank clipped by the global norm
-        assert r[None] == (0, 0)
+def test_zero1_matches_torch(backend, world, device):
+    results = dist_util.run(_zero_body, world, backend, device=device)
+    _check_clipping((r[MAX_NORM], r[None]) for r in results)
 
 
 # ---- refusals and plan agreement --------------------------------------------------------------
@@ -241,19 +259,12 @@ def _refusal_body(ctx):
         emsa.AdamW(list(ddp.parameters()) + list(other.parameters()), step_in_backward=True,
                    ddp=ddp)
     emsa.AdamW(other.parameters(), step_in_backward=True, ddp=False)  # rank-local: allowed
-    return messages
+    return messages, {what: _disagree(ctx, what) for what in ("shape", "layout")}
 
 
-@configs
-def test_in_backward_without_ddp_is_refused(backend, world):
-    for messages in dist_util.run(_refusal_body, world, backend):
-        if world > 1:
-            assert len(messages) == 1 and "ddp=ddp_model" in messages[0], messages
-        else:  # one rank: nothing reduces its gradients, nothing to refuse
-            assert messages == []
-
-
-def _disagree_body(ctx, what: str):
+def _disagree(ctx, what: str) -> str:
+    """Replicas (no ddp=False, no partition) whose plans differ: rank 1's parameters are wider,
+    or its state is all on the host tier."""
     import emsa
 
     width = 16 + (ctx.rank if what == "shape" else 0)
@@ -268,10 +279,33 @@ def _disagree_body(ctx, what: str):
     return ""
 
 
-@pytest.mark.parametrize("what", ["shape", "layout"])
-def test_replicas_with_different_plans_refuse(what):
-    if ("gloo", 2) not in dist_util.CONFIGS:
-        pytest.skip("needs gloo")
-    messages = dist_util.run(_disagree_body, 2, "gloo", args=(what,))
-    want = "same parameters" if what == "shape" else "another state layout"
-    assert all("plans disagree" in m and want in m for m in messages), messages
+@configs
+def test_refusals_and_plan_agreement(backend, world, device):
+    for messages, disagree in dist_util.run(_refusal_body, world, backend, device=device):
+        if world > 1:
+            assert len(messages) == 1 and "ddp=ddp_model" in messages[0], messages
+            assert "plans disagree" in disagree["shape"], disagree
+            assert "same parameters" in disagree["shape"], disagree
+            assert "another state layout" in disagree["layout"], disagree
+        else:  # one rank: nothing reduces its gradients and no replica differs from it
+            assert messages == [] and disagree == {"shape": "", "layout": ""}
+
+
+def test_in_backward_refused_at_first_backward_when_the_group_came_later(monkeypatch):
+    """The optimizer was built before init_process_group: its first backward refuses, before
+    any parameter changes. (One process: the group of 2 is simulated.)"""
+    import emsa
+    from emsa import _distributed
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = emsa.AdamW(model.parameters(), lr=LR, step_in_backward=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    monkeypatch.setattr(_distributed, "initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    with pytest.raises(RuntimeError, match="ddp=ddp_model"):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), q)
+    assert opt._hooks == []  # removed: later backwards update nothing
