@@ -199,7 +199,9 @@ def forward_waits(backend, shards: Shards):
         if tier is not None and tier.pending:
             tier.wait_all(torch.cuda.current_stream(tier.device))
 
-    return torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+    weakref.finalize(host, handle.remove)  # gone with the tier
+    return handle
 
 
 # ---- probing a sharded model (emsa.probe) ------------------------------------------------------
