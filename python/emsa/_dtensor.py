@@ -26,6 +26,10 @@ last ranks' shards of a dim that does not divide evenly), so ranks do not share 
   reshards them between world sizes; "step" stays a plain scalar, as torch.optim keeps it.
   load_state_dict takes DTensor state (any placements: redistributed), the full tensor (this
   rank's piece is cut out) or, for a plain parameter, a DTensor (gathered).
+- Gradient accumulation: FSDP2 reduce-scatters (and so runs the hooks) only in backwards with
+  gradient sync on; with updates in backward, accumulate under
+  model.set_requires_gradient_sync(False) and leave accumulate=1: the synchronized backward
+  updates from the accumulated gradients.
 - Clipping and the non-finite verdict across shards: norm_group() is the process group whose
   SUM all-reduce of the squared norm gives the global norm of the sharded model.
 """
@@ -33,19 +37,23 @@ last ranks' shards of a dim that does not divide evenly), so ranks do not share 
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from dataclasses import replace
 
 import torch
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch without torch.distributed
-    DTensor = None
+
+def _dtensor_class():
+    """torch's DTensor class once something imported it, else None: no tensor can be a DTensor
+    before its module is imported, and importing it here would add seconds to `import emsa`."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 def is_dtensor(t) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    cls = _dtensor_class()
+    return cls is not None and isinstance(t, cls)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -151,7 +159,8 @@ def wrap_state(views: dict[str, torch.Tensor], param: torch.Tensor) -> dict[str,
     emsa's memory (so a checkpoint load written into it lands in emsa's state)."""
     if not is_dtensor(param):
         return views
-    return {k: v if k == "step" else DTensor.from_local(
+    from_local = _dtensor_class().from_local
+    return {k: v if k == "step" else from_local(
         v, param.device_mesh, param.placements, run_check=False, shape=param.shape,
         stride=param.stride()) for k, v in views.items()}
 
@@ -190,7 +199,9 @@ def forward_waits(backend, shards: Shards):
         if tier is not None and tier.pending:
             tier.wait_all(torch.cuda.current_stream(tier.device))
 
-    return torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+    weakref.finalize(host, handle.remove)  # gone with the tier
+    return handle
 
 
 # ---- probing a sharded model (emsa.probe) ------------------------------------------------------
