@@ -91,10 +91,14 @@ def _train(ctx, cfg: dict) -> dict:
     rank, world = ctx.rank, ctx.world_size
     model = _model()
     if cfg.get("fsdp", True):
+        # The mesh on the ranks' own device: fully_shard's default mesh is the accelerator's
+        # when one exists, which would move a CPU (gloo) run's model to the GPU.
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(ctx.device.type, (world,))
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = _optimizer(cfg, model, rank, world)
     start = 0
     if cfg.get("load"):
