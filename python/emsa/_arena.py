@@ -121,3 +121,22 @@ def host_memory(backend) -> dict:
     return {"locked_bytes": sum(d["locked_bytes"] for d in described),
             "pageable_bytes": sum(d["pageable_bytes"] for d in described),
             "arenas": described}
+
+
+# Elements converted per piece on the device: bounds the temporary to 256 MiB of fp32.
+_CONVERT_PIECE = 1 << 26
+
+
+def copy_converted(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) for a parameter on the GPU into host memory of another dtype (the fp32
+    master of a bf16 parameter): converted on the device, piece by piece along dim 0, then copied
+    down as dst's dtype. torch converts a CPU-GPU copy on the CPU, through a pageable temporary
+    of the source's size: a 7 B model's masters took seconds that way instead of one DMA."""
+    with torch.no_grad():
+        if src.device == dst.device or src.dtype == dst.dtype or src.dim() == 0:
+            dst.copy_(src)
+            return
+        rows = max(1, _CONVERT_PIECE // max(1, src[0].numel()))
+        for a in range(0, src.shape[0], rows):
+            dst[a:a + rows].copy_(src[a:a + rows].to(dst.dtype))
+

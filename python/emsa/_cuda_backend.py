@@ -87,7 +87,7 @@ from ._backend import DTYPE_NAMES, Backend, StepResult, kernel_grad, state_view
 from ._binding import Slot
 from ._capi import (DeviceTableOptions, EmsaError, HostTierTensor, Hyperparams, TensorUpdate,
                     check, lib)
-from ._arena import HostArena, check_fits, pinned_arena
+from ._arena import HostArena, check_fits, copy_converted, pinned_arena
 from ._cuda_passes import InBackward, Pass, on, ptr
 from ._cuda_stats import HeaderRing, StepClock, counted_mask
 from ._device_arena import DeviceArena
@@ -191,8 +191,7 @@ class CudaBackend(InBackward, Backend):
             views["exp_avg_sq"] = state_view(arena, pp["exp_avg_sq_offset"], p, state_dtype)
         if p.dtype != torch.float32 or self.on_host[i]:
             master = state_view(arena, pp["master_offset"], p, torch.float32)
-            with torch.no_grad():
-                master.copy_(p)
+            copy_converted(master, p)
             if p.dtype != torch.float32:
                 views["master"] = master
             else:
@@ -208,8 +207,7 @@ class CudaBackend(InBackward, Backend):
 
     def refresh_master(self, i: int) -> None:
         p = self.params[i]
-        with torch.no_grad():
-            self._master(i).copy_(p)  # to pinned host memory: synchronous
+        copy_converted(self._master(i), p)  # to pinned host memory: synchronous
         self.versions[i] = p._version
 
     def _make_scalars(self, group_count: int) -> None:
