@@ -115,13 +115,15 @@ void TouchPages(void* data, uint64_t bytes, ThreadPool* pool) {
   });
 }
 
-// Memory from an allocator may hold anything: zero every byte.
+#if EMSA_HAVE_CUDA
+// Memory from an allocator may hold anything: zero every byte (the cudaHostAlloc fallback).
 void ZeroFill(void* data, uint64_t bytes, ThreadPool* pool) {
   char* base = static_cast<char*>(data);
   ForShares(bytes, pool, [base](uint64_t begin, uint64_t end) {
     std::memset(base + begin, 0, static_cast<size_t>(end - begin));
   });
 }
+#endif
 
 }  // namespace
 
