@@ -125,27 +125,13 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from . import _binding, _distributed, _dtensor, _progress, _setup, _tuning
+from . import _binding, _distributed, _dtensor, _progress, _setup, _tuning, _validate
 from ._arena import host_memory
-from ._backend import Backend, check_param, select
-from .plan import STATE_DTYPES, Plan, make_plan, parse_bytes, profile_json, require_library
+from ._backend import Backend, select
+from .plan import Plan, make_plan, parse_bytes, profile_json, require_library
 from .probe_record import ProbeRecord
 
 __all__ = ["AdamW", "Adam", "Lion"]
-
-# torch.optim options that pick among torch's own implementations. emsa has one implementation,
-# so each is accepted only at torch's default; the message says why.
-_TORCH_IMPL_OPTIONS = {
-    "foreach": (None, "selects one of torch's implementations; emsa's step is already one "
-                      "multi-tensor call: drop the argument"),
-    "fused": (None, "selects torch's fused kernel; emsa's step is already fused: drop the "
-                    "argument"),
-    "capturable": (False, "is for CUDA graph capture, which emsa does not support yet: use "
-                          "torch.optim with capturable=True"),
-    "differentiable": (False, "makes the update differentiable; emsa's update is not: use "
-                              "torch.optim with differentiable=True"),
-}
-
 
 # The autograd node being run on this thread (None outside backward, and at the end of a
 # top-level backward); torch versions without it run no reentrant check.
@@ -167,29 +153,24 @@ class _EmsaOptimizer(Optimizer):
                  skip_nonfinite, profile, step_in_backward=False, accumulate=1, tier=None,
                  max_grad_norm=None, grad_scaler=None, process_group=None, ddp=None):
         require_library()
-        if tier not in (None, "device", "host"):
-            raise ValueError(f"tier={tier!r}; use None (the planner decides under budget=), "
-                             "'device' or 'host'")
+        _validate.check_tier(tier)
         self._tier = tier
         self._skip_explicit = skip_nonfinite
         self._stats: dict[int, dict] = {}
         self._wall: list[tuple[float, float]] = []  # (start, end) of each step() (CPU engine)
-        skip_nonfinite = _in_backward_options(step_in_backward, accumulate, skip_nonfinite)
+        skip_nonfinite = _validate.in_backward_options(step_in_backward, accumulate,
+                                                       skip_nonfinite)
         self._in_backward = bool(step_in_backward)
         self._accumulate = int(accumulate)
         self._hooks: list = []
-        if state_dtype not in STATE_DTYPES:
-            raise ValueError(f"state_dtype={state_dtype}; emsa keeps optimizer state in "
-                             "torch.float32 or torch.bfloat16")
+        _validate.check_state_dtype(state_dtype)
         self._budget = parse_bytes(budget) if budget is not None else None
         self._state_dtype = state_dtype
         self._profile = profile_json(profile)
         self.skip_nonfinite = bool(skip_nonfinite)
         self._last_skipped = False
-        self._max_grad_norm = _check_max_norm(max_grad_norm)
-        if grad_scaler is not None and not step_in_backward:
-            raise ValueError("grad_scaler= applies with step_in_backward=True; in step() mode "
-                             "scaler.step(opt) hands its scale to emsa by itself: drop it")
+        self._max_grad_norm = _validate.check_max_norm(max_grad_norm)
+        _validate.check_grad_scaler(grad_scaler, step_in_backward)
         self._grad_scaler = grad_scaler
         self._found_inf: torch.Tensor | None = None  # in-backward skips, for the GradScaler
         self._warned: set[str] = set()
@@ -240,51 +221,7 @@ class _EmsaOptimizer(Optimizer):
             self._recorder = _binding.FirstBackwardRecorder(self._all_params())
 
     def _check_group(self, g: int) -> None:
-        group = self.param_groups[g]
-        self._check_hyper(group, f"param_groups[{g}]")
-        if group.get("amsgrad"):
-            raise ValueError(f"param_groups[{g}] sets amsgrad=True, which emsa does not "
-                             f"support; use torch.optim.{type(self).__name__}(amsgrad=True)")
-        for key, (default, why) in _TORCH_IMPL_OPTIONS.items():
-            if key in group and group[key] != default and group[key] is not False:
-                raise ValueError(f"{key}={group[key]!r} {why}")
-        names = group.get("param_names")
-        first: dict[int, int] = {}
-        for j, p in enumerate(group["params"]):
-            name = names[j] if names else f"param_groups[{g}].params[{j}]"
-            check_param(name, p)
-            k = first.setdefault(id(p), j)
-            if k != j:
-                # torch.optim warns that this "will cause an error" and updates the tensor
-                # once per listing; emsa holds one state per parameter, so it refuses now.
-                times = sum(q is p for q in group["params"])
-                raise ValueError(
-                    f"{name} is the same tensor as param_groups[{g}].params[{k}]: it appears "
-                    f"{times} times in param_groups[{g}]; list each parameter once (for tied "
-                    "weights, pass the shared tensor once, e.g. model.parameters() does)")
-        devices = {p.device for p in self._all_params()}
-        if len(devices) > 1:
-            raise ValueError(
-                "the optimizer's parameters are on several devices ("
-                + ", ".join(sorted(str(d) for d in devices)) + "); emsa plans one device per "
-                "optimizer: build one optimizer per device")
-        for d in devices:
-            select(d)  # refuses devices without an engine, now rather than at the first step
-
-    def _check_hyper(self, group: dict[str, Any], where: str) -> None:
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError(f"{where}: Tensor lr must be 1-element")
-        if not 0.0 <= float(lr):
-            raise ValueError(f"Invalid learning rate: {lr} ({where})")
-        if "eps" in group and not 0.0 < float(group["eps"]):
-            raise ValueError(f"Invalid epsilon value: {group['eps']} ({where}); emsa needs "
-                             "eps > 0 (it divides by sqrt(exp_avg_sq) + eps)")
-        for k, beta in enumerate(group["betas"]):
-            if not 0.0 <= float(beta) < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {k}: {beta} ({where})")
-        if not 0.0 <= float(group["weight_decay"]):
-            raise ValueError(f"Invalid weight_decay value: {group['weight_decay']} ({where})")
+        _validate.check_group(self.param_groups[g], g, type(self).__name__, self._all_params())
 
     # ---- planning -------------------------------------------------------------------------
     @property
@@ -393,7 +330,7 @@ class _EmsaOptimizer(Optimizer):
 
     @max_grad_norm.setter
     def max_grad_norm(self, value) -> None:
-        self._max_grad_norm = _check_max_norm(value)
+        self._max_grad_norm = _validate.check_max_norm(value)
         self._warn_gated_after_plan()
 
     def _gated_in_backward(self) -> bool:
@@ -814,7 +751,7 @@ class _EmsaOptimizer(Optimizer):
                     f"the state_dict's param_groups[{g}] has decoupled_weight_decay={dwd}: it "
                     f"is {'an AdamW' if dwd else 'an Adam'} state; load it into "
                     f"emsa.{'AdamW' if dwd else 'Adam'}")
-            self._check_hyper({**self.defaults, **group}, f"state_dict param_groups[{g}]")
+            _validate.check_hyper({**self.defaults, **group}, f"state_dict param_groups[{g}]")
         # Saved ids in order are this optimizer's parameters in order, frozen ones included.
         where = {(s.group, s.index): i for i, s in enumerate(slots)}
         flat = [where.get((g, j)) for g, group in enumerate(self.param_groups)
@@ -867,46 +804,6 @@ class _EmsaOptimizer(Optimizer):
                         "lives in emsa's arenas); save and load opt.state_dict() instead")
 
 
-def _check_max_norm(value) -> float | None:
-    """max_grad_norm as given: None or 0 turn clipping off; else a finite number > 0."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        value = float(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and value >= 0):
-        raise ValueError(f"max_grad_norm={value!r}; it is the clipping threshold of the global "
-                         "L2 gradient norm, a finite number > 0 (None or 0: no clipping)")
-    return float(value) if value > 0 else None
-
-
-def _in_backward_options(step_in_backward, accumulate, skip_nonfinite) -> bool:
-    """Checks step_in_backward/accumulate; returns skip_nonfinite resolved (None: the mode's
-    default)."""
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        raise ValueError(f"accumulate={accumulate!r}; it is the number of backward passes per "
-                         "update, an int >= 1")
-    if not step_in_backward:
-        if accumulate != 1:
-            raise ValueError(f"accumulate={accumulate} applies only with step_in_backward=True; "
-                             "otherwise accumulate by calling step() every N backwards")
-        return True if skip_nonfinite is None else bool(skip_nonfinite)
-    # In backward the check makes every update of a pass wait for the end of backward (the
-    # verdict needs every gradient), which is what the mode exists to avoid: off by default.
-    return False if skip_nonfinite is None else bool(skip_nonfinite)
-
-
-def _impl_defaults(foreach, capturable, differentiable, fused) -> dict[str, Any]:
-    return {"foreach": foreach, "capturable": capturable, "differentiable": differentiable,
-            "fused": fused}
-
-
-def _refuse_amsgrad(amsgrad: bool, cls: str) -> None:
-    if amsgrad:
-        raise ValueError(f"amsgrad=True is not supported by emsa.{cls}; use "
-                         f"torch.optim.{cls}(amsgrad=True) for it")
-
-
 class AdamW(_EmsaOptimizer):
     """AdamW with decoupled weight decay, as torch.optim.AdamW (see the module docstring)."""
 
@@ -921,10 +818,10 @@ class AdamW(_EmsaOptimizer):
                  step_in_backward: bool = False, accumulate: int = 1, tier: str | None = None,
                  max_grad_norm: float | None = None, grad_scaler=None, process_group=None,
                  ddp=None):
-        _refuse_amsgrad(amsgrad, "AdamW")
+        _validate.refuse_amsgrad(amsgrad, "AdamW")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize,
-                        **_impl_defaults(foreach, capturable, differentiable, fused),
+                        **_validate.impl_defaults(foreach, capturable, differentiable, fused),
                         decoupled_weight_decay=True)
         super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
                          skip_nonfinite=skip_nonfinite, profile=profile,
@@ -949,11 +846,11 @@ class Adam(_EmsaOptimizer):
                  step_in_backward: bool = False, accumulate: int = 1, tier: str | None = None,
                  max_grad_norm: float | None = None, grad_scaler=None, process_group=None,
                  ddp=None):
-        _refuse_amsgrad(amsgrad, "Adam")
+        _validate.refuse_amsgrad(amsgrad, "Adam")
         self._kind = "adamw" if decoupled_weight_decay else "adam"
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize,
-                        **_impl_defaults(foreach, capturable, differentiable, fused),
+                        **_validate.impl_defaults(foreach, capturable, differentiable, fused),
                         decoupled_weight_decay=bool(decoupled_weight_decay))
         super().__init__(params, defaults, probe=probe, budget=budget, state_dtype=state_dtype,
                          skip_nonfinite=skip_nonfinite, profile=profile,

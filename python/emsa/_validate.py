@@ -1,0 +1,140 @@
+"""The checks of the optimizers' arguments (emsa.optimizers): hyperparameters, param groups,
+the options of emsa's own and torch.optim's that pick among torch's implementations.
+
+One definition of each rule, shared by the constructor, add_param_group and load_state_dict.
+Each check raises before anything changes, with a message that says what to do instead.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ._backend import check_param, select
+from .plan import STATE_DTYPES
+
+# torch.optim options that pick among torch's own implementations. emsa has one implementation,
+# so each is accepted only at torch's default; the message says why.
+TORCH_IMPL_OPTIONS = {
+    "foreach": (None, "selects one of torch's implementations; emsa's step is already one "
+                      "multi-tensor call: drop the argument"),
+    "fused": (None, "selects torch's fused kernel; emsa's step is already fused: drop the "
+                    "argument"),
+    "capturable": (False, "is for CUDA graph capture, which emsa does not support yet: use "
+                          "torch.optim with capturable=True"),
+    "differentiable": (False, "makes the update differentiable; emsa's update is not: use "
+                              "torch.optim with differentiable=True"),
+}
+
+
+def check_tier(tier) -> None:
+    if tier not in (None, "device", "host"):
+        raise ValueError(f"tier={tier!r}; use None (the planner decides under budget=), "
+                         "'device' or 'host'")
+
+
+def check_state_dtype(state_dtype) -> None:
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype={state_dtype}; emsa keeps optimizer state in "
+                         "torch.float32 or torch.bfloat16")
+
+
+def check_grad_scaler(grad_scaler, step_in_backward) -> None:
+    if grad_scaler is not None and not step_in_backward:
+        raise ValueError("grad_scaler= applies with step_in_backward=True; in step() mode "
+                         "scaler.step(opt) hands its scale to emsa by itself: drop it")
+
+
+def check_max_norm(value) -> float | None:
+    """max_grad_norm as given: None or 0 turn clipping off; else a finite number > 0."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value >= 0):
+        raise ValueError(f"max_grad_norm={value!r}; it is the clipping threshold of the global "
+                         "L2 gradient norm, a finite number > 0 (None or 0: no clipping)")
+    return float(value) if value > 0 else None
+
+
+def in_backward_options(step_in_backward, accumulate, skip_nonfinite) -> bool:
+    """Checks step_in_backward/accumulate; returns skip_nonfinite resolved (None: the mode's
+    default)."""
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate={accumulate!r}; it is the number of backward passes per "
+                         "update, an int >= 1")
+    if not step_in_backward:
+        if accumulate != 1:
+            raise ValueError(f"accumulate={accumulate} applies only with step_in_backward=True; "
+                             "otherwise accumulate by calling step() every N backwards")
+        return True if skip_nonfinite is None else bool(skip_nonfinite)
+    # In backward the check makes every update of a pass wait for the end of backward (the
+    # verdict needs every gradient), which is what the mode exists to avoid: off by default.
+    return False if skip_nonfinite is None else bool(skip_nonfinite)
+
+
+def impl_defaults(foreach, capturable, differentiable, fused) -> dict[str, Any]:
+    return {"foreach": foreach, "capturable": capturable, "differentiable": differentiable,
+            "fused": fused}
+
+
+def refuse_amsgrad(amsgrad: bool, cls: str) -> None:
+    if amsgrad:
+        raise ValueError(f"amsgrad=True is not supported by emsa.{cls}; use "
+                         f"torch.optim.{cls}(amsgrad=True) for it")
+
+
+def check_hyper(group: dict[str, Any], where: str) -> None:
+    """lr, eps, betas and weight_decay of one param group (or a state_dict's), as torch.optim
+    checks them; emsa also needs eps > 0."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"{where}: Tensor lr must be 1-element")
+    if not 0.0 <= float(lr):
+        raise ValueError(f"Invalid learning rate: {lr} ({where})")
+    if "eps" in group and not 0.0 < float(group["eps"]):
+        raise ValueError(f"Invalid epsilon value: {group['eps']} ({where}); emsa needs "
+                         "eps > 0 (it divides by sqrt(exp_avg_sq) + eps)")
+    for k, beta in enumerate(group["betas"]):
+        if not 0.0 <= float(beta) < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {k}: {beta} ({where})")
+    if not 0.0 <= float(group["weight_decay"]):
+        raise ValueError(f"Invalid weight_decay value: {group['weight_decay']} ({where})")
+
+
+def check_group(group: dict[str, Any], g: int, cls: str,
+                all_params: list[torch.Tensor]) -> None:
+    """param_groups[g] of an emsa.<cls> whose groups hold all_params: its hyperparameters and
+    options, each parameter, no parameter listed twice, one device with an engine."""
+    check_hyper(group, f"param_groups[{g}]")
+    if group.get("amsgrad"):
+        raise ValueError(f"param_groups[{g}] sets amsgrad=True, which emsa does not "
+                         f"support; use torch.optim.{cls}(amsgrad=True)")
+    for key, (default, why) in TORCH_IMPL_OPTIONS.items():
+        if key in group and group[key] != default and group[key] is not False:
+            raise ValueError(f"{key}={group[key]!r} {why}")
+    names = group.get("param_names")
+    first: dict[int, int] = {}
+    for j, p in enumerate(group["params"]):
+        name = names[j] if names else f"param_groups[{g}].params[{j}]"
+        check_param(name, p)
+        k = first.setdefault(id(p), j)
+        if k != j:
+            # torch.optim warns that this "will cause an error" and updates the tensor
+            # once per listing; emsa holds one state per parameter, so it refuses now.
+            times = sum(q is p for q in group["params"])
+            raise ValueError(
+                f"{name} is the same tensor as param_groups[{g}].params[{k}]: it appears "
+                f"{times} times in param_groups[{g}]; list each parameter once (for tied "
+                "weights, pass the shared tensor once, e.g. model.parameters() does)")
+    devices = {p.device for p in all_params}
+    if len(devices) > 1:
+        raise ValueError(
+            "the optimizer's parameters are on several devices ("
+            + ", ".join(sorted(str(d) for d in devices)) + "); emsa plans one device per "
+            "optimizer: build one optimizer per device")
+    for d in devices:
+        select(d)  # refuses devices without an engine, now rather than at the first step
