@@ -115,7 +115,6 @@ them between world sizes and into torch.optim (emsa._dtensor).
 
 from __future__ import annotations
 
-import math
 import os
 import time
 import warnings
@@ -125,7 +124,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from . import _binding, _distributed, _dtensor, _progress, _setup, _tuning, _validate
+from . import _binding, _distributed, _dtensor, _progress, _setup, _state_io, _tuning, _validate
 from ._arena import host_memory
 from ._backend import Backend, select
 from .plan import Plan, make_plan, parse_bytes, profile_json, require_library
@@ -136,10 +135,6 @@ __all__ = ["AdamW", "Adam", "Lion"]
 # The autograd node being run on this thread (None outside backward, and at the end of a
 # top-level backward); torch versions without it run no reentrant check.
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
-
-# A loaded step count must be a whole number the engines' int64 counters and torch's float
-# "step" both hold exactly: at most the largest integer a float64 holds exactly.
-_MAX_STEP = 2**53
 
 
 class _EmsaOptimizer(Optimizer):
@@ -684,9 +679,6 @@ class _EmsaOptimizer(Optimizer):
                 f"such steps as torch.optim does.{late}", RuntimeWarning, stacklevel=stacklevel)
 
     # ---- state_dict -----------------------------------------------------------------------
-    def _state_keys(self) -> set[str]:
-        return {"step", "exp_avg"} if self._kind == "lion" else {"step", "exp_avg", "exp_avg_sq"}
-
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's layout; the state tensors are emsa's own (views into its arenas), as
         torch's are its live tensors. On CUDA this waits for the GPU (step counts are read
@@ -703,7 +695,7 @@ class _EmsaOptimizer(Optimizer):
         if self._backend is None:
             self._bind(None)
         slots = self._slots  # as planned: requires_grad may have changed since
-        sources = self._check_state_dict(state_dict, slots)
+        sources = _state_io.check_state_dict(self, state_dict, slots)
         self._backend.check_loadable_steps(
             [float(sources.get(i, {}).get("step", 0)) for i in range(len(slots))])
         self._backend.sync_state()
@@ -711,93 +703,7 @@ class _EmsaOptimizer(Optimizer):
         # torch's loader takes the param groups (hyperparameters, hooks); the state is copied
         # here straight from the source, without torch's per-tensor cast copies.
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        backend = self._backend
-        with torch.no_grad():
-            for i, s in enumerate(slots):
-                src = sources.get(i, {})
-                views = backend.state(i)
-                for key, view in views.items():
-                    if key == "step":
-                        view.fill_(float(src.get("step", 0)))
-                    elif key in src:
-                        view.copy_(_dtensor.shard_like(src[key], s.param))
-                    elif key == "master":
-                        view.copy_(_dtensor.local(s.param))
-                    else:
-                        view.zero_()
-                self.state[s.param] = _dtensor.wrap_state(views, s.param)
-        backend.state_loaded()
-
-    def _check_state_dict(self, sd: dict[str, Any], slots) -> dict[int, dict[str, Any]]:
-        """Checks a state_dict against this optimizer; returns the state by slot index."""
-        if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
-            raise ValueError("not an optimizer state_dict: expected 'state' and 'param_groups'")
-        saved = sd["param_groups"]
-        if len(saved) != len(self.param_groups) or any(
-                len(a["params"]) != len(b["params"]) for a, b in zip(saved, self.param_groups)):
-            raise ValueError(
-                "the state_dict's parameter groups hold "
-                f"{[len(g['params']) for g in saved]} parameters, this optimizer's "
-                f"{[len(g['params']) for g in self.param_groups]}; load a state_dict saved for "
-                "the same parameter groups")
-        for g, group in enumerate(saved):
-            if group.get("amsgrad"):
-                raise ValueError(f"the state_dict's param_groups[{g}] uses amsgrad, which emsa "
-                                 "does not support; keep using torch.optim for it")
-            dwd = group.get("decoupled_weight_decay")
-            mine = self.defaults.get("decoupled_weight_decay")
-            if dwd is not None and mine is not None and bool(dwd) != bool(mine):
-                raise ValueError(
-                    f"the state_dict's param_groups[{g}] has decoupled_weight_decay={dwd}: it "
-                    f"is {'an AdamW' if dwd else 'an Adam'} state; load it into "
-                    f"emsa.{'AdamW' if dwd else 'Adam'}")
-            _validate.check_hyper({**self.defaults, **group}, f"state_dict param_groups[{g}]")
-        # Saved ids in order are this optimizer's parameters in order, frozen ones included.
-        where = {(s.group, s.index): i for i, s in enumerate(slots)}
-        flat = [where.get((g, j)) for g, group in enumerate(self.param_groups)
-                for j in range(len(group["params"]))]
-        ids = dict(zip((i for g in saved for i in g["params"]), flat))
-        positions = dict(zip((i for g in saved for i in g["params"]),
-                             ((g, j) for g, group in enumerate(self.param_groups)
-                              for j in range(len(group["params"])))))
-        keys = self._state_keys()
-        sources = {}
-        for k, st in sd["state"].items():
-            if k not in ids:
-                continue
-            if ids[k] is None:
-                frozen = next(f.name for f in self._frozen
-                              if (f.group, f.index) == positions[k])
-                self._warn_once("frozen-state", (
-                    "emsa: the state_dict holds state for parameters that were frozen "
-                    "(requires_grad=False) when this optimizer planned (e.g. " + frozen + "); "
-                    "emsa keeps no state for them, so it is not loaded (torch.optim would keep "
-                    "it unused while they stay frozen)"), stacklevel=4)
-                continue
-            s = slots[ids[k]]
-            sources[ids[k]] = st
-            extra = set(st) - keys - {"master"}
-            if "max_exp_avg_sq" in extra:
-                raise ValueError(f"state for {s.name} holds max_exp_avg_sq: it was saved with "
-                                 "amsgrad=True, which emsa does not support")
-            if extra or not keys - {"step"} <= set(st):
-                raise ValueError(f"state for {s.name} has keys {sorted(st)}; "
-                                 f"emsa.{type(self).__name__} expects {sorted(keys)}: is it "
-                                 "another optimizer's?")
-            for key in keys - {"step"} | ({"master"} & set(st)):
-                t = st[key]
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(s.param.shape):
-                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                    raise ValueError(f"state for {s.name}: {key} is {got}, the parameter is "
-                                     f"{tuple(s.param.shape)}; load a state_dict saved for "
-                                     "this model")
-            step = float(st.get("step", 0))
-            if not (math.isfinite(step) and 0 <= step <= _MAX_STEP and step == int(step)):
-                raise ValueError(
-                    f"state for {s.name}: step {step!r} is not a count of steps (a whole "
-                    "number from 0 to 2**53); fix or drop that entry's 'step' (0 restarts the "
-                    "bias correction), or load a state_dict saved by training")
-        return sources
+        _state_io.copy_state(self, slots, sources)
 
     def __getstate__(self):
         raise TypeError(f"emsa.{type(self).__name__} cannot be pickled or deep-copied (its state "
