@@ -118,7 +118,6 @@ from __future__ import annotations
 import os
 import time
 import warnings
-import weakref
 from typing import Any
 
 import torch
@@ -127,17 +126,14 @@ from torch.optim import Optimizer
 from . import _binding, _distributed, _dtensor, _progress, _setup, _state_io, _tuning, _validate
 from ._arena import host_memory
 from ._backend import Backend, select
+from ._in_backward import InBackwardPasses
 from .plan import Plan, make_plan, parse_bytes, profile_json, require_library
 from .probe_record import ProbeRecord
 
 __all__ = ["AdamW", "Adam", "Lion"]
 
-# The autograd node being run on this thread (None outside backward, and at the end of a
-# top-level backward); torch versions without it run no reentrant check.
-_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
-
-class _EmsaOptimizer(Optimizer):
+class _EmsaOptimizer(InBackwardPasses, Optimizer):
     _kind = "adamw"
 
     # GradScaler.step(opt) hands emsa its scale and inf verdict (opt.grad_scale, opt.found_inf)
@@ -391,174 +387,6 @@ class _EmsaOptimizer(Optimizer):
         backend.found_inf_out = found_inf_out
         backend.norm_group = self._norm_group  # the norm and verdict over these ranks' gradients
 
-    # ---- gradient hooks: step in backward, and step() mode statistics ------------------------
-    # A pass is one backward() call: it opens at the first hook that fires and ends at the
-    # autograd engine's callback queued from there, which runs once, when that backward ends.
-    def _install_hooks(self, slots, backend_cls) -> None:
-        if self._in_backward and not backend_cls.steps_in_backward:
-            raise NotImplementedError(
-                f"step_in_backward=True is not supported for parameters on "
-                f"{slots[0].param.device} yet (the device engine updates all tables in one "
-                "call); use step_in_backward=False and call step() after backward")
-        self._names = [s.name for s in slots]
-        self._fired: set[int] = set()
-        self._passes = 0
-        self._updating = False
-        self._bucket_members = self._backend.bucket_slots()
-        self._bucket_of = {i: b for b, members in enumerate(self._bucket_members)
-                           for i in members}
-        self._waiting = [len(m) for m in self._bucket_members]
-        ref = weakref.ref(self)
-        for i, s in enumerate(slots):
-            def hook(p, i=i):
-                opt = ref()
-                if opt is not None:
-                    opt._grad_ready(i)
-
-            self._hooks.append(s.param.register_post_accumulate_grad_hook(hook))
-
-    def _grad_ready(self, i: int) -> None:
-        try:
-            if not self._pass_open:
-                self._open_pass()
-            fired = self._fired
-            if i in fired:
-                raise RuntimeError(
-                    f"emsa: {self._names[i]} got a second gradient within one backward() call "
-                    "(a parameter used in several segments of checkpoint(use_reentrant=True) "
-                    "gets one per segment), after emsa had updated from the first; emsa updates "
-                    "each parameter once per backward: use checkpoint(use_reentrant=False), or "
-                    "step_in_backward=False")
-            fired.add(i)
-            if not self._updating:
-                return
-            b = self._bucket_of[i]
-            self._waiting[b] -= 1
-            if self._waiting[b]:
-                return
-            backend = self._backend
-            members = self._bucket_members[b]
-            self._shards.pull(members)
-            with torch.no_grad():
-                if backend.step_bucket(b):
-                    # Released now, not at zero_grad: the point of stepping in backward. On a
-                    # device the caching allocator reuses the memory in stream order, after the
-                    # update that reads it.
-                    self._shards.release(members)
-        except BaseException:
-            self._abandon_pass()
-            raise
-
-    def _open_pass(self) -> None:
-        if self._passes == 0:
-            _distributed.check_first_pass(self)  # reduced gradients emsa cannot see: refuse
-        backend = self._backend
-        self._updating = (self._passes + 1) % self._accumulate == 0
-        groups = self._engine_groups(unfrozen=True)
-        if self._updating and "first_step" not in self._setup_times:
-            self._first_pass_start = time.perf_counter()
-        if self._updating:  # the pass's first gradient: its lr and hyperparameters
-            self._configure(backend, **self._pass_scaling())
-            with torch.no_grad():
-                backend.begin_pass(self._shards.groups(groups))
-        self._waiting = [len(m) for m in self._bucket_members]
-        self._pass_token += 1
-        token, ref = self._pass_token, weakref.ref(self)
-
-        engine = torch.autograd.Variable._execution_engine
-
-        def end_of_backward():
-            node = _current_node()
-            if node is not None:
-                # A reentrant backward (checkpoint(use_reentrant=True)) ended inside the node
-                # `node` of an outer one: the pass ends with the outer backward. A post hook of
-                # that node runs in the outer backward and queues this callback there.
-                def outer(grad_inputs, grad_outputs):
-                    handle.remove()
-                    engine.queue_callback(end_of_backward)
-
-                handle = node.register_hook(outer)
-                return
-            opt = ref()
-            if opt is not None:
-                opt._close_pass(token)
-
-        if self._ddp is None:  # else DDP's hook ends the pass, after DDP's own finalize
-            engine.queue_callback(end_of_backward)
-        self._pass_open = True
-
-    def _abandon_pass(self) -> None:
-        """A hook raised: the backward fails and its callback never runs; the next backward
-        starts a new pass (begin_pass discards what the backend kept of this one)."""
-        self._pass_open = False
-        self._fired.clear()
-
-    def _close_pass(self, token: int) -> None:
-        if token != self._pass_token or not self._pass_open:
-            return
-        self._pass_open = False
-        self._fired.clear()
-        backend = self._backend
-        self._passes += 1
-        if not self._updating:
-            return
-        self._engine_groups()  # a frozen parameter with a gradient: refuse before finishing
-        self._shards.pull()
-        with torch.no_grad():
-            backend.end_pass()
-        self._shards.release()
-        skips = backend.finished_skips()  # deferred engines: those known by now
-        if not backend.deferred:
-            self._last_skipped = bool(skips)
-        if self._grad_scaler is None:  # a scaler's skips are routine: no warning
-            self._warn_skipped(skips, stacklevel=3)
-        start = self.__dict__.pop("_first_pass_start", None)
-        if start is not None:
-            self._setup_times["first_step"] = time.perf_counter() - start
-
-    def _pass_scaling(self) -> dict:
-        """The in-backward pass's loss scale and found_inf output, from grad_scaler=."""
-        scaler = self._grad_scaler
-        if scaler is None or not scaler.is_enabled():
-            return {}
-        # GradScaler keeps its scale as a 0-d float32 tensor, _scale (set by its first
-        # scale() call); reading it as a tensor keeps the device from waiting for the host.
-        scale = getattr(scaler, "_scale", None)
-        if scale is None:
-            raise RuntimeError("emsa: grad_scaler= is given but the GradScaler has no scale "
-                               "yet: backward from scaler.scale(loss), not from loss")
-        if self._found_inf is None:
-            self._found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        return {"loss_scale": scale, "found_inf_out": self._found_inf, "amp": True}
-
-    def _amp_step(self) -> None:
-        """step_in_backward: GradScaler.step(opt) called step(). The updates (or skips) were
-        made in backward; hand the scaler the passes' inf verdict so that scaler.update()
-        backs off after a skipped pass, as it would after a skipped torch step."""
-        scaler = self._grad_scaler
-        if scaler is None:
-            raise RuntimeError(
-                f"emsa.{type(self).__name__}(step_in_backward=True) was stepped by a GradScaler "
-                "but was not given it: the updates in backward used gradients still multiplied "
-                "by the loss scale and did not skip inf/nan. Build the optimizer with "
-                "grad_scaler=scaler (emsa then divides by its scale in backward, skips "
-                "non-finite passes and reports them to scaler.update())")
-        if self.__dict__.get("grad_scale", 0) is None:
-            self._warn_once("unscale", (
-                "emsa: scaler.unscale_(opt) ran after backward, but with step_in_backward=True "
-                "emsa consumed (and unscaled) the gradients in backward: whatever reads or "
-                "clips .grad after unscale_ sees None. Clip with emsa's max_grad_norm= instead"),
-                stacklevel=4)
-        found = self._found_inf
-        if found is None:
-            found = torch.zeros((), dtype=torch.float32,
-                                device=getattr(scaler, "_scale", torch.zeros(())).device)
-        # GradScaler.update reads each optimizer's found_inf_per_device, which its own check
-        # left empty (every .grad was None). A copy: update() may add into the first one.
-        scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {
-            found.device: found.clone()}
-        found.zero_()
-
     # ---- measurements ---------------------------------------------------------------------
     def synchronize(self) -> None:
         """Waits until every update is applied and visible to the current stream, and makes
@@ -604,12 +432,6 @@ class _EmsaOptimizer(Optimizer):
         return write_run(run_dir, plan=self._plan, record=self._record,
                          steps=self.step_stats(), losses=losses, peer_losses=peer_losses,
                          meta=meta, setup=_setup.summary(self))
-
-    def remove_hooks(self) -> None:
-        """Step in backward: removes the gradient hooks; later backwards update nothing."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
     # ---- the step -------------------------------------------------------------------------
     # Under torch.compile the step is a graph break: Dynamo must never trace planning, the
