@@ -11,7 +11,6 @@ emsa.probe calls. Prints every pass in ms and writes them as JSON (--out).
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import statistics
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import offload_e2e as oe  # noqa: E402
+import probe_common  # noqa: E402
 
 import emsa  # noqa: E402
 from emsa._capi import check, lib  # noqa: E402
@@ -31,12 +30,7 @@ PROBE = sys.modules["emsa.probe"]  # the module (emsa.probe is also the function
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="probe-passes.json")
-    args = ap.parse_args()
-    dev = torch.device("cuda", 0)
-    model = oe.make_llama(oe.LLAMA_1B, dev)
-    ids = oe.token_batches(32000, 4, 512, 1, dev)[0]
+    args, dev, model, ids, out = probe_common.llama_1b("probe-passes", __doc__.splitlines()[0])
     targets = [p for p in model.parameters() if p.requires_grad]
     kwargs = dict(input_ids=ids, labels=ids)
 
@@ -61,8 +55,7 @@ def main() -> None:
               + f" | median {statistics.median(v):6.1f}")
         return v
 
-    out: dict = oe.provenance("probe-passes", dev)
-    out.update(units="ms per forward + backward pass", model=oe.LLAMA_1B, batch=4, seq=512)
+    out.update(units="ms per forward + backward pass")
     passes(3)
     for rep in range(3):
         out[f"rep{rep}"] = dict(alone=show(f"rep{rep} alone", passes(7)),

@@ -15,7 +15,6 @@ show "profile: from cache".
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import offload_e2e as oe  # noqa: E402
+import probe_common  # noqa: E402
 
 import emsa  # noqa: E402
 from emsa import _profile_cache  # noqa: E402
@@ -67,14 +66,7 @@ def timed_probe(model, ids, **kw) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="probe-setup.json")
-    args = ap.parse_args()
-    dev = torch.device("cuda", 0)
-    model = oe.make_llama(oe.LLAMA_1B, dev)
-    ids = oe.token_batches(32000, 4, 512, 1, dev)[0]
-    out: dict = oe.provenance("probe-setup", dev)
-    out.update(model=oe.LLAMA_1B, batch=4, seq=512)
+    args, dev, model, ids, out = probe_common.llama_1b("probe-setup", __doc__.splitlines()[0])
     # As a user runs it: the probe first, before anything warmed cuBLAS or the allocator.
     out["probe_first_in_process"] = timed_probe(model, ids)
     step = steady_step(model, ids)
