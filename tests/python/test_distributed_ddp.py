@@ -94,18 +94,32 @@ def _check_clipping(rows) -> None:
         assert unclipped == (0, 0)
 
 
-def _train(ctx, pair, optimizers, max_norm, steps, what: str) -> int:
-    """emsa (first of each pair) and torch (second, clipped by clip_grad_norm_) in step() mode
-    over the same batches, compared after every step; returns how often torch clipped."""
+def _ddp_pair(ctx, width: int = 16, extra: bool = False, **kw):
+    """Two equal models on the rank's device, each with its DDP wrapper: ((a, ea), (b, eb))."""
+    a, b = _pair(ctx.device, width, extra)
+    return (a, DDP(a, **kw)), (b, DDP(b, **kw))
+
+
+def _train(ctx, pair, optimizers, max_norm, steps, what: str, unused: bool = False,
+           in_backward: bool = False) -> int:
+    """emsa (first of each pair) and torch (second, clipped by clip_grad_norm_) over the same
+    batches, compared after every step; returns how often torch clipped. in_backward: emsa's
+    optimizer updates in backward (no zero_grad; no gradient may be left after backward, and its
+    step() does nothing)."""
     (a, ea), (b, eb) = pair
+    opt, ref = optimizers
     clips = 0
     for step in steps:
-        for model, o in zip((ea, eb), optimizers):
-            o.zero_grad(set_to_none=True)
-            _loss(model, ctx, step).backward()
+        if not in_backward:
+            opt.zero_grad(set_to_none=True)
+        _loss(ea, ctx, step, unused).backward()
+        if in_backward:
+            assert all(p.grad is None for p in a.parameters()), "gradients left after backward"
+        ref.zero_grad(set_to_none=True)
+        _loss(eb, ctx, step, unused).backward()
         clips += _torch_clip(eb, max_norm)
-        for o in optimizers:
-            o.step()
+        opt.step()  # in backward: nothing, the updates were made in backward
+        ref.step()
         _compare(a, b, f"{what} max_grad_norm={max_norm} step {step}")
     return clips
 
@@ -116,11 +130,11 @@ def _ddp_step_body(ctx):
 
     out = {}
     for max_norm in (None, MAX_NORM):
-        a, b = _pair(ctx.device)
-        ea, eb = DDP(a), DDP(b)
+        pair = _ddp_pair(ctx)
+        (_, ea), (_, eb) = pair
         opt = emsa.AdamW(ea.parameters(), lr=LR, max_grad_norm=max_norm)
         ref = torch.optim.AdamW(eb.parameters(), lr=LR)
-        clips = _train(ctx, ((a, ea), (b, eb)), (opt, ref), max_norm, range(STEPS), "DDP step()")
+        clips = _train(ctx, pair, (opt, ref), max_norm, range(STEPS), "DDP step()")
         out[max_norm] = (clips, opt.clip_count)
     return out
 
@@ -145,24 +159,15 @@ def _ddp_in_backward_body(ctx):
 def _ddp_in_backward_run(ctx, unused: bool, bucket_view: bool, max_norm):
     import emsa
 
-    a, b = _pair(ctx.device, extra=unused)
-    kw = dict(find_unused_parameters=unused, gradient_as_bucket_view=bucket_view,
-              bucket_cap_mb=0.0005)  # several buckets, so updates run while backward does
-    ea, eb = DDP(a, **kw), DDP(b, **kw)
+    pair = _ddp_pair(ctx, extra=unused, find_unused_parameters=unused,
+                     gradient_as_bucket_view=bucket_view,
+                     bucket_cap_mb=0.0005)  # several buckets, so updates run while backward does
+    (a, ea), (b, eb) = pair
     opt = emsa.AdamW(ea.parameters(), lr=LR, max_grad_norm=max_norm, step_in_backward=True,
                      ddp=ea)
     ref = torch.optim.AdamW(eb.parameters(), lr=LR)
-    clips = 0
-    for step in range(STEPS):
-        _loss(ea, ctx, step, unused).backward()
-        assert all(p.grad is None for p in a.parameters()), "gradients left after backward"
-        opt.step()  # nothing: the updates were made in backward
-        ref.zero_grad(set_to_none=True)
-        _loss(eb, ctx, step, unused).backward()
-        clips += _torch_clip(eb, max_norm)
-        ref.step()
-        _compare(a, b, f"DDP in backward find_unused={unused} max_grad_norm={max_norm} "
-                 f"step {step}")
+    clips = _train(ctx, pair, (opt, ref), max_norm, range(STEPS),
+                   f"DDP in backward find_unused={unused}", unused=unused, in_backward=True)
     if unused:  # skipped where no rank used it, as torch skips a None gradient
         assert_close(opt.state[a.extra.weight]["step"], ref.state[b.extra.weight]["step"])
     if ctx.backend == "nccl":  # NCCL's futures complete at once: buckets update in backward
@@ -186,15 +191,15 @@ def _zero_body(ctx):
 
     out = {}
     for max_norm in (None, MAX_NORM):
-        a, b = _pair(ctx.device, width=24)
-        ea, eb = DDP(a), DDP(b)
+        pair = _ddp_pair(ctx, width=24)
+        (a, ea), (_, eb) = pair
         kw = {} if max_norm is None else {"max_grad_norm": max_norm}
         opt = ZeRO(ea.parameters(), optimizer_class=emsa.AdamW, lr=LR, **kw)
         ref = ZeRO(eb.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
         held = sum(p.numel() for g in opt.optim.param_groups for p in g["params"])
         assert held < sum(p.numel() for p in a.parameters()) or ctx.world_size == 1
         assert opt.optim._norm_group is opt.process_group  # the partition's norm is not global
-        clips = _train(ctx, ((a, ea), (b, eb)), (opt, ref), max_norm, range(STEPS), "ZeRO-1")
+        clips = _train(ctx, pair, (opt, ref), max_norm, range(STEPS), "ZeRO-1")
         out[max_norm] = (clips, opt.optim.clip_count)
         # The whole state on rank 0, then loaded into a fresh ZeRO + emsa on every rank.
         opt.consolidate_state_dict(to=0)
