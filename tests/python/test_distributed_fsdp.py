@@ -7,8 +7,9 @@ shard on rank 1 is empty: FSDP2 shards dim 0 unevenly) and no bias without a tru
   its reduce-scatter), with and without max_grad_norm=1.0 (against clip_grad_norm_ on the
   DTensor gradients: the norm is the whole model's, and clipping fires);
 - DCP: saved at step 10, loaded by fresh processes, continued to 20: bitwise the uninterrupted
-  run; the 2-rank checkpoint loaded into 1 rank (a plain model) with emsa and with
-  torch.optim.AdamW continues within 1e-6 of the uninterrupted 2-rank run.
+  run (and within 1e-6 of torch.optim's); the 2-rank checkpoint loaded into 1 rank (a plain
+  model) with emsa and with torch.optim.AdamW continues within 1e-6 of the uninterrupted 2-rank
+  runs, emsa's and torch.optim's.
 
 The ranks are started by tests/python/dist_util.py (a fresh process group per run; a hang fails
 the test at its timeout).
@@ -264,18 +265,21 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.mark.numerics
-def test_dcp_resume_is_bitwise(checkpoint):
+def test_dcp_resume_is_bitwise(checkpoint, torch_runs):
     full, ckpt = checkpoint
     resumed = _launch(opt="emsa", load=str(ckpt))
     _assert_params(resumed["params"], full["params"], rtol=0, exact=True)
+    # And the resumed run is torch.optim's uninterrupted one (the reference, not emsa's own).
+    _assert_params(resumed["params"], torch_runs(None)["params"], rtol=1e-6)
 
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("opt", ["emsa", "torch"])
-def test_two_rank_checkpoint_into_one_rank(checkpoint, opt):
+def test_two_rank_checkpoint_into_one_rank(checkpoint, torch_runs, opt):
     full, ckpt = checkpoint
     got = _launch(world=1, opt=opt, fsdp=False, load=str(ckpt))
     _assert_params(got["params"], full["params"], rtol=1e-6)
+    _assert_params(got["params"], torch_runs(None)["params"], rtol=1e-6)  # torch.optim's run
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not torch.distributed.is_nccl_available(),
