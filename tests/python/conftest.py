@@ -60,3 +60,21 @@ def subprocess_env(**extra) -> dict:
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CPU_PROFILE = ROOT / "examples" / "profiles" / "h200.json"
+
+
+# ---- helpers the test files share --------------------------------------------------------------
+def snapshot(model, opt):
+    """Copies of the model's parameters and of the optimizer's state, for assert_unchanged."""
+    return ([p.detach().clone() for p in model.parameters()],
+            {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()})
+
+
+def assert_unchanged(model, opt, before):
+    """Every parameter and every state tensor is bitwise what snapshot(model, opt) copied (and
+    no parameter has state that it had not then)."""
+    params, state = before
+    for (name, p), q in zip(model.named_parameters(), params):
+        assert torch.equal(p, q), f"{name} changed"
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            assert torch.equal(v, state[id(p)][k]), f"state {k} changed"

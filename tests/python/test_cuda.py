@@ -18,7 +18,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import emsa
-from conftest import requires_cuda
+from conftest import assert_unchanged, requires_cuda, snapshot
 from models import (SmallCNN, TinyGPT, cnn_batches, cnn_loss, gpt_batches, gpt_loss,
                     param_groups, warmup_cosine)
 from test_numerics import LionReference
@@ -271,20 +271,6 @@ def test_parameter_storage_replaced_or_reshaped_is_refused():
 
 
 # ---- non-finite gradients ----------------------------------------------------------------------
-
-def snapshot(model, opt):
-    return ([p.detach().clone() for p in model.parameters()],
-            {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()})
-
-
-def assert_unchanged(model, opt, before):
-    params, state = before
-    for (name, p), q in zip(model.named_parameters(), params):
-        assert torch.equal(p, q), f"{name} changed"
-    for p, st in opt.state.items():
-        for k, v in st.items():
-            assert torch.equal(v, state[id(p)][k]), f"state {k} changed"
-
 
 def skip_warnings(caught):
     return [str(w.message) for w in caught if "step skipped" in str(w.message)]

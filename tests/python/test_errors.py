@@ -13,7 +13,8 @@ from torch import nn
 from torch.testing import assert_close
 
 import emsa
-from conftest import CPU_PROFILE, ROOT, requires_cuda, subprocess_env
+from conftest import (CPU_PROFILE, ROOT, assert_unchanged, requires_cuda, snapshot,
+                      subprocess_env)
 from models import SmallCNN, cnn_batches, cnn_loss
 
 
@@ -22,20 +23,6 @@ def stepped(model, opt, n=1):
         opt.zero_grad()
         cnn_loss(model, batch).backward()
         opt.step()
-
-
-def snapshot(model, opt):
-    return ([p.detach().clone() for p in model.parameters()],
-            {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()})
-
-
-def assert_unchanged(model, opt, before):
-    params, state = before
-    for a, b in zip(params, model.parameters()):
-        assert torch.equal(a, b)
-    for p, st in opt.state.items():
-        for k, v in st.items():
-            assert torch.equal(v, state[id(p)][k]), k
 
 
 def test_sparse_gradients():
