@@ -101,6 +101,17 @@ def _remove_all(handles) -> None:
     handles.clear()
 
 
+def _shape_entry(s: Slot, **given) -> ParamRecord:
+    """The record entry of slot s from its (local) tensor alone: name, module, shape, dtype,
+    bytes; the trainable flag and the orders as given."""
+    p = local(s.param)
+    return ParamRecord(
+        name=s.name,
+        module=s.name.rsplit(".", 1)[0] if "." in s.name else f"param_groups[{s.group}]",
+        shape=list(p.shape), dtype=DTYPE_NAMES[p.dtype], numel=p.numel(),
+        bytes=p.numel() * p.element_size(), use_count=1, **given)
+
+
 def unprobed_record(slots: list[Slot], recorder: FirstBackwardRecorder | None,
                     frozen: list[Slot] = ()) -> ProbeRecord:
     """Entry i is slot i; the frozen parameters follow, marked not trainable (no state), so
@@ -110,22 +121,12 @@ def unprobed_record(slots: list[Slot], recorder: FirstBackwardRecorder | None,
     params = []
     for s in slots:
         order, t = seen.get(id(s.param), (-1, 0.0))
-        p = local(s.param)
-        params.append(ParamRecord(
-            name=s.name,
-            module=s.name.rsplit(".", 1)[0] if "." in s.name else f"param_groups[{s.group}]",
-            shape=list(p.shape), dtype=DTYPE_NAMES[p.dtype], numel=p.numel(),
-            bytes=p.numel() * p.element_size(), trainable=True, use_count=1,
-            forward_order=observed - 1 - order if order >= 0 else -1,
-            grad_ready_order=order, grad_ready_time=t))
+        params.append(_shape_entry(s, trainable=True,
+                                   forward_order=observed - 1 - order if order >= 0 else -1,
+                                   grad_ready_order=order, grad_ready_time=t))
     for s in frozen:
-        p = local(s.param)
-        params.append(ParamRecord(
-            name=s.name,
-            module=s.name.rsplit(".", 1)[0] if "." in s.name else f"param_groups[{s.group}]",
-            shape=list(p.shape), dtype=DTYPE_NAMES[p.dtype], numel=p.numel(),
-            bytes=p.numel() * p.element_size(), trainable=False, use_count=1,
-            forward_order=-1, grad_ready_order=-1, grad_ready_time=0.0))
+        params.append(_shape_entry(s, trainable=False, forward_order=-1, grad_ready_order=-1,
+                                   grad_ready_time=0.0))
     backward = max((t for _, t in seen.values()), default=0.0)
     device = str(slots[0].param.device) if slots else "cpu"
     return ProbeRecord(model="(not probed: recorded by the optimizer's first backward)",
