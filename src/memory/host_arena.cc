@@ -21,12 +21,14 @@
 #include <thread>
 
 #include "common/cuda_util.h"
+#include "common/pinned_pages.h"
 #include "common/thread_pool.h"
 
 namespace emsa {
 namespace {
 
 constexpr uint64_t kHugePage = kHostArenaPageBytes;
+static_assert(kHostArenaPageBytes == kLargePageBytes, "the arena's pages are common's large pages");
 constexpr uint64_t kGiB = uint64_t{1} << 30;
 constexpr uint64_t kMaxBytes = uint64_t{1} << 50;  // 1 PiB: larger is a units mistake
 
@@ -95,51 +97,9 @@ class FillPool {
   ThreadPool* pool_;
 };
 
-// Runs fn(begin, end) over [0, bytes) in contiguous 2 MiB-grained shares, one per worker, so
-// on a NUMA host each share's pages land near the thread that touched them.
-template <typename Fn>
-void ForShares(uint64_t bytes, ThreadPool* pool, Fn fn) {
-  if (pool == nullptr || pool->size() <= 1) {
-    fn(uint64_t{0}, bytes);
-    return;
-  }
-  pool->ParallelFor(static_cast<int64_t>(bytes), static_cast<int64_t>(kHugePage),
-                    [&fn](int64_t begin, int64_t end) {
-                      fn(static_cast<uint64_t>(begin), static_cast<uint64_t>(end));
-                    });
-}
-
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels answer EINVAL (then pages are touched)
-#endif
-
-// Faults [p, p + bytes) in writable without changing what it holds (fresh anonymous memory reads
-// as zero already: what is missing is its pages, which the kernel hands over zeroed, a huge page
-// at a time where it can). One MADV_POPULATE_WRITE where the kernel has it; else one atomic
-// no-op write per base page, which a concurrent writer's data survives (state may be written
-// while a background population runs). 0, or the errno that says why the pages cannot be had.
-int PopulatePages(char* p, uint64_t bytes) {
-  for (int attempt = 0; attempt < 4; ++attempt) {
-    if (madvise(p, bytes, MADV_POPULATE_WRITE) == 0) return 0;
-    if (errno == EINVAL) break;  // a kernel without it
-    if (errno != EINTR && errno != EAGAIN) return errno;  // ENOMEM, EFAULT, EHWPOISON
-  }
-  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-  for (uint64_t at = 0; at < bytes; at += page) {
-    __atomic_fetch_or(reinterpret_cast<unsigned char*>(p + at), 0, __ATOMIC_RELAXED);
-  }
-  return 0;
-}
-
-// PopulatePages over [data, data + bytes) in parallel shares; the first error, or OK.
+// PopulateInParallel, with the error as a Status that says what to do.
 Status Populate(void* data, uint64_t bytes, ThreadPool* pool) {
-  char* base = static_cast<char*>(data);
-  std::atomic<int> error{0};
-  ForShares(bytes, pool, [base, &error](uint64_t begin, uint64_t end) {
-    const int e = PopulatePages(base + begin, end - begin);
-    if (e != 0) error.store(e, std::memory_order_relaxed);
-  });
-  const int e = error.load();
+  const int e = PopulateInParallel(data, bytes, pool);
   if (e == 0) return Status::Ok();
   return Status::OutOfMemory("cannot populate " + Size(bytes) + " of the host arena: " +
                              std::strerror(e) +
@@ -150,7 +110,7 @@ Status Populate(void* data, uint64_t bytes, ThreadPool* pool) {
 // Memory from an allocator may hold anything: zero every byte (the cudaHostAlloc fallback).
 void ZeroFill(void* data, uint64_t bytes, ThreadPool* pool) {
   char* base = static_cast<char*>(data);
-  ForShares(bytes, pool, [base](uint64_t begin, uint64_t end) {
+  ForLargePageShares(bytes, pool, [base](uint64_t begin, uint64_t end) {
     std::memset(base + begin, 0, static_cast<size_t>(end - begin));
   });
 }
@@ -317,27 +277,18 @@ Result<std::unique_ptr<HostArena>> HostArena::Create(uint64_t bytes,
 }
 
 Status HostArena::Map() {
-  const uint64_t rounded = RoundUp(size_);
-  // One huge page more than needed, so that a 2 MiB-aligned range can be cut out of it; the
-  // slack on either side is unmapped at once.
-  const uint64_t span = rounded + kHugePage;
-  void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (raw == MAP_FAILED) {
+  MappedPages pages;
+  const int e = MapLargePages(size_, &pages);
+  if (e != 0) {
     return Status::OutOfMemory("cannot map a host arena of " + Size(size_) + ": " +
-                               std::strerror(errno) +
+                               std::strerror(e) +
                                "; keep less optimizer state on the host or free host memory");
   }
-  const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
-  const uintptr_t aligned = (start + kHugePage - 1) / kHugePage * kHugePage;
-  if (aligned > start) (void)munmap(raw, aligned - start);
-  if (start + span > aligned + rounded) {
-    (void)munmap(reinterpret_cast<void*>(aligned + rounded), start + span - (aligned + rounded));
-  }
-  data_ = reinterpret_cast<void*>(aligned);
-  mapped_ = rounded;
-  // Advice only: where the kernel offers no transparent huge pages this fails and base pages
-  // serve; facts() says which.
-  facts_.huge_pages = madvise(data_, mapped_, MADV_HUGEPAGE) == 0;
+  data_ = pages.data;
+  mapped_ = pages.bytes;
+  // Advice only: where the kernel offers no transparent huge pages base pages serve; facts()
+  // says which.
+  facts_.huge_pages = pages.huge_pages;
   facts_.pageable_bytes = mapped_;
   return Status::Ok();
 }
@@ -361,7 +312,7 @@ Status HostArena::Register() {
   const auto begin = std::chrono::steady_clock::now();
   // Portable: any context may copy from it. The pages are resident already, so the driver
   // only pins and maps them.
-  const cudaError_t err = cudaHostRegister(data_, prefix_, cudaHostRegisterPortable);
+  const cudaError_t err = RegisterPages(data_, prefix_);
   facts_.pin_seconds = SecondsSince(begin);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
@@ -440,7 +391,7 @@ void HostArena::Release() {
     (void)cudaGetLastError();
   }
 #endif
-  (void)munmap(data_, mapped_);
+  UnmapPages({data_, mapped_, facts_.huge_pages});
   data_ = nullptr;
   mapped_ = 0;
   facts_.pin = HostPin::kNone;
