@@ -178,7 +178,7 @@ class HostArena::Populator {
   }
   void Read(HostArenaFacts* facts) const {
     std::lock_guard<std::mutex> lock(mu_);
-    facts->populated = finished_ && status_.ok() && done_ >= end_;
+    facts->populated = status_.ok() && done_ >= end_;
     facts->populate_seconds = seconds_;
   }
 
@@ -205,11 +205,11 @@ class HostArena::Populator {
       std::lock_guard<std::mutex> lock(mu_);
       done_ = at;
       status_ = status;
+      if (at >= end_) seconds_ = SecondsSince(start);  // with done_: a waiter sees both
       changed_.notify_all();
     }
     std::lock_guard<std::mutex> lock(mu_);
     finished_ = true;
-    seconds_ = SecondsSince(start);
     changed_.notify_all();
   }
 
