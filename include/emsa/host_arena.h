@@ -134,7 +134,7 @@ class HostArena {
   HostArena();
   Status Map();
   Status Fill(uint64_t bytes, ThreadPool* pool);
-  void PopulateInBackground(int32_t threads);
+  bool PopulateInBackground(int32_t threads);  // false: the OS refused the thread
   Status Register();
   Status HostAllocFallback(ThreadPool* pool);
   void Release();

@@ -91,10 +91,17 @@ class HostArena:
         self.bytes = torch.frombuffer(buf, dtype=torch.uint8)
         if facts.pin == 2:  # pinned, but the slow way: say so rather than be slow silently
             warnings.warn(f"emsa: {self.fallback_reason}", RuntimeWarning, stacklevel=3)
-        self.populated = bool(facts.populated)
+        self.populated = False
         self.times = {"host_arena": time.perf_counter() - start,
                       "host_arena.fill": facts.fill_seconds,
                       "host_arena.pin": facts.pin_seconds}
+        self._note_population(facts)
+
+    def _note_population(self, facts: HostArenaFacts) -> None:
+        if facts.populated and not self.populated:
+            self.populated = True
+            if facts.populate_in_background:
+                self.times["host_arena.populate"] = facts.populate_seconds
 
     def wait_populated(self, offset: int) -> bool:
         """Blocks until every page before byte `offset` is resident (at once without a
@@ -107,9 +114,7 @@ class HostArena:
         facts = HostArenaFacts()
         lib.emsa_host_arena_facts_init(ctypes.byref(facts))
         check(lib.emsa_host_arena_describe(self._owner.handle, ctypes.byref(facts), None))
-        if facts.populated:
-            self.populated = True
-            self.times["host_arena.populate"] = facts.populate_seconds
+        self._note_population(facts)
         return self.populated
 
     def offset_of(self, t: torch.Tensor) -> int:

@@ -51,11 +51,13 @@ class Binding:
                       for i, (s, pp) in enumerate(zip(slots, entries))]
         self.masters = [i for i in range(len(slots)) if self._master(i) is not None]
         # Per slot: the arena offset its host-tier state ends at (0: none), for
-        # _await_populated; None once the whole arena is resident.
+        # _await_populated; None once the whole arena is resident. populated_to: known resident
+        # below it (the locked prefix was populated before the arena was returned).
         arena = self.host_arena
         self.state_end: list[int] | None = None
         if arena is not None and not arena.populated:
             self.state_end = [self._state_end(i) for i in range(len(slots))]
+            self.populated_to = arena.locked_bytes
         self.setup_times["bind.views"] = time.perf_counter() - start
         start = time.perf_counter()
         self._fill_masters()
@@ -140,13 +142,16 @@ class Binding:
         if self.state_end is None:
             return
         end = max((self.state_end[j] for j in slots), default=0)
+        if end <= self.populated_to:
+            return
         start = time.perf_counter()
         done = self.host_arena.wait_populated(end)
+        self.populated_to = end
         times = self.setup_times
         times["host_arena.populate_wait"] = (times.get("host_arena.populate_wait", 0.0)
                                              + time.perf_counter() - start)
         if done:
-            times["host_arena.populate"] = self.host_arena.times["host_arena.populate"]
+            times["host_arena.populate"] = self.host_arena.times.get("host_arena.populate", 0.0)
             self.state_end = None
 
     def _make_host_tier(self, group_count: int, hold_bytes: int) -> None:

@@ -251,8 +251,12 @@ Result<std::unique_ptr<HostArena>> HostArena::Create(uint64_t bytes,
   const FillPool pool(options);
   const bool background = options.populate_in_background && arena->prefix_ < arena->mapped_;
   EMSA_RETURN_IF_ERROR(arena->Fill(background ? arena->prefix_ : arena->mapped_, pool.get()));
-  // Under way while the prefix is registered: the driver pins it on this thread.
-  if (background) arena->PopulateInBackground(options.fill_threads);
+  // Under way while the prefix is registered: the driver pins it on this thread. Where the OS
+  // refuses the thread, the rest is populated now instead.
+  if (background && !arena->PopulateInBackground(options.fill_threads)) {
+    EMSA_RETURN_IF_ERROR(Populate(static_cast<char*>(arena->data_) + arena->prefix_,
+                                  arena->mapped_ - arena->prefix_, pool.get()));
+  }
   if (!options.want_pinned) return arena;
   if (arena->prefix_ == 0) {
     arena->facts_.fallback_reason = "locked_bytes is 0: nothing of the arena is page-locked";
@@ -301,10 +305,15 @@ Status HostArena::Fill(uint64_t bytes, ThreadPool* pool) {
   return populated;
 }
 
-void HostArena::PopulateInBackground(int32_t threads) {
+bool HostArena::PopulateInBackground(int32_t threads) {
+  try {
+    populator_ = std::make_unique<Populator>(static_cast<char*>(data_), prefix_, mapped_, threads);
+  } catch (const std::system_error&) {
+    return false;
+  }
   facts_.populate_in_background = true;
   facts_.populated = false;
-  populator_ = std::make_unique<Populator>(static_cast<char*>(data_), prefix_, mapped_, threads);
+  return true;
 }
 
 Status HostArena::Register() {

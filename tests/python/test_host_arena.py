@@ -104,8 +104,9 @@ def test_host_tier_arena_locks_only_what_copies_touch(dtype):
         assert backend.hidden[i]["param_out"].is_pinned() and not state["master"].is_pinned()
     else:  # an fp32 parameter's host master is uploaded (Adam) and refreshed: locked
         assert backend.hidden[i]["master"].is_pinned()
+    # (host_arena.populate_wait only when the first step had to wait: not for so small a model.)
     for phase in ("host_arena", "host_arena.fill", "host_arena.pin", "host_arena.populate",
-                  "host_arena.populate_wait", "bind", "bind.masters", "first_step"):
+                  "bind", "bind.masters", "first_step"):
         assert phase in opt._setup_times, phase
 
 
