@@ -238,17 +238,17 @@ EMSA_API emsa_status emsa_host_arena_create_with(uint64_t bytes,
 
 /* How an arena was obtained and what it cost (emsa/host_arena.h HostArenaFacts). */
 typedef struct emsa_host_arena_facts {
-  uint32_t struct_size;        /* sizeof(emsa_host_arena_facts) */
-  int32_t pin;                 /* EMSA_HOST_PIN_* */
-  int32_t huge_pages;          /* 1: the kernel accepted MADV_HUGEPAGE for the mapping */
-  int32_t fill_threads;        /* threads that ran the first touch */
-  uint64_t locked_bytes;       /* page-locked */
-  uint64_t pageable_bytes;     /* resident, not locked */
-  uint64_t locked_limit_bytes; /* soft RLIMIT_MEMLOCK, UINT64_MAX unlimited (reported only:
-                                * CUDA's pinning does not count against it) */
-  double fill_seconds;         /* populating before creation returned */
-  double pin_seconds;          /* cudaHostRegister, or cudaHostAlloc on the fallback */
-  double populate_seconds;     /* the background population, once finished (else 0) */
+  uint32_t struct_size;           /* sizeof(emsa_host_arena_facts) */
+  int32_t pin;                    /* EMSA_HOST_PIN_* */
+  int32_t huge_pages;             /* 1: the kernel accepted MADV_HUGEPAGE for the mapping */
+  int32_t fill_threads;           /* threads that ran the first touch */
+  uint64_t locked_bytes;          /* page-locked */
+  uint64_t pageable_bytes;        /* not locked: resident, or populated in the background */
+  uint64_t locked_limit_bytes;    /* soft RLIMIT_MEMLOCK, UINT64_MAX unlimited (reported only:
+                                   * CUDA's pinning does not count against it) */
+  double fill_seconds;            /* populating before creation returned */
+  double pin_seconds;             /* cudaHostRegister, or cudaHostAlloc on the fallback */
+  double populate_seconds;        /* the background population, once finished (else 0) */
   int32_t populate_in_background; /* 1: the part after the locked prefix is populated in the
                                    * background */
   int32_t populated;              /* 1: every page is resident */
@@ -262,8 +262,7 @@ EMSA_API emsa_status emsa_host_arena_describe(const emsa_host_arena* arena,
 /* Blocks until every page before byte `offset` of the arena is resident (at once where nothing
  * is populated in the background, or it got there); any thread. EMSA_OUT_OF_MEMORY when the
  * kernel could not supply the pages: do not step from the arena then. */
-EMSA_API emsa_status emsa_host_arena_wait_populated(const emsa_host_arena* arena,
-                                                    uint64_t offset);
+EMSA_API emsa_status emsa_host_arena_wait_populated(const emsa_host_arena* arena, uint64_t offset);
 
 /* ---- CPU optimizer step -------------------------------------------------------------------- */
 typedef struct emsa_cpu_updater emsa_cpu_updater;

@@ -144,14 +144,14 @@ struct Prediction {
   double step_time = 0.0;             // s, period + stall
   uint64_t device_state_bytes = 0;    // device arena size
   uint64_t host_state_bytes = 0;      // host arena size
+  uint64_t peak_device_bytes = 0;     // predicted peak, optimizer state included
+  double device_update_share = 0.0;   // of the host tier's parameters (elements), GPU-updated
+  uint64_t stream_staging_bytes = 0;  // device staging of the GPU-updated ones (in the peak)
   // The host arena's prefix that holds every view a copy to or from the device touches (the
   // gradient staging, the rounded parameters, fp32 masters, GPU-updated moments): what must be
   // page-locked. The rest, from here to host_state_bytes, only CPU threads touch. A multiple of
   // kHostArenaPageBytes where anything follows it.
   uint64_t host_locked_bytes = 0;
-  uint64_t peak_device_bytes = 0;     // predicted peak, optimizer state included
-  double device_update_share = 0.0;   // of the host tier's parameters (elements), GPU-updated
-  uint64_t stream_staging_bytes = 0;  // device staging of the GPU-updated ones (in the peak)
 };
 
 struct Plan {

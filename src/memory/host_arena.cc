@@ -101,8 +101,8 @@ class FillPool {
 Status Populate(void* data, uint64_t bytes, ThreadPool* pool) {
   const int e = PopulateInParallel(data, bytes, pool);
   if (e == 0) return Status::Ok();
-  return Status::OutOfMemory("cannot populate " + Size(bytes) + " of the host arena: " +
-                             std::strerror(e) +
+  return Status::OutOfMemory("cannot populate " + Size(bytes) +
+                             " of the host arena: " + std::strerror(e) +
                              "; keep less optimizer state on the host or free host memory");
 }
 

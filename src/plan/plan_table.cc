@@ -198,10 +198,10 @@ std::string HostLine(const Plan& plan, const DeviceProfile& profile) {
   // Only the part that copies touch is page-locked (Prediction::host_locked_bytes).
   const uint64_t locked = plan.prediction.host_locked_bytes;
   const uint64_t pageable = plan.prediction.host_state_bytes - locked;
-  return Line("host memory", FormatBytes(locked) + " pinned for the host tier" +
-                                 (pageable > 0 ? " and " + FormatBytes(pageable) + " pageable"
-                                               : std::string()) +
-                                 of);
+  return Line("host memory",
+              FormatBytes(locked) + " pinned for the host tier" +
+                  (pageable > 0 ? " and " + FormatBytes(pageable) + " pageable" : std::string()) +
+                  of);
 }
 
 std::string TiersLine(const Plan& plan) {

@@ -19,10 +19,10 @@
 #include <memory>
 #include <vector>
 
+#include "common/pinned_pages.h"
 #include "common/thread_pool.h"
 #include "emsa/cpu_update.h"
 #include "emsa/host_tier_costs.h"
-#include "common/pinned_pages.h"
 #include "profile/update_probe.h"
 
 namespace emsa {

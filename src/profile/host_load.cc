@@ -11,11 +11,11 @@
 #include <thread>
 
 #include "common/cuda_util.h"
+#include "common/pinned_pages.h"
 #include "common/thread_pool.h"
 #include "emsa/cpu_update.h"
 #include "emsa/host_tier_costs.h"
 #include "emsa/profile.h"
-#include "common/pinned_pages.h"
 #include "profile/update_probe.h"
 
 namespace emsa {

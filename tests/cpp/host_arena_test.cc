@@ -91,6 +91,27 @@ TEST(HostArena, PinnedRequestFallsBackWithoutADevice) {
   EXPECT_EQ(a.facts().fallback_reason.empty(), device_usable) << a.facts().fallback_reason;
 }
 
+#if EMSA_HAVE_CUDA
+// Fills host[0, bytes) with a pattern, copies it to the device and back over zeros: the device
+// reads and writes the memory directly.
+void ExpectDeviceRoundTrip(unsigned char* host, uint64_t bytes) {
+  for (uint64_t i = 0; i < bytes; ++i) host[i] = static_cast<unsigned char>(i * 7 + 1);
+  void* dev = nullptr;
+  ASSERT_EQ(cudaMalloc(&dev, bytes), cudaSuccess);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  std::vector<unsigned char> expect(host, host + bytes);
+  ASSERT_EQ(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  std::memset(host, 0, bytes);
+  ASSERT_EQ(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(std::memcmp(host, expect.data(), bytes), 0);
+  EXPECT_EQ(cudaFree(dev), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+#endif
+
 // Pinned memory is memory the device copies to and from directly (the pointer is registered
 // host memory), zero-filled, and freed without error. GPU only.
 TEST(HostArena, PinnedIsCopyableByTheDevice) {
@@ -117,21 +138,7 @@ TEST(HostArena, PinnedIsCopyableByTheDevice) {
     ASSERT_EQ(cudaPointerGetAttributes(&attr, static_cast<char*>(a.data()) + bytes - 1),
               cudaSuccess);
     EXPECT_EQ(attr.type, cudaMemoryTypeHost);
-    auto* host = static_cast<unsigned char*>(a.data());
-    for (uint64_t i = 0; i < bytes; ++i) host[i] = static_cast<unsigned char>(i * 7 + 1);
-    void* dev = nullptr;
-    ASSERT_EQ(cudaMalloc(&dev, bytes), cudaSuccess);
-    cudaStream_t stream = nullptr;
-    ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-    std::vector<unsigned char> expect(host, host + bytes);
-    ASSERT_EQ(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    std::memset(host, 0, bytes);
-    ASSERT_EQ(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    EXPECT_EQ(std::memcmp(host, expect.data(), bytes), 0);
-    EXPECT_EQ(cudaFree(dev), cudaSuccess);
-    EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+    ExpectDeviceRoundTrip(static_cast<unsigned char*>(a.data()), bytes);
   }
 #else
   GTEST_SKIP() << "built without CUDA";
@@ -306,7 +313,8 @@ TEST(HostArena, BackgroundPopulationKeepsWritesAndEndsResident) {
   EXPECT_TRUE(a.facts().populate_in_background);
   auto* base = static_cast<unsigned char*>(a.data());
   const uint64_t stride = 3 * kMiB + 4093;  // lands at different places in pages and pieces
-  for (uint64_t at = 0; at < bytes; at += stride) base[at] = static_cast<unsigned char>(at % 251 + 1);
+  for (uint64_t at = 0; at < bytes; at += stride)
+    base[at] = static_cast<unsigned char>(at % 251 + 1);
   ASSERT_TRUE(a.WaitPopulated(bytes / 2).ok());
   EXPECT_EQ(NonResidentPages(a.data(), bytes / 2 / 4096 * 4096), 0);
   ASSERT_TRUE(a.WaitPopulated(UINT64_MAX).ok());  // clamped to the size
@@ -377,21 +385,7 @@ TEST(HostArena, LockedPrefixIsRegisteredAndTheRestPageable) {
     EXPECT_EQ(attr.type, cudaMemoryTypeHost);
     ASSERT_EQ(cudaPointerGetAttributes(&attr, host + 4 * kMiB), cudaSuccess);
     EXPECT_EQ(attr.type, cudaMemoryTypeUnregistered);
-    const uint64_t n = 4 * kMiB;
-    for (uint64_t i = 0; i < n; ++i) host[i] = static_cast<unsigned char>(i * 13 + 5);
-    void* dev = nullptr;
-    ASSERT_EQ(cudaMalloc(&dev, n), cudaSuccess);
-    cudaStream_t stream = nullptr;
-    ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-    std::vector<unsigned char> expect(host, host + n);
-    ASSERT_EQ(cudaMemcpyAsync(dev, host, n, cudaMemcpyHostToDevice, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    std::memset(host, 0, n);
-    ASSERT_EQ(cudaMemcpyAsync(host, dev, n, cudaMemcpyDeviceToHost, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    EXPECT_EQ(std::memcmp(host, expect.data(), n), 0);
-    EXPECT_EQ(cudaFree(dev), cudaSuccess);
-    EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+    ExpectDeviceRoundTrip(host, 4 * kMiB);  // the locked prefix
   }
 #else
   GTEST_SKIP() << "built without CUDA";

@@ -117,8 +117,8 @@ void CheckLayout(const Plan& plan) {
       EXPECT_EQ(m.locked_bytes, 0u) << m.module;
     } else {  // the module's copied views, in the arena's locked prefix
       EXPECT_LE(m.locked_offset + m.locked_bytes, plan.prediction.host_locked_bytes) << m.module;
-      spans[1].push_back({m.locked_offset, m.locked_offset + m.locked_bytes,
-                          "locked part of module " + m.module});
+      spans[1].push_back(
+          {m.locked_offset, m.locked_offset + m.locked_bytes, "locked part of module " + m.module});
     }
   }
   for (auto& s : spans) {  // module ranges do not overlap
