@@ -111,17 +111,19 @@ def test_host_tier_arena_locks_only_what_copies_touch(dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("tier", ["host", "device"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_masters_equal_the_parameters_widened_bitwise(dtype):
+def test_masters_equal_the_parameters_widened_bitwise(dtype, tier):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 3)).cuda().to(dtype)
-    with torch.no_grad():  # values across the range, subnormals and signed zeros included
-        model[0].weight.mul_(torch.logspace(-30, 30, 96, device="cuda").to(dtype)[:, None])
-        model[1].bias.copy_(torch.tensor([-0.0, 1e-40, -3.0e38]).to(dtype))
-    for tier in ("host", "device"):
-        opt = emsa.AdamW(model.parameters(), lr=1e-3, tier=tier)
-        for p in model.parameters():
-            master = opt.state[p]["master"]
-            widened = p.detach().float().cpu()
-            assert torch.equal(master.cpu().view(torch.int32), widened.view(torch.int32)), tier
-        del opt
+    # Values across the dtype's range, subnormals and signed zeros included.
+    low, high = (-40, 37) if dtype == torch.bfloat16 else (-7, 4)
+    with torch.no_grad():
+        model[0].weight.mul_(torch.logspace(low, high, 96, device="cuda").to(dtype)[:, None])
+        model[1].bias.copy_(torch.tensor([-0.0, 10.0 ** low, -(10.0 ** high)]).to(dtype))
+    opt = emsa.AdamW(model.parameters(), lr=1e-3, tier=tier)
+    for p in model.parameters():
+        master = opt.state[p]["master"]
+        assert master.device.type == ("cpu" if tier == "host" else "cuda")
+        widened = p.detach().float().cpu()
+        assert torch.equal(master.cpu().view(torch.int32), widened.view(torch.int32))
