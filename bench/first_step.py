@@ -14,7 +14,10 @@ Each case runs in its own process, in the order a new user meets it:
 A step is forward, backward (emsa updates in backward), step(), zero_grad(), then a device
 synchronize; each step's forward and backward are timed too (a synchronize after each), so a
 slow first step shows where its time goes. opt._setup_times (set-up phases), opt._host_memory
-(bytes page-locked and pageable, how the arena was pinned) and the plan's arena sizes are kept.
+(bytes page-locked and pageable, how the arena was pinned) and the plan's arena sizes are kept,
+and printed: each phase with its parts (host_arena: fill and pin of the locked prefix, populate:
+the pageable rest in the background, populate_wait: what the first step waited for it; bind:
+views, masters, tables, host_tier).
 
 Bars: probe <= torch step + 1 s; constructor (1b) <= 2 s; first step <= 2x steady (1b);
 7b constructor-to-end-of-first-step <= 15 s, steady step no slower than 1.6 s.
@@ -219,17 +222,31 @@ def bars(results: dict) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def phases(times: dict) -> str:
+    """Each top-level phase with its parts: "host_arena 3.2 (fill 1.1, pin 2.0), bind ..."."""
+    parts: dict[str, list[str]] = {}
+    for k, v in times.items():
+        top, _, part = k.partition(".")
+        parts.setdefault(top, [])
+        if part:
+            parts[top].append(f"{part} {v:.3f}")
+    out = []
+    for top, sub in parts.items():
+        shown = f"{top} {times[top]:.3f}" if top in times else top
+        out.append(shown + (f" ({', '.join(sub)})" if sub else ""))
+    return ", ".join(out)
+
+
 def print_table(results: dict, dry: bool) -> None:
     for case in ("1b", "7b"):
         r = results.get(case, {})
         if r.get("ok"):
-            times = ", ".join(f"{k} {v:.3f}" for k, v in r.get("setup_times", {}).items())
-            print(f"{case} opt._setup_times (s): {times or '-'}")
+            print(f"{case} opt._setup_times (s): {phases(r.get('setup_times', {})) or '-'}")
             mem = r.get("host_memory") or {}
             arenas = mem.get("arenas") or [{}]
             print(f"{case} host memory: {mem.get('locked_bytes', 0) / 2**30:.2f} GiB locked, "
                   f"{mem.get('pageable_bytes', 0) / 2**30:.2f} GiB pageable, arena: "
-                  f"{arenas[0].get('pin', '-')}"
+                  f"{arenas[0].get('pin', '-')}, huge pages {arenas[0].get('huge_pages', '-')}"
                   + (f" ({arenas[0]['fallback_reason']})"
                      if arenas[0].get("fallback_reason") else ""))
             first = r["steps"][0]

@@ -193,11 +193,12 @@ EMSA_API emsa_status emsa_device_preset(const char* name, char** json_out);
 /* ---- pinned host arena --------------------------------------------------------------------- */
 typedef struct emsa_host_arena emsa_host_arena;
 
-/* One zero-filled allocation aligned to 2 MiB, first-touched on every CPU; page-locked
+/* One zero-filled allocation aligned to 2 MiB, populated on every CPU; page-locked
  * (cudaHostRegister, cudaHostAlloc as the fallback) when want_pinned is 1 and a device is
  * usable, otherwise pageable. 0 never touches CUDA. emsa_host_arena_info's pinned_out tells
  * whether it is pinned. A host without room for it fails before anything is allocated
- * (emsa_host_arena_check). */
+ * (emsa_host_arena_check). emsa_host_arena_create_with may lock only a prefix, and populate the
+ * rest in the background. */
 EMSA_API emsa_status emsa_host_arena_create(uint64_t bytes, int32_t want_pinned,
                                             emsa_host_arena** arena_out);
 EMSA_API void emsa_host_arena_destroy(emsa_host_arena* arena);
@@ -215,6 +216,12 @@ typedef struct emsa_host_arena_options {
                              * may run on; 1: the calling thread */
   int32_t reserved;         /* 0 */
   uint64_t available_bytes; /* host memory the arena may take; 0 (default): MemAvailable now */
+  uint64_t locked_bytes;    /* the prefix page-locked when pinned, in whole 2 MiB pages; the rest
+                             * is pageable. UINT64_MAX (default): all of it */
+  int32_t populate_in_background; /* 1: the part after the locked prefix is populated on a
+                                   * thread of the arena's own after creation returns
+                                   * (emsa_host_arena_wait_populated); 0 (default): before */
+  int32_t reserved2;              /* 0 */
 } emsa_host_arena_options;
 EMSA_API void emsa_host_arena_options_init(emsa_host_arena_options* options);
 /* EMSA_OK when the host can hold an arena of `bytes` now; else the EMSA_OUT_OF_MEMORY that
@@ -231,16 +238,20 @@ EMSA_API emsa_status emsa_host_arena_create_with(uint64_t bytes,
 
 /* How an arena was obtained and what it cost (emsa/host_arena.h HostArenaFacts). */
 typedef struct emsa_host_arena_facts {
-  uint32_t struct_size;        /* sizeof(emsa_host_arena_facts) */
-  int32_t pin;                 /* EMSA_HOST_PIN_* */
-  int32_t huge_pages;          /* 1: the kernel accepted MADV_HUGEPAGE for the mapping */
-  int32_t fill_threads;        /* threads that ran the first touch */
-  uint64_t locked_bytes;       /* page-locked */
-  uint64_t pageable_bytes;     /* resident, not locked */
-  uint64_t locked_limit_bytes; /* soft RLIMIT_MEMLOCK, UINT64_MAX unlimited (reported only:
-                                * CUDA's pinning does not count against it) */
-  double fill_seconds;         /* first touch (zero fill) */
-  double pin_seconds;          /* cudaHostRegister, or cudaHostAlloc on the fallback */
+  uint32_t struct_size;           /* sizeof(emsa_host_arena_facts) */
+  int32_t pin;                    /* EMSA_HOST_PIN_* */
+  int32_t huge_pages;             /* 1: the kernel accepted MADV_HUGEPAGE for the mapping */
+  int32_t fill_threads;           /* threads that ran the first touch */
+  uint64_t locked_bytes;          /* page-locked */
+  uint64_t pageable_bytes;        /* not locked: resident, or populated in the background */
+  uint64_t locked_limit_bytes;    /* soft RLIMIT_MEMLOCK, UINT64_MAX unlimited (reported only:
+                                   * CUDA's pinning does not count against it) */
+  double fill_seconds;            /* populating before creation returned */
+  double pin_seconds;             /* cudaHostRegister, or cudaHostAlloc on the fallback */
+  double populate_seconds;        /* the background population, once finished (else 0) */
+  int32_t populate_in_background; /* 1: the part after the locked prefix is populated in the
+                                   * background */
+  int32_t populated;              /* 1: every page is resident */
 } emsa_host_arena_facts;
 EMSA_API void emsa_host_arena_facts_init(emsa_host_arena_facts* facts);
 /* facts must be initialized; *fallback_reason_out ("" when none; may be NULL) is freed with
@@ -248,6 +259,10 @@ EMSA_API void emsa_host_arena_facts_init(emsa_host_arena_facts* facts);
 EMSA_API emsa_status emsa_host_arena_describe(const emsa_host_arena* arena,
                                               emsa_host_arena_facts* facts,
                                               char** fallback_reason_out);
+/* Blocks until every page before byte `offset` of the arena is resident (at once where nothing
+ * is populated in the background, or it got there); any thread. EMSA_OUT_OF_MEMORY when the
+ * kernel could not supply the pages: do not step from the arena then. */
+EMSA_API emsa_status emsa_host_arena_wait_populated(const emsa_host_arena* arena, uint64_t offset);
 
 /* ---- CPU optimizer step -------------------------------------------------------------------- */
 typedef struct emsa_cpu_updater emsa_cpu_updater;

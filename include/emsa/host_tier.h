@@ -1,9 +1,12 @@
 // emsa/host_tier.h — the host tier's step for CUDA parameters: gradients down, CPU update,
 // parameters up, each stage overlapped with the others and with the GPU's own work.
 //
-// The state of a host-tier parameter lives in the pinned host arena (moments, an fp32 master,
+// The state of a host-tier parameter lives in the host arena (moments, an fp32 master,
 // a staging buffer for its gradient and, for bf16/fp16 parameters, one for the rounded
-// parameter). Per step and per bucket (the plan's unit, in gradient-ready order):
+// parameter). What a copy reads or writes must be pinned (the staging buffers, the parameter
+// the upload reads, a device-updated bucket's moments); what only the CPU touches may be
+// pageable, resident before the tier's first step. Per step and per bucket (the plan's unit, in
+// gradient-ready order):
 //
 //   Submit(b, grads, compute)   an event on the compute stream; the D2H stream waits on it and
 //                               copies the bucket's gradients into their staging buffers, then

@@ -105,12 +105,16 @@ struct ParamPlan {
   uint64_t state_bytes = 0;       // bytes this parameter occupies in its arena, padding included
 };
 
-// A contiguous range of one module's state in one tier's arena.
+// A contiguous range of one module's state in one tier's arena. In the host arena a module's
+// views lie in two ranges: those a copy to or from the device touches in the arena's page-locked
+// prefix (locked_offset, locked_bytes), the rest after it, in memory no DMA reads (offset, bytes).
 struct ModuleRange {
   std::string module;
   Tier tier = Tier::kL1;
   uint64_t offset = 0;  // in the arena of that tier
   uint64_t bytes = 0;
+  uint64_t locked_offset = 0;  // host tier only
+  uint64_t locked_bytes = 0;   // host tier only; 0 on the device tier
 };
 
 // Parameters whose updates launch together, in grad-ready order, all of one tier.
@@ -143,6 +147,11 @@ struct Prediction {
   uint64_t peak_device_bytes = 0;     // predicted peak, optimizer state included
   double device_update_share = 0.0;   // of the host tier's parameters (elements), GPU-updated
   uint64_t stream_staging_bytes = 0;  // device staging of the GPU-updated ones (in the peak)
+  // The host arena's prefix that holds every view a copy to or from the device touches (the
+  // gradient staging, the rounded parameters, fp32 masters, GPU-updated moments): what must be
+  // page-locked. The rest, from here to host_state_bytes, only CPU threads touch. A multiple of
+  // kHostArenaPageBytes where anything follows it.
+  uint64_t host_locked_bytes = 0;
 };
 
 struct Plan {

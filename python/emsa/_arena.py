@@ -1,10 +1,13 @@
 """A libemsa host arena seen from torch: one allocation, state tensors are views, no copies.
 
-libemsa maps it on 2 MiB boundaries (huge pages where the kernel offers them), touches every
-page on all CPUs, then page-locks it with one cudaHostRegister when pinned memory is asked for
-and a device is usable (cudaHostAlloc only when registering fails: `pin` and
-`fallback_reason` say which way it went). `check_fits` refuses, before anything is allocated, an
-arena the host cannot hold now, naming the size that fits.
+libemsa maps it on 2 MiB boundaries (huge pages where the kernel offers them), populates every
+page on all CPUs (no page fault in a step), then page-locks it with one cudaHostRegister when
+pinned memory is asked for and a device is usable (cudaHostAlloc only when registering fails:
+`pin` and `fallback_reason` say which way it went). Only a prefix may be locked (locked_bytes:
+the plan's host_locked_bytes, every view a copy to or from the device touches); the rest is
+pageable and may be populated in the background (wait_populated). `check_fits` refuses, before
+anything is allocated, an arena the host cannot hold now (all of it, locked or not), naming the
+size that fits.
 
 Lifetime: every view holds the torch storage, which holds the ctypes buffer, which holds the
 arena's owner; the arena is freed when the last view is gone, never earlier, even if a
@@ -25,11 +28,15 @@ from ._capi import HostArenaFacts, HostArenaOptions, check, lib, take_string
 PIN_NAMES = {0: "pageable", 1: "cudaHostRegister", 2: "cudaHostAlloc"}
 
 
-def _options(pinned: bool, available_bytes: int = 0) -> HostArenaOptions:
+def _options(pinned: bool, available_bytes: int = 0, locked_bytes: int | None = None,
+             background: bool = False) -> HostArenaOptions:
     options = HostArenaOptions()
     lib.emsa_host_arena_options_init(ctypes.byref(options))
     options.want_pinned = int(pinned)
     options.available_bytes = int(available_bytes)
+    if locked_bytes is not None:  # else libemsa's default: all of it
+        options.locked_bytes = int(locked_bytes)
+    options.populate_in_background = int(background)
     return options
 
 
@@ -53,13 +60,16 @@ class _Owner:
 
 
 class HostArena:
-    def __init__(self, nbytes: int, pinned: bool):
+    def __init__(self, nbytes: int, pinned: bool, locked_bytes: int | None = None,
+                 background: bool = False):
         """pinned: page-locked when a CUDA device is usable; `self.pinned` says, `self.pin`
-        how. `self.times`: seconds of the whole creation ("host_arena") and of its parts, as
-        opt._setup_times names them."""
+        how. locked_bytes: only that prefix is locked (None: all of it); background: the rest is
+        populated after this returns (wait_populated). `self.times`: seconds of the whole
+        creation ("host_arena") and of its parts, as opt._setup_times names them."""
         start = time.perf_counter()
         handle = ctypes.c_void_p()
-        check(lib.emsa_host_arena_create_with(nbytes, ctypes.byref(_options(pinned)),
+        options = _options(pinned, locked_bytes=locked_bytes, background=background)
+        check(lib.emsa_host_arena_create_with(nbytes, ctypes.byref(options),
                                               ctypes.byref(handle)))
         owner = _Owner(handle)
         data, size, got_pinned = ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_int32()
@@ -70,6 +80,7 @@ class HostArena:
         check(lib.emsa_host_arena_describe(handle, ctypes.byref(facts), ctypes.byref(reason)))
         buf = (ctypes.c_uint8 * size.value).from_address(data.value)
         buf._emsa_owner = owner
+        self._owner = owner  # the handle, for wait_populated (the views keep the memory)
         self.pinned = bool(got_pinned.value)
         self.pin = PIN_NAMES.get(facts.pin, "unknown")
         self.fallback_reason = take_string(reason)
@@ -80,9 +91,35 @@ class HostArena:
         self.bytes = torch.frombuffer(buf, dtype=torch.uint8)
         if facts.pin == 2:  # pinned, but the slow way: say so rather than be slow silently
             warnings.warn(f"emsa: {self.fallback_reason}", RuntimeWarning, stacklevel=3)
+        self.populated = False
         self.times = {"host_arena": time.perf_counter() - start,
                       "host_arena.fill": facts.fill_seconds,
                       "host_arena.pin": facts.pin_seconds}
+        self._note_population(facts)
+
+    def _note_population(self, facts: HostArenaFacts) -> None:
+        if facts.populated and not self.populated:
+            self.populated = True
+            if facts.populate_in_background:
+                self.times["host_arena.populate"] = facts.populate_seconds
+
+    def wait_populated(self, offset: int) -> bool:
+        """Blocks until every page before byte `offset` is resident (at once without a
+        background population, or once it got there); raises EmsaError when the kernel could
+        not supply the pages. Returns whether every page of the arena is resident now; once it
+        is, times["host_arena.populate"] holds the background population's seconds."""
+        if self.populated:
+            return True
+        check(lib.emsa_host_arena_wait_populated(self._owner.handle, int(offset)))
+        facts = HostArenaFacts()
+        lib.emsa_host_arena_facts_init(ctypes.byref(facts))
+        check(lib.emsa_host_arena_describe(self._owner.handle, ctypes.byref(facts), None))
+        self._note_population(facts)
+        return self.populated
+
+    def offset_of(self, t: torch.Tensor) -> int:
+        """t's first byte as an offset into the arena (t must be a view of it)."""
+        return t.data_ptr() - self.bytes.data_ptr()
 
     def describe(self) -> dict:
         """What the report shows: bytes locked and pageable, and how the memory was pinned."""
@@ -101,10 +138,13 @@ class HostArena:
         return flat.as_strided(like.shape, like.stride())
 
 
-def pinned_arena(nbytes: int, times: dict) -> HostArena:
+def pinned_arena(nbytes: int, times: dict, locked_bytes: int | None = None) -> HostArena:
     """The host tier's arena, page-locked (the host tier copies only from pinned memory), or
-    an error saying why it could not be; its set-up phases are added to `times`."""
-    arena = HostArena(nbytes, pinned=True)
+    an error saying why it could not be; its set-up phases are added to `times`. locked_bytes:
+    only that prefix is locked (the plan's host_locked_bytes: every view a copy touches lies
+    there), and the rest is populated in the background (wait before a step reads it)."""
+    background = locked_bytes is not None and locked_bytes < nbytes
+    arena = HostArena(nbytes, pinned=True, locked_bytes=locked_bytes, background=background)
     times.update(arena.times)
     if not arena.pinned:
         raise RuntimeError(f"emsa could not pin the host arena ({arena.fallback_reason}), and "

@@ -244,6 +244,9 @@ class HostArenaOptions(ctypes.Structure):
         ("fill_threads", ctypes.c_int32),
         ("reserved", ctypes.c_int32),
         ("available_bytes", ctypes.c_uint64),
+        ("locked_bytes", ctypes.c_uint64),
+        ("populate_in_background", ctypes.c_int32),
+        ("reserved2", ctypes.c_int32),
     ]
 
 
@@ -258,6 +261,9 @@ class HostArenaFacts(ctypes.Structure):
         ("locked_limit_bytes", ctypes.c_uint64),
         ("fill_seconds", ctypes.c_double),
         ("pin_seconds", ctypes.c_double),
+        ("populate_seconds", ctypes.c_double),
+        ("populate_in_background", ctypes.c_int32),
+        ("populated", ctypes.c_int32),
     ]
 
 
@@ -312,6 +318,7 @@ _TABLE = {
     "emsa_host_arena_facts_init": (None, [ctypes.POINTER(HostArenaFacts)]),
     "emsa_host_arena_describe": (
         _S, [_P, ctypes.POINTER(HostArenaFacts), ctypes.POINTER(_P)]),
+    "emsa_host_arena_wait_populated": (_S, [_P, ctypes.c_uint64]),
     "emsa_host_arena_info": (
         _S, [_P, ctypes.POINTER(_P), ctypes.POINTER(ctypes.c_uint64),
              ctypes.POINTER(ctypes.c_int32)]),

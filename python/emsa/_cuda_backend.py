@@ -1,7 +1,7 @@
 """The CUDA engine: parameters on the GPU, updated in place by libemsa's fused multi-tensor
 kernels on torch's current stream.
 
-Bound once, before the first step, all synchronously:
+Bound once, before the first step, all synchronously (views and masters: emsa._cuda_bind):
   - one device arena sized by the plan; exp_avg, exp_avg_sq (and an fp32 master for bf16/fp16
     parameters, initialised from the parameter) are CUDA tensors aliasing it through DLPack, at
     the plan's offsets;
@@ -56,8 +56,9 @@ Parameters stay at the addresses they had when planned (the tables record them):
 in (model.load_state_dict does); replacing the storage (p.data = ..., .to()) raises.
 
 The host tier. State the plan puts on L2 (exp_avg, exp_avg_sq, an fp32 master, staging for the
-gradient and, for bf16/fp16 parameters, for the rounded parameter) lives in one pinned host
-arena; its buckets run on libemsa's HostTier (emsa._host_tier): gradients down on a D2H stream
+gradient and, for bf16/fp16 parameters, for the rounded parameter) lives in one host arena, whose
+prefix of everything a copy touches is pinned and whose rest (what only the CPU touches) is
+pageable, populated in the background before a bucket's first update reads it; its buckets run on libemsa's HostTier (emsa._host_tier): gradients down on a D2H stream
 when the bucket is submitted, the CPU update on a worker pool, parameters up on an H2D stream,
 the next forward waiting per module. Buckets are submitted at step() (after backward, in
 gradient-ready order) or, with step_in_backward=True, from the gradient hooks as each bucket
@@ -83,11 +84,11 @@ import warnings
 import torch
 
 from . import _capi, _tuning
-from ._backend import DTYPE_NAMES, Backend, StepResult, kernel_grad, state_view
+from ._backend import DTYPE_NAMES, Backend, StepResult, kernel_grad
 from ._binding import Slot
-from ._capi import (DeviceTableOptions, EmsaError, HostTierTensor, Hyperparams, TensorUpdate,
-                    check, lib)
-from ._arena import HostArena, check_fits, copy_converted, pinned_arena
+from ._capi import DeviceTableOptions, EmsaError, Hyperparams, TensorUpdate, check, lib
+from ._arena import HostArena, check_fits, pinned_arena
+from ._cuda_bind import Binding
 from ._cuda_passes import InBackward, Pass, on, ptr
 from ._cuda_stats import HeaderRing, StepClock, counted_mask
 from ._device_arena import DeviceArena
@@ -100,7 +101,7 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-class CudaBackend(InBackward, Backend):
+class CudaBackend(InBackward, Binding, Backend):
     name = "cuda"
     wants_bandwidths = False
     host_tier = True
@@ -152,18 +153,19 @@ class CudaBackend(InBackward, Backend):
                     device_start = time.perf_counter()
                     self.arena = DeviceArena(plan.device_arena_bytes, self.index)
                     self.setup_times["device_arena"] = time.perf_counter() - device_start
-                if plan.host_arena_bytes:
-                    self.host_arena = pinned_arena(plan.host_arena_bytes, self.setup_times)
+                if plan.host_arena_bytes:  # locked: the prefix every copy touches
+                    self.host_arena = pinned_arena(
+                        plan.host_arena_bytes, self.setup_times,
+                        locked_bytes=plan.json["prediction"]["host_locked_bytes"])
                 state_code = _capi.DTYPE[DTYPE_NAMES[state_dtype]]
-                self.hidden: list[dict] = [{} for _ in slots]  # host-tier staging and masters
                 bind_start = time.perf_counter()
-                self.views = [self._bind_views(i, s, pp, state_dtype)
-                              for i, (s, pp) in enumerate(zip(slots, entries))]
-                self.masters = [i for i in range(len(slots)) if self._master(i) is not None]
+                self._bind_state(slots, entries, state_dtype)  # emsa._cuda_bind
                 self.versions = [p._version for p in self.params]
+                tables_start = time.perf_counter()
                 self._make_scalars(group_count)
                 self._make_tables(slots, plan, state_code)
-                self._make_host_tier(slots, plan, entries, state_code, group_count)
+                self.setup_times["bind.tables"] = time.perf_counter() - tables_start
+                self._make_host_tier(group_count, _pacing_hold(plan))
                 self.setup_times["bind"] = time.perf_counter() - bind_start
                 stream = torch.cuda.current_stream(self.device)
                 check(lib.emsa_device_scalars_set_inputs(self.scalars, 1.0, 0.0, 0,
@@ -181,35 +183,7 @@ class CudaBackend(InBackward, Backend):
         self.pass_: Pass | None = None  # step in backward: the pass under way
         self.closed = False
 
-    # ---- binding ------------------------------------------------------------------------
-    def _bind_views(self, i: int, s: Slot, pp: dict, state_dtype) -> dict:
-        p = s.param
-        arena = self.host_arena if self.on_host[i] else self.arena
-        views = {"step": self.steps[i],  # torch.optim's key order: step first
-                 "exp_avg": state_view(arena, pp["exp_avg_offset"], p, state_dtype)}
-        if self.kind != "lion":
-            views["exp_avg_sq"] = state_view(arena, pp["exp_avg_sq_offset"], p, state_dtype)
-        if p.dtype != torch.float32 or self.on_host[i]:
-            master = state_view(arena, pp["master_offset"], p, torch.float32)
-            copy_converted(master, p)
-            if p.dtype != torch.float32:
-                views["master"] = master
-            else:
-                self.hidden[i]["master"] = master
-        if self.on_host[i]:
-            self.hidden[i]["grad"] = state_view(arena, pp["grad_offset"], p, p.dtype)
-            if p.dtype != torch.float32:
-                self.hidden[i]["param_out"] = state_view(arena, pp["param_out_offset"], p, p.dtype)
-        return views
-
-    def _master(self, i: int) -> torch.Tensor | None:
-        return self.views[i].get("master", self.hidden[i].get("master"))
-
-    def refresh_master(self, i: int) -> None:
-        p = self.params[i]
-        copy_converted(self._master(i), p)  # to pinned host memory: synchronous
-        self.versions[i] = p._version
-
+    # ---- binding: views, masters and the host tier in emsa._cuda_bind ----------------------
     def _make_scalars(self, group_count: int) -> None:
         hypers = (Hyperparams * group_count)()
         for h in hypers:
@@ -318,38 +292,6 @@ class CudaBackend(InBackward, Backend):
                                                      len(self.params), ctypes.byref(options),
                                                      ctypes.byref(table)))
         return table
-
-    def _make_host_tier(self, slots, plan: Plan, entries, state_code: int,
-                        group_count: int) -> None:
-        if not self.host_slots:
-            return
-        tensors, params = [], []
-        for b, members in enumerate(self.host_slots):
-            for i in members:
-                p, v, h = self.params[i], self.views[i], self.hidden[i]
-                t = HostTierTensor()
-                lib.emsa_host_tier_tensor_init(ctypes.byref(t))
-                u = t.update
-                u.param_dtype = u.grad_dtype = _capi.DTYPE[DTYPE_NAMES[p.dtype]]
-                u.state_dtype = state_code
-                if p.dtype == torch.float32:  # the master is the parameter the CPU updates
-                    u.param = h["master"].data_ptr()
-                else:
-                    u.param = h["param_out"].data_ptr()
-                    u.master = v["master"].data_ptr()
-                u.grad = h["grad"].data_ptr()
-                u.exp_avg = v["exp_avg"].data_ptr()
-                u.exp_avg_sq = v["exp_avg_sq"].data_ptr() if "exp_avg_sq" in v else None
-                u.numel = p.numel()
-                t.group = self.groups[i]
-                t.bucket = b
-                t.device_param = p.data_ptr()
-                t.device_update = int(self.host_on_gpu[b])
-                tensors.append(t)
-                params.append(p)
-        self.host = HostTier(tensors, self.host_slots, group_count, self.kind, self.device,
-                             params, in_backward=self.in_backward,
-                             hold_bytes=_pacing_hold(plan))
 
     def state(self, i: int) -> dict[str, torch.Tensor]:
         return self.views[i]
@@ -688,12 +630,6 @@ class CudaBackend(InBackward, Backend):
             grads.append(None if g is None else kernel_grad(self.names[i], g, p,
                                                             self.strides[i]))
         return grads
-
-    def _refresh_stale_masters(self, slots) -> None:
-        """Masters of parameters someone else wrote since (emsa's own writes leave _version)."""
-        for j in slots:
-            if self.params[j]._version != self.versions[j] and self._master(j) is not None:
-                self.refresh_master(j)
 
     def _claim_unwaited(self, stream: torch.cuda.Stream) -> None:
         """Before a new step: every upload of the last one should have been waited for by a

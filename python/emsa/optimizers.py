@@ -268,6 +268,7 @@ class _EmsaOptimizer(InBackwardPasses, Optimizer):
         self._shards = shards
         _dtensor.forward_waits(backend, shards)
         self.__dict__.setdefault("_setup_times", {}).update(getattr(backend, "setup_times", {}))
+        backend.setup_times = self._setup_times  # what it measures later (the first step's waits)
         self._host_memory = host_memory(backend)
         self._plan, self._backend, self._record = plan, backend, planned
         self._planned_release = self._releases_grads()

@@ -19,6 +19,11 @@ emsa_status ToArenaOptions(const emsa_host_arena_options* c, emsa::HostArenaOpti
     return Fail(EMSA_INVALID_ARGUMENT, "want_pinned is " + std::to_string(c->want_pinned) +
                                            "; use 0 (plain) or 1 (pinned)");
   }
+  if (!IsFlag(c->populate_in_background)) {
+    return Fail(EMSA_INVALID_ARGUMENT,
+                "populate_in_background is " + std::to_string(c->populate_in_background) +
+                    "; use 0 (before creation returns) or 1 (in the background)");
+  }
   if (c->fill_threads < 0) {
     return Fail(EMSA_INVALID_ARGUMENT, "fill_threads is " + std::to_string(c->fill_threads) +
                                            "; use 0 (every CPU) or a thread count");
@@ -100,7 +105,7 @@ emsa_status emsa_host_arena_describe(const emsa_host_arena* arena, emsa_host_are
     const emsa_status size =
         CheckSize(facts, "emsa_host_arena_facts", "emsa_host_arena_facts_init");
     if (size != EMSA_OK) return size;
-    const emsa::HostArenaFacts& f = arena->arena->facts();
+    const emsa::HostArenaFacts f = arena->arena->facts();
     if (fallback_reason_out != nullptr) {
       char* reason = CopyString(f.fallback_reason);
       if (reason == nullptr) return Fail(EMSA_OUT_OF_MEMORY, "cannot allocate the reason");
@@ -110,6 +115,13 @@ emsa_status emsa_host_arena_describe(const emsa_host_arena* arena, emsa_host_are
       to = static_cast<std::remove_reference_t<decltype(to)>>(from);
     });
     return Report(emsa::Status::Ok());
+  });
+}
+
+emsa_status emsa_host_arena_wait_populated(const emsa_host_arena* arena, uint64_t offset) {
+  return Guard([&] {
+    if (arena == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "arena is NULL");
+    return Report(arena->arena->WaitPopulated(offset));
   });
 }
 

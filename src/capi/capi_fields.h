@@ -67,6 +67,8 @@ struct Fields<emsa_host_arena_options> {
     fn(c.want_pinned, cpp.want_pinned);
     fn(c.fill_threads, cpp.fill_threads);
     fn(c.available_bytes, cpp.available_bytes);
+    fn(c.locked_bytes, cpp.locked_bytes);
+    fn(c.populate_in_background, cpp.populate_in_background);
   }
 };
 
@@ -85,6 +87,9 @@ struct Fields<emsa_host_arena_facts> {
     fn(c.locked_limit_bytes, cpp.locked_limit_bytes);
     fn(c.fill_seconds, cpp.fill_seconds);
     fn(c.pin_seconds, cpp.pin_seconds);
+    fn(c.populate_seconds, cpp.populate_seconds);
+    fn(c.populate_in_background, cpp.populate_in_background);
+    fn(c.populated, cpp.populated);
   }
 };
 

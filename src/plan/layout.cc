@@ -5,6 +5,7 @@
 #include <limits>
 #include <map>
 
+#include "emsa/host_arena.h"
 #include "plan/costs.h"
 
 namespace emsa::plan_internal {
@@ -29,35 +30,90 @@ uint64_t TierAlign(Tier tier, const PlanOptions& options) {
   return tier == Tier::kL2 ? options.host_tensor_alignment : options.device_tensor_alignment;
 }
 
-// Places one param's views at `offset` (aligned already); returns the bytes taken.
+// Where a view goes: fills the offset field of its kind.
+void SetOffset(ParamPlan* p, ViewKind kind, int64_t off) {
+  switch (kind) {
+    case ViewKind::kGrad:
+      p->grad_offset = off;
+      break;
+    case ViewKind::kExpAvg:
+      p->exp_avg_offset = off;
+      break;
+    case ViewKind::kExpAvgSq:
+      p->exp_avg_sq_offset = off;
+      break;
+    case ViewKind::kMaster:
+      p->master_offset = off;
+      break;
+    case ViewKind::kParamOut:
+      p->param_out_offset = off;
+      break;
+  }
+}
+
+// Places one device-tier param's views at `offset` (aligned already); returns the bytes taken.
 uint64_t PlaceViews(ParamPlan* p, uint64_t offset, const PlanOptions& options) {
   ViewSpec views[kMaxViews];
   const int count = TierViews(p->tier, p->numel, p->param_dtype, options, views);
   const uint64_t align = TierAlign(p->tier, options);
   uint64_t at = offset;
   for (int v = 0; v < count; ++v) {
-    const int64_t off = static_cast<int64_t>(at);
-    switch (views[v].kind) {
-      case ViewKind::kGrad:
-        p->grad_offset = off;
-        break;
-      case ViewKind::kExpAvg:
-        p->exp_avg_offset = off;
-        break;
-      case ViewKind::kExpAvgSq:
-        p->exp_avg_sq_offset = off;
-        break;
-      case ViewKind::kMaster:
-        p->master_offset = off;
-        break;
-      case ViewKind::kParamOut:
-        p->param_out_offset = off;
-        break;
-    }
+    SetOffset(p, views[v].kind, static_cast<int64_t>(at));
     at += AlignUp(views[v].bytes, align);
   }
   p->state_bytes = at - offset;
   return p->state_bytes;
+}
+
+// Whether a copy between the device and the host arena reads or writes a host-tier view: the
+// gradient staging (gradients down; the delta up under device_delta), the rounded parameter (up),
+// an fp32 parameter's master (its host copy: uploaded under Adam, refreshed from the device) and
+// the moments of a GPU-updated parameter (streamed up and back). Everything else is touched by
+// CPU threads alone.
+bool CopiedView(ViewKind kind, const ParamPlan& p) {
+  switch (kind) {
+    case ViewKind::kGrad:
+    case ViewKind::kParamOut:
+      return true;
+    case ViewKind::kMaster:
+      return p.param_dtype == DType::kFloat32;
+    case ViewKind::kExpAvg:
+    case ViewKind::kExpAvgSq:
+      return p.device_update;
+  }
+  return true;
+}
+
+// Places the host-tier views that copies touch (copied) or those they do not, module by module
+// in gradient-ready order from `offset`; each module's share is recorded in its range. Returns
+// the end.
+uint64_t PlaceHostRegion(const LayoutOrder& order, bool copied, uint64_t offset, Plan* plan,
+                         std::vector<ModuleRange>* ranges) {
+  const PlanOptions& options = plan->options;
+  const uint64_t align = options.host_tensor_alignment;
+  size_t r = 0;
+  for (const LayoutOrder::Module& m : order.modules) {
+    bool any = false;
+    const uint64_t start = AlignUp(offset, align);
+    offset = start;
+    for (int64_t i : m.members) {
+      ParamPlan& p = plan->params[static_cast<size_t>(i)];
+      if (p.tier != Tier::kL2) continue;
+      any = true;
+      ViewSpec views[kMaxViews];
+      const int count = TierViews(p.tier, p.numel, p.param_dtype, options, views);
+      for (int v = 0; v < count; ++v) {
+        if (CopiedView(views[v].kind, p) != copied) continue;
+        SetOffset(&p, views[v].kind, static_cast<int64_t>(offset));
+        offset += AlignUp(views[v].bytes, align);
+      }
+    }
+    if (!any) continue;
+    ModuleRange& range = (*ranges)[r++];
+    (copied ? range.locked_offset : range.offset) = start;
+    (copied ? range.locked_bytes : range.bytes) = offset - start;
+  }
+  return offset;
 }
 
 }  // namespace
@@ -111,30 +167,50 @@ uint64_t DeviceSizer::ArenaBytes(const std::vector<char>& on_host) const {
 void LayoutArenas(const LayoutOrder& order, Plan* plan) {
   const PlanOptions& options = plan->options;
   plan->modules.clear();
-  uint64_t ends[2] = {0, 0};  // device, host
-  for (Tier tier : {Tier::kL1, Tier::kL2}) {
-    uint64_t& offset = ends[tier == Tier::kL2 ? 1 : 0];
-    for (const LayoutOrder::Module& m : order.modules) {
-      uint64_t bytes = 0;
-      bool any = false;
-      for (int64_t i : m.members) {
-        const ParamPlan& p = plan->params[static_cast<size_t>(i)];
-        if (p.tier != tier) continue;
-        bytes += PaddedStateBytes(tier, p.numel, p.param_dtype, options, TierAlign(tier, options));
-        any = true;
+  uint64_t offset = 0;
+  for (const LayoutOrder::Module& m : order.modules) {
+    uint64_t bytes = 0;
+    bool any = false;
+    for (int64_t i : m.members) {
+      ParamPlan& p = plan->params[static_cast<size_t>(i)];
+      const uint64_t padded =
+          PaddedStateBytes(p.tier, p.numel, p.param_dtype, options, TierAlign(p.tier, options));
+      if (p.tier != Tier::kL1) {
+        p.state_bytes = padded;  // placed by LayoutHostArena
+        continue;
       }
-      if (!any) continue;
-      offset = tier == Tier::kL2 ? AlignUp(offset, options.host_tensor_alignment)
-                                 : ModuleStart(offset, bytes, options);
-      plan->modules.push_back({m.name, tier, offset, bytes});
-      for (int64_t i : m.members) {
-        ParamPlan& p = plan->params[static_cast<size_t>(i)];
-        if (p.tier == tier) offset += PlaceViews(&p, offset, options);
-      }
+      bytes += padded;
+      any = true;
+    }
+    if (!any) continue;
+    offset = ModuleStart(offset, bytes, options);
+    plan->modules.push_back({m.name, Tier::kL1, offset, bytes});
+    for (int64_t i : m.members) {
+      ParamPlan& p = plan->params[static_cast<size_t>(i)];
+      if (p.tier == Tier::kL1) offset += PlaceViews(&p, offset, options);
     }
   }
-  plan->prediction.device_state_bytes = DeviceArenaSize(ends[0], options);
-  plan->prediction.host_state_bytes = ends[1];
+  plan->prediction.device_state_bytes = DeviceArenaSize(offset, options);
+}
+
+void LayoutHostArena(const LayoutOrder& order, Plan* plan) {
+  std::vector<ModuleRange> ranges;
+  for (const LayoutOrder::Module& m : order.modules) {
+    for (int64_t i : m.members) {
+      if (plan->params[static_cast<size_t>(i)].tier != Tier::kL2) continue;
+      ranges.push_back({m.name, Tier::kL2, 0, 0});
+      break;
+    }
+  }
+  const uint64_t copied_end = PlaceHostRegion(order, /*copied=*/true, 0, plan, &ranges);
+  // The pageable part starts on a whole page of the arena's (kHostArenaPageBytes), so that locking
+  // the prefix locks nothing of it.
+  const uint64_t pageable_start = AlignUp(copied_end, kHostArenaPageBytes);
+  const uint64_t end = PlaceHostRegion(order, /*copied=*/false, pageable_start, plan, &ranges);
+  const bool pageable = end > pageable_start;
+  plan->prediction.host_locked_bytes = pageable ? pageable_start : copied_end;
+  plan->prediction.host_state_bytes = pageable ? end : copied_end;
+  plan->modules.insert(plan->modules.end(), ranges.begin(), ranges.end());
 }
 
 }  // namespace emsa::plan_internal

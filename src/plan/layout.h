@@ -2,7 +2,8 @@
 //
 // Both arenas follow gradient-ready order: modules ordered by their first gradient, each module's
 // tensors of that tier contiguous and in gradient-ready order, so a bucket's state is one
-// contiguous stretch that the update streams through.
+// contiguous stretch that the update streams through (in the host arena, one in each of its two
+// parts: what copies touch, and what only the CPU touches).
 #pragma once
 
 #include <cstdint>
@@ -40,8 +41,18 @@ class DeviceSizer {
   std::vector<uint64_t> device_bytes_;  // per param, padded
 };
 
-// Places every view of every trainable param (by its tier), fills plan->modules and the arena
-// sizes in plan->prediction.
+// Places every view of every device-tier param, fills plan->modules with the device arena's
+// ranges and its size in plan->prediction; sets every trainable param's state_bytes.
 void LayoutArenas(const LayoutOrder& order, Plan* plan);
+// Places every view of every host-tier param and appends their module ranges; sets
+// host_state_bytes and host_locked_bytes. Call once the GPU-updated params are marked
+// (PlanHostPaths): their moments are copied, so they go into the locked prefix.
+//
+// The host arena holds first, in gradient-ready module order, every view a copy to or from the
+// device touches (they must be page-locked: the host tier copies only from pinned memory), then,
+// from a page boundary on, the views only CPU threads touch (moments and masters of CPU-updated
+// params), which may stay pageable: page-locking costs time per byte at set-up, and locked
+// memory cannot be reclaimed.
+void LayoutHostArena(const LayoutOrder& order, Plan* plan);
 
 }  // namespace emsa::plan_internal

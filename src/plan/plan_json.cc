@@ -63,6 +63,8 @@ Value ModuleJson(const ModuleRange& m) {
   v.Set("tier", TierName(m.tier));
   v.Set("offset", m.offset);
   v.Set("bytes", m.bytes);
+  v.Set("locked_offset", m.locked_offset);
+  v.Set("locked_bytes", m.locked_bytes);
   return v;
 }
 
@@ -90,6 +92,7 @@ Value PredictionJson(const Prediction& p) {
   v.Set("step_time", p.step_time);
   v.Set("device_state_bytes", p.device_state_bytes);
   v.Set("host_state_bytes", p.host_state_bytes);
+  v.Set("host_locked_bytes", p.host_locked_bytes);
   v.Set("peak_device_bytes", p.peak_device_bytes);
   v.Set("device_update_share", p.device_update_share);
   v.Set("stream_staging_bytes", p.stream_staging_bytes);

@@ -195,8 +195,13 @@ std::string HostLine(const Plan& plan, const DeviceProfile& profile) {
     return Line("host memory", FormatBytes(HostMemoryNeeded(plan)) + " at the peak" + of);
   if (plan.prediction.host_state_bytes == 0)
     return Line("host memory", "none pinned (no host tier)" + of);
+  // Only the part that copies touch is page-locked (Prediction::host_locked_bytes).
+  const uint64_t locked = plan.prediction.host_locked_bytes;
+  const uint64_t pageable = plan.prediction.host_state_bytes - locked;
   return Line("host memory",
-              FormatBytes(plan.prediction.host_state_bytes) + " pinned for the host tier" + of);
+              FormatBytes(locked) + " pinned for the host tier" +
+                  (pageable > 0 ? " and " + FormatBytes(pageable) + " pageable" : std::string()) +
+                  of);
 }
 
 std::string TiersLine(const Plan& plan) {

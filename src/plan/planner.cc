@@ -267,6 +267,7 @@ Result<Plan> MakePlan(const ProbeRecord& record, const DeviceProfile& profile,
   }
   plan_internal::MakeBuckets(record, order, &plan);
   plan_internal::PlanHostPaths(record, bw, profile.gpu.present, base, &plan);
+  plan_internal::LayoutHostArena(order, &plan);
   return plan;
 }
 

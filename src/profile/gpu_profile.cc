@@ -19,10 +19,10 @@
 #include <memory>
 #include <vector>
 
+#include "common/pinned_pages.h"
 #include "common/thread_pool.h"
 #include "emsa/cpu_update.h"
 #include "emsa/host_tier_costs.h"
-#include "profile/pinned_pages.h"
 #include "profile/update_probe.h"
 
 namespace emsa {
@@ -42,7 +42,7 @@ struct DeviceBuffer {
   }
 };
 struct PinnedBuffer {
-  profile_internal::PinnedPages pages;
+  PinnedPages pages;
   void* ptr = nullptr;
 };
 struct Stream {

@@ -11,11 +11,11 @@
 #include <thread>
 
 #include "common/cuda_util.h"
+#include "common/pinned_pages.h"
 #include "common/thread_pool.h"
 #include "emsa/cpu_update.h"
 #include "emsa/host_tier_costs.h"
 #include "emsa/profile.h"
-#include "profile/pinned_pages.h"
 #include "profile/update_probe.h"
 
 namespace emsa {
@@ -33,7 +33,7 @@ struct HostLoad::Impl {
   bool stopped = false;
 #if EMSA_HAVE_CUDA
   void* device[2] = {nullptr, nullptr};
-  profile_internal::PinnedPages pinned[2];
+  PinnedPages pinned[2];
   cudaStream_t streams[2] = {nullptr, nullptr};
 #endif
 

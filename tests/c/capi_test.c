@@ -715,7 +715,7 @@ static void test_host_arena_check(void) {
   emsa_host_arena_options o;
   emsa_host_arena_options_init(&o);
   CHECK(o.struct_size == sizeof(o) && o.want_pinned == 1 && o.fill_threads == 0 &&
-        o.available_bytes == 0);
+        o.available_bytes == 0 && o.locked_bytes == UINT64_MAX && o.populate_in_background == 0);
   /* 1 PiB: a legal size no host has. */
   CHECK(emsa_host_arena_check((uint64_t)1 << 50, NULL) == EMSA_OUT_OF_MEMORY);
   CHECK(strstr(emsa_last_error(), "largest host arena that fits now is") != NULL);
@@ -733,6 +733,12 @@ static void test_host_arena_check(void) {
   o.want_pinned = 2;
   CHECK(emsa_host_arena_create_with(4096, &o, &arena) == EMSA_INVALID_ARGUMENT);
   CHECK(arena == sentinel);
+  emsa_host_arena_options_init(&o);
+  o.populate_in_background = 2;
+  CHECK(emsa_host_arena_create_with(4096, &o, &arena) == EMSA_INVALID_ARGUMENT);
+  CHECK(arena == sentinel);
+  CHECK(strstr(emsa_last_error(), "populate_in_background is 2") != NULL);
+  CHECK(emsa_host_arena_wait_populated(NULL, 0) == EMSA_INVALID_ARGUMENT);
 
   emsa_host_arena_options_init(&o);
   o.want_pinned = 0;
@@ -748,8 +754,25 @@ static void test_host_arena_check(void) {
   CHECK(f.fill_threads == 2 && f.pin_seconds == 0.0);
   CHECK(reason != NULL && reason[0] == '\0');
   emsa_free(reason);
+  CHECK(f.populate_in_background == 0 && f.populated == 1);
+  CHECK(emsa_host_arena_wait_populated(arena, 3u << 20) == EMSA_OK);
   f.struct_size = 3;
   CHECK(emsa_host_arena_describe(arena, &f, NULL) == EMSA_INVALID_ARGUMENT);
+  emsa_host_arena_destroy(arena);
+
+  /* A 2 MiB prefix populated at once, the rest in the background until waited for. */
+  emsa_host_arena_options_init(&o);
+  o.want_pinned = 0;
+  o.locked_bytes = 1;
+  o.populate_in_background = 1;
+  arena = NULL;
+  CHECK(emsa_host_arena_create_with(9u << 20, &o, &arena) == EMSA_OK);
+  if (arena == NULL) return;
+  CHECK(emsa_host_arena_wait_populated(arena, UINT64_MAX) == EMSA_OK);
+  emsa_host_arena_facts_init(&f);
+  CHECK(emsa_host_arena_describe(arena, &f, NULL) == EMSA_OK);
+  CHECK(f.populate_in_background == 1 && f.populated == 1 && f.populate_seconds > 0.0);
+  CHECK(f.locked_bytes == 0 && f.pageable_bytes == (10u << 20));
   emsa_host_arena_destroy(arena);
 }
 

@@ -1,5 +1,6 @@
 // Tests for include/emsa/host_arena.h: sizes, alignment, zero fill (serial and pooled), views,
-// the host-memory check before allocation, the facts, and the pinned path (GPU only).
+// the host-memory check before allocation, the facts, the background population, and the pinned
+// path, whole or a locked prefix (GPU only).
 #include "emsa/host_arena.h"
 
 #include <gtest/gtest.h>
@@ -90,6 +91,27 @@ TEST(HostArena, PinnedRequestFallsBackWithoutADevice) {
   EXPECT_EQ(a.facts().fallback_reason.empty(), device_usable) << a.facts().fallback_reason;
 }
 
+#if EMSA_HAVE_CUDA
+// Fills host[0, bytes) with a pattern, copies it to the device and back over zeros: the device
+// reads and writes the memory directly.
+void ExpectDeviceRoundTrip(unsigned char* host, uint64_t bytes) {
+  for (uint64_t i = 0; i < bytes; ++i) host[i] = static_cast<unsigned char>(i * 7 + 1);
+  void* dev = nullptr;
+  ASSERT_EQ(cudaMalloc(&dev, bytes), cudaSuccess);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  std::vector<unsigned char> expect(host, host + bytes);
+  ASSERT_EQ(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  std::memset(host, 0, bytes);
+  ASSERT_EQ(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(std::memcmp(host, expect.data(), bytes), 0);
+  EXPECT_EQ(cudaFree(dev), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+#endif
+
 // Pinned memory is memory the device copies to and from directly (the pointer is registered
 // host memory), zero-filled, and freed without error. GPU only.
 TEST(HostArena, PinnedIsCopyableByTheDevice) {
@@ -116,21 +138,7 @@ TEST(HostArena, PinnedIsCopyableByTheDevice) {
     ASSERT_EQ(cudaPointerGetAttributes(&attr, static_cast<char*>(a.data()) + bytes - 1),
               cudaSuccess);
     EXPECT_EQ(attr.type, cudaMemoryTypeHost);
-    auto* host = static_cast<unsigned char*>(a.data());
-    for (uint64_t i = 0; i < bytes; ++i) host[i] = static_cast<unsigned char>(i * 7 + 1);
-    void* dev = nullptr;
-    ASSERT_EQ(cudaMalloc(&dev, bytes), cudaSuccess);
-    cudaStream_t stream = nullptr;
-    ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-    std::vector<unsigned char> expect(host, host + bytes);
-    ASSERT_EQ(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    std::memset(host, 0, bytes);
-    ASSERT_EQ(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    EXPECT_EQ(std::memcmp(host, expect.data(), bytes), 0);
-    EXPECT_EQ(cudaFree(dev), cudaSuccess);
-    EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+    ExpectDeviceRoundTrip(static_cast<unsigned char*>(a.data()), bytes);
   }
 #else
   GTEST_SKIP() << "built without CUDA";
@@ -282,6 +290,103 @@ TEST(HostArena, PinnedIsNotInheritedByAFork) {
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0) << "the child inherited the registered arena";
   EXPECT_EQ(FirstNonZero(data, 4 * kMiB), -1);  // the parent's memory is untouched
+#else
+  GTEST_SKIP() << "built without CUDA";
+#endif
+}
+
+// The part after the locked prefix populated in the background: what is written meanwhile (the
+// binding's masters) survives it, everything else stays zero, and once waited for every page is
+// resident. More than one of the population's pieces, so that waiting for a prefix can return
+// before the end.
+TEST(HostArena, BackgroundPopulationKeepsWritesAndEndsResident) {
+  HostArenaOptions options;
+  options.want_pinned = false;
+  options.locked_bytes = 3 * kMiB;  // a prefix of 4 MiB, populated before Create returns
+  options.populate_in_background = true;
+  options.fill_threads = 3;
+  const uint64_t bytes = 600 * kMiB + 7;
+  Result<std::unique_ptr<HostArena>> arena = HostArena::Create(bytes, options);
+  ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+  const HostArena& a = **arena;
+  EXPECT_EQ(NonResidentPages(a.data(), 4 * kMiB), 0);
+  EXPECT_TRUE(a.facts().populate_in_background);
+  auto* base = static_cast<unsigned char*>(a.data());
+  const uint64_t stride = 3 * kMiB + 4093;  // lands at different places in pages and pieces
+  for (uint64_t at = 0; at < bytes; at += stride)
+    base[at] = static_cast<unsigned char>(at % 251 + 1);
+  ASSERT_TRUE(a.WaitPopulated(bytes / 2).ok());
+  EXPECT_EQ(NonResidentPages(a.data(), bytes / 2 / 4096 * 4096), 0);
+  ASSERT_TRUE(a.WaitPopulated(UINT64_MAX).ok());  // clamped to the size
+  EXPECT_EQ(NonResidentPages(a.data(), bytes), 0);
+  const HostArenaFacts f = a.facts();
+  EXPECT_TRUE(f.populated);
+  EXPECT_GT(f.populate_seconds, 0.0);
+  EXPECT_EQ(f.locked_bytes, 0u);  // pinning was not asked for
+  EXPECT_EQ(f.pageable_bytes, 602 * kMiB);
+  for (uint64_t at = 0; at < bytes; ++at) {
+    const unsigned char want = at % stride == 0 ? static_cast<unsigned char>(at % 251 + 1) : 0;
+    if (base[at] != want) {
+      ADD_FAILURE() << "byte " << at << " is " << int{base[at]} << ", not " << int{want};
+      break;
+    }
+  }
+}
+
+// An arena destroyed while its background population runs stops it first (nothing touches the
+// pages once they are unmapped); without one, waiting returns at once.
+TEST(HostArena, DestroyedWhilePopulatingAndWaitingWithoutPopulation) {
+  HostArenaOptions options;
+  options.want_pinned = false;
+  options.locked_bytes = 0;
+  options.populate_in_background = true;
+  options.fill_threads = 2;
+  for (int round = 0; round < 3; ++round) {
+    Result<std::unique_ptr<HostArena>> arena = HostArena::Create(700 * kMiB, options);
+    ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+  }
+  options.populate_in_background = false;
+  Result<std::unique_ptr<HostArena>> arena = HostArena::Create(5 * kMiB, options);
+  ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+  EXPECT_TRUE((*arena)->WaitPopulated(5 * kMiB).ok());
+  EXPECT_FALSE((*arena)->facts().populate_in_background);
+  EXPECT_TRUE((*arena)->facts().populated);
+  EXPECT_EQ(NonResidentPages((*arena)->data(), 5 * kMiB), 0);
+}
+
+// Only the locked prefix is page-locked (whole pages: 3 MiB + 1 locks 4 MiB), the rest is
+// pageable, populated before Create returns or in the background, and the facts say which bytes
+// are which. The device copies from and to the prefix; the pageable part is unknown to CUDA.
+// GPU only.
+TEST(HostArena, LockedPrefixIsRegisteredAndTheRestPageable) {
+#if EMSA_HAVE_CUDA
+  if (!CudaDeviceUsable()) GTEST_SKIP() << "no usable CUDA device";
+  for (bool background : {false, true}) {
+    HostArenaOptions options;
+    options.locked_bytes = 3 * kMiB + 1;
+    options.populate_in_background = background;
+    const uint64_t bytes = 9 * kMiB + 5;  // 10 MiB mapped
+    Result<std::unique_ptr<HostArena>> arena = HostArena::Create(bytes, options);
+    ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+    const HostArena& a = **arena;
+    ASSERT_TRUE(a.WaitPopulated(bytes).ok());
+    const HostArenaFacts f = a.facts();
+    ASSERT_EQ(f.pin, HostPin::kRegistered) << f.fallback_reason;
+    EXPECT_EQ(a.kind(), HostArena::Kind::kPinned);
+    EXPECT_EQ(f.locked_bytes, 4 * kMiB);
+    EXPECT_EQ(f.pageable_bytes, 6 * kMiB);
+    EXPECT_EQ(f.populate_in_background, background);
+    EXPECT_TRUE(f.populated);
+    EXPECT_EQ(NonResidentPages(a.data(), bytes), 0);
+    EXPECT_EQ(FirstNonZero(a.data(), bytes), -1);
+    auto* host = static_cast<unsigned char*>(a.data());
+    cudaPointerAttributes attr{};
+    ASSERT_EQ(cudaPointerGetAttributes(&attr, host + 4 * kMiB - 1), cudaSuccess);
+    EXPECT_EQ(attr.type, cudaMemoryTypeHost);
+    ASSERT_EQ(cudaPointerGetAttributes(&attr, host + 4 * kMiB), cudaSuccess);
+    EXPECT_EQ(attr.type, cudaMemoryTypeUnregistered);
+    ExpectDeviceRoundTrip(host, 4 * kMiB);  // the locked prefix
+  }
 #else
   GTEST_SKIP() << "built without CUDA";
 #endif

@@ -9,11 +9,13 @@
 #include <map>
 #include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "common/json.h"
 #include "emsa/analytic_probe.h"
+#include "emsa/host_arena.h"
 
 namespace emsa {
 namespace {
@@ -111,6 +113,13 @@ void CheckLayout(const Plan& plan) {
       EXPECT_EQ(m.offset % o.device_module_alignment, 0u) << m.module;
     }
     spans[m.tier == Tier::kL2].push_back({m.offset, m.offset + m.bytes, "module " + m.module});
+    if (m.tier == Tier::kL1) {
+      EXPECT_EQ(m.locked_bytes, 0u) << m.module;
+    } else {  // the module's copied views, in the arena's locked prefix
+      EXPECT_LE(m.locked_offset + m.locked_bytes, plan.prediction.host_locked_bytes) << m.module;
+      spans[1].push_back(
+          {m.locked_offset, m.locked_offset + m.locked_bytes, "locked part of module " + m.module});
+    }
   }
   for (auto& s : spans) {  // module ranges do not overlap
     std::sort(s.begin(), s.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
@@ -140,17 +149,19 @@ void CheckLayout(const Plan& plan) {
     const uint64_t param = n * DTypeSize(p.param_dtype);
     const bool fp32 = p.param_dtype == DType::kFloat32;
     const bool lion = o.optimizer == OptimizerKind::kLion;
-    const std::pair<int64_t, int64_t> views[] = {
-        {p.exp_avg_offset, static_cast<int64_t>(state)},
-        {p.exp_avg_sq_offset, lion ? -1 : static_cast<int64_t>(state)},
-        {p.master_offset, host || !fp32 ? static_cast<int64_t>(n * 4) : -1},
-        {p.grad_offset, host ? static_cast<int64_t>(param) : -1},
-        {p.param_out_offset, host && !fp32 ? static_cast<int64_t>(param) : -1}};
+    // {offset, size, whether a copy to or from the device touches it (host tier)}: the
+    // gradient staging, the rounded parameter, an fp32 master, a GPU-updated param's moments.
+    const std::tuple<int64_t, int64_t, bool> views[] = {
+        {p.exp_avg_offset, static_cast<int64_t>(state), p.device_update},
+        {p.exp_avg_sq_offset, lion ? -1 : static_cast<int64_t>(state), p.device_update},
+        {p.master_offset, host || !fp32 ? static_cast<int64_t>(n * 4) : -1, fp32},
+        {p.grad_offset, host ? static_cast<int64_t>(param) : -1, true},
+        {p.param_out_offset, host && !fp32 ? static_cast<int64_t>(param) : -1, true}};
     EXPECT_EQ(p.master_weights, host || !fp32) << p.name;
     uint64_t used = 0;
     auto it = ranges.find({p.module, static_cast<int>(p.tier)});
     EXPECT_NE(it, ranges.end()) << p.name << " has no module range";
-    for (const auto& [offset, size] : views) {
+    for (const auto& [offset, size, copied] : views) {
       if (size < 0) {
         EXPECT_EQ(offset, -1) << p.name << " has a view it should not";
         continue;
@@ -161,9 +172,18 @@ void CheckLayout(const Plan& plan) {
       const uint64_t end = begin + static_cast<uint64_t>(size);
       EXPECT_EQ(begin % align, 0u) << p.name;
       EXPECT_LE(end, arena[host]) << p.name;
+      // Host tier: what copies touch lies in the locked prefix, the rest after it.
+      const bool locked = host && copied;
+      if (host) {
+        EXPECT_TRUE(locked ? end <= plan.prediction.host_locked_bytes
+                           : begin >= plan.prediction.host_locked_bytes)
+            << p.name << " at " << begin;
+      }
       if (it != ranges.end()) {
-        EXPECT_GE(begin, it->second->offset) << p.name;
-        EXPECT_LE(end, it->second->offset + it->second->bytes) << p.name;
+        const uint64_t lo = locked ? it->second->locked_offset : it->second->offset;
+        const uint64_t bytes = locked ? it->second->locked_bytes : it->second->bytes;
+        EXPECT_GE(begin, lo) << p.name;
+        EXPECT_LE(end, lo + bytes) << p.name;
       }
       spans[host].push_back({begin, end, p.name});
       used += static_cast<uint64_t>(size);
@@ -172,7 +192,12 @@ void CheckLayout(const Plan& plan) {
     EXPECT_LT(p.state_bytes, used + 5 * align) << p.name;
     module_sums[{p.module, static_cast<int>(p.tier)}] += p.state_bytes;
   }
-  for (const auto& [key, range] : ranges) EXPECT_EQ(module_sums[key], range->bytes) << key.first;
+  for (const auto& [key, range] : ranges) {
+    EXPECT_EQ(module_sums[key], range->bytes + range->locked_bytes) << key.first;
+  }
+  const uint64_t locked = plan.prediction.host_locked_bytes;
+  EXPECT_LE(locked, plan.prediction.host_state_bytes);
+  if (locked < plan.prediction.host_state_bytes) EXPECT_EQ(locked % kHostArenaPageBytes, 0u);
   for (auto& s : spans) {
     std::sort(s.begin(), s.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
     for (size_t i = 1; i < s.size(); ++i) {
@@ -530,6 +555,54 @@ TEST(PlanLayout, ModulesFollowGradientReadyOrder) {
   }
   EXPECT_GT(small, 0u);
   EXPECT_EQ(plan.prediction.device_state_bytes, (end + 4095) / 4096 * 4096);
+}
+
+uint64_t AlignUpTo(uint64_t x, uint64_t align) { return (x + align - 1) / align * align; }
+
+// The host arena: every view a copy to or from the device touches (a bf16 param's gradient
+// staging and rounded parameter) in one locked prefix first, ending on an arena page; the moments
+// and masters only CPU threads touch after it. A GPU-updated fp32 param's moments are copied
+// (streamed up and back), so they join the prefix, as does its fp32 master.
+TEST(PlanLayout, HostArenaPutsCopiedViewsFirst) {
+  const ProbeRecord r = Decoder(false, DType::kBFloat16);
+  PlanOptions o;
+  o.force_all_host = true;
+  o.device_update_share = 0;
+  const Plan plan = MustPlan(r, Gpu(), o);
+  CheckLayout(plan);
+  const uint64_t locked = plan.prediction.host_locked_bytes;
+  uint64_t copied = 0, pageable = 0;
+  for (const ParamPlan& p : plan.params) {
+    if (!p.trainable) continue;
+    ASSERT_EQ(p.tier, Tier::kL2) << p.name;
+    const uint64_t n = static_cast<uint64_t>(p.numel);
+    for (int64_t off : {p.grad_offset, p.param_out_offset}) {
+      EXPECT_LT(static_cast<uint64_t>(off), locked) << p.name;
+    }
+    for (int64_t off : {p.exp_avg_offset, p.exp_avg_sq_offset, p.master_offset}) {
+      EXPECT_GE(static_cast<uint64_t>(off), locked) << p.name;
+    }
+    copied += 2 * AlignUpTo(2 * n, o.host_tensor_alignment);
+    pageable += 3 * AlignUpTo(4 * n, o.host_tensor_alignment);
+  }
+  EXPECT_EQ(locked, AlignUpTo(copied, kHostArenaPageBytes));
+  EXPECT_EQ(plan.prediction.host_state_bytes, locked + pageable);
+
+  ProbeRecord fp32 = Decoder(false);
+  PlanOptions gpu;
+  gpu.force_all_host = true;
+  gpu.release_grads = true;  // the GPU path allowed
+  gpu.bucket_bytes = 256 << 10;
+  gpu.device_update_share = 1;
+  const Plan streamed = MustPlan(fp32, Gpu(), gpu);
+  CheckLayout(streamed);  // checks each view's side by the rule above
+  size_t on_gpu = 0;
+  for (const ParamPlan& p : streamed.params) {
+    if (!p.trainable || !p.device_update) continue;
+    ++on_gpu;
+    EXPECT_LT(static_cast<uint64_t>(p.exp_avg_sq_offset), streamed.prediction.host_locked_bytes);
+  }
+  EXPECT_GT(on_gpu, 0u);
 }
 
 TEST(PlanLayout, TenThousandParams) {
@@ -1061,6 +1134,7 @@ TEST(PlanOutput, JsonIsDeterministicAndComplete) {
   ASSERT_TRUE(prediction.ok());
   EXPECT_EQ(*prediction->Number("step_time"), a.prediction.step_time);
   EXPECT_EQ(*prediction->UInt("peak_device_bytes"), a.prediction.peak_device_bytes);
+  EXPECT_EQ(*prediction->UInt("host_locked_bytes"), a.prediction.host_locked_bytes);
   auto options = root.Object("options");
   ASSERT_TRUE(options.ok());
   EXPECT_EQ(*options->String("optimizer"), "adamw");

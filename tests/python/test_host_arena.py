@@ -56,19 +56,74 @@ def test_cpu_optimizer_records_set_up_and_host_memory():
     assert all(a["pin"] == "pageable" for a in mem["arenas"])
 
 
+def test_background_population_keeps_writes_and_reports_its_time():
+    # Nothing is pinned here (pinned=False): the prefix is only populated first.
+    a = _arena.HostArena(40 * MiB + 3, pinned=False, locked_bytes=3 * MiB, background=True)
+    assert a.describe()["locked_bytes"] == 0
+    v = a.view(20 * MiB, torch.empty(1000), torch.float32)
+    v.fill_(1.5)  # written while the population may still run: it survives
+    assert a.wait_populated(a.nbytes) and a.populated
+    assert a.times["host_arena.populate"] > 0
+    assert float(v.sum()) == 1500.0
+    assert int(a.bytes.count_nonzero()) == 2000  # 1.5f: two non-zero bytes of four
+    assert a.offset_of(v) == 20 * MiB
+
+
 @requires_cuda
-def test_host_tier_arena_is_registered_and_fully_locked():
+def test_partly_locked_arena_reports_locked_and_pageable_bytes():
+    a = _arena.HostArena(9 * MiB + 5, pinned=True, locked_bytes=3 * MiB + 1, background=True)
+    assert a.wait_populated(a.nbytes)
+    d = a.describe()
+    assert d["pin"] == "cudaHostRegister", d["fallback_reason"]
+    assert d["locked_bytes"] == 4 * MiB and d["pageable_bytes"] == 6 * MiB  # whole 2 MiB pages
+    assert a.bytes[:4 * MiB].is_pinned() and not a.bytes[4 * MiB:].is_pinned()
+    assert int(a.bytes.count_nonzero()) == 0
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_tier_arena_locks_only_what_copies_touch(dtype):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4)).cuda()
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4)).cuda().to(dtype)
     opt = emsa.AdamW(model.parameters(), lr=1e-3, tier="host")
-    model(torch.randn(8, 256, device="cuda")).sum().backward()
+    model(torch.randn(8, 256, device="cuda", dtype=dtype)).sum().backward()
     opt.step()
     opt.synchronize()
     mem = opt._host_memory
     (arena,) = mem["arenas"]
     assert arena["pin"] == "cudaHostRegister", arena["fallback_reason"]
-    assert mem["pageable_bytes"] == 0 and mem["locked_bytes"] >= arena["bytes"] > 0
+    locked = opt.plan.json["prediction"]["host_locked_bytes"]
+    assert 0 < locked < opt.plan.host_arena_bytes
+    assert mem["locked_bytes"] == locked and mem["pageable_bytes"] > 0
+    i = 0  # model[0].weight's slot
+    backend = opt._backend
+    assert backend.hidden[i]["grad"].is_pinned()  # copied down
     state = opt.state[model[0].weight]
-    assert state["exp_avg"].device.type == "cpu" and state["exp_avg"].is_pinned()
-    for phase in ("host_arena", "host_arena.fill", "host_arena.pin", "bind", "first_step"):
+    assert state["exp_avg"].device.type == "cpu" and not state["exp_avg"].is_pinned()
+    if dtype == torch.bfloat16:  # copied up from param_out; the master stays on the CPU
+        assert backend.hidden[i]["param_out"].is_pinned() and not state["master"].is_pinned()
+    else:  # an fp32 parameter's host master is uploaded (Adam) and refreshed: locked
+        assert backend.hidden[i]["master"].is_pinned()
+    # (host_arena.populate_wait only when the first step had to wait: not for so small a model.)
+    for phase in ("host_arena", "host_arena.fill", "host_arena.pin", "host_arena.populate",
+                  "bind", "bind.masters", "first_step"):
         assert phase in opt._setup_times, phase
+
+
+@requires_cuda
+@pytest.mark.parametrize("tier", ["host", "device"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_masters_equal_the_parameters_widened_bitwise(dtype, tier):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 3)).cuda().to(dtype)
+    # Values across the dtype's range, subnormals and signed zeros included.
+    low, high = (-40, 37) if dtype == torch.bfloat16 else (-7, 4)
+    with torch.no_grad():
+        model[0].weight.mul_(torch.logspace(low, high, 96, device="cuda").to(dtype)[:, None])
+        model[1].bias.copy_(torch.tensor([-0.0, 10.0 ** low, -(10.0 ** high)]).to(dtype))
+    opt = emsa.AdamW(model.parameters(), lr=1e-3, tier=tier)
+    for p in model.parameters():
+        master = opt.state[p]["master"]
+        assert master.device.type == ("cpu" if tier == "host" else "cuda")
+        widened = p.detach().float().cpu()
+        assert torch.equal(master.cpu().view(torch.int32), widened.view(torch.int32))

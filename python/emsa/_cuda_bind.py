@@ -1,0 +1,206 @@
+"""The CUDA backend's state bound to its arenas: each slot's views, the host tier's hidden
+staging, the masters' values, libemsa's host-tier tensors, and the host arena's population.
+
+Views, at the plan's offsets: exp_avg, exp_avg_sq (not Lion) and, for a 16-bit parameter, its
+fp32 master, in the device arena (device tier) or the pinned host arena (host tier). A host-tier
+slot also holds, hidden from the state: the gradient staging (the copy down lands there), the
+rounded parameter (param_out, 16-bit parameters: the copy up reads it) and, for an fp32
+parameter, its host master (the parameter the CPU updates).
+
+The host arena's two parts (the plan's host_locked_bytes): every view a copy to or from the
+device touches (gradient staging, param_out, fp32 masters, GPU-updated buckets' moments) lies
+in a page-locked prefix; the moments and masters that only CPU threads touch lie after it, in
+pageable memory that libemsa populates in the background, front to back in gradient-ready
+order. Before a host-tier bucket's update reads its state, the population must have passed it
+(no page fault inside a step): _await_populated waits for that, which costs nothing once it has
+(after the first step). The host tier is refused if a view it copies lies outside the prefix:
+it copies only from pinned memory.
+
+Masters are fp32(param) exactly (bf16 and fp16 widen to fp32 without rounding):
+  - a device-tier master is converted on the device;
+  - a host-tier 16-bit parameter is copied down by DMA into its pinned param_out staging (the
+    same dtype: nothing converted on the way), then widened into its master on CPU threads
+    (torch's parallel copy), which also populates the master's pageable pages;
+  - an fp32 parameter's host master is in the prefix: one DMA.
+refresh_master (a parameter written by someone else since) takes the same path, on the current
+stream, which is ordered after the last step's uploads by then (the forwards waited for them, or
+_claim_unwaited did), so param_out is free to reuse.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import torch
+
+from . import _capi
+from ._backend import DTYPE_NAMES, state_view
+from ._capi import HostTierTensor, lib
+from ._host_tier import HostTier
+
+
+class Binding:
+    """Mixed into CudaBackend: what binds its state, and what keeps it bound."""
+
+    def _bind_state(self, slots, entries: list[dict], state_dtype) -> None:
+        """Every slot's views and hidden staging, then the masters' values (synchronous)."""
+        start = time.perf_counter()
+        self.hidden: list[dict] = [{} for _ in slots]  # host-tier staging and fp32 masters
+        self.views = [self._bind_views(i, s, pp, state_dtype)
+                      for i, (s, pp) in enumerate(zip(slots, entries))]
+        self.masters = [i for i in range(len(slots)) if self._master(i) is not None]
+        # Per slot: the arena offset its host-tier state ends at (0: none), for
+        # _await_populated; None once the whole arena is resident. populated_to: known resident
+        # below it (the locked prefix was populated before the arena was returned).
+        arena = self.host_arena
+        self.state_end: list[int] | None = None
+        if arena is not None and not arena.populated:
+            self.state_end = [self._state_end(i) for i in range(len(slots))]
+            self.populated_to = arena.locked_bytes
+        self.setup_times["bind.views"] = time.perf_counter() - start
+        start = time.perf_counter()
+        self._fill_masters()
+        self.setup_times["bind.masters"] = time.perf_counter() - start
+
+    def _bind_views(self, i: int, s, pp: dict, state_dtype) -> dict:
+        p = s.param
+        arena = self.host_arena if self.on_host[i] else self.arena
+        views = {"step": self.steps[i],  # torch.optim's key order: step first
+                 "exp_avg": state_view(arena, pp["exp_avg_offset"], p, state_dtype)}
+        if self.kind != "lion":
+            views["exp_avg_sq"] = state_view(arena, pp["exp_avg_sq_offset"], p, state_dtype)
+        if p.dtype != torch.float32 or self.on_host[i]:
+            master = state_view(arena, pp["master_offset"], p, torch.float32)
+            if p.dtype != torch.float32:
+                views["master"] = master
+            else:
+                self.hidden[i]["master"] = master
+        if self.on_host[i]:
+            self.hidden[i]["grad"] = state_view(arena, pp["grad_offset"], p, p.dtype)
+            if p.dtype != torch.float32:
+                self.hidden[i]["param_out"] = state_view(arena, pp["param_out_offset"], p, p.dtype)
+        return views
+
+    def _state_end(self, i: int) -> int:
+        if not self.on_host[i] or self.params[i].numel() == 0:
+            return 0
+        tensors = [t for k, t in self.views[i].items() if k != "step"]
+        tensors += self.hidden[i].values()
+        return max(self.host_arena.offset_of(t) + t.numel() * t.element_size()
+                   for t in tensors)
+
+    def _master(self, i: int) -> torch.Tensor | None:
+        return self.views[i].get("master", self.hidden[i].get("master"))
+
+    def _staging(self, i: int) -> torch.Tensor | None:
+        """The pinned param_out a host-tier 16-bit parameter's master is filled through."""
+        return self.hidden[i].get("param_out") if self.on_host[i] else None
+
+    def _fill_masters(self) -> None:
+        """Every master = fp32(param): the copies down all enqueued first, each widened on the
+        CPU as soon as its own has landed, so the DMA runs ahead of the conversion."""
+        stream = torch.cuda.current_stream(self.device)
+        landed = []  # (master, staging, event)
+        with torch.no_grad():
+            for i in self.masters:
+                p, master, staging = self.params[i], self._master(i), self._staging(i)
+                if staging is None or p.numel() == 0:
+                    # Converted on the device, or an fp32 host master in pinned memory: one DMA.
+                    master.copy_(p, non_blocking=True)
+                    continue
+                staging.copy_(p, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+                landed.append((master, staging, event))
+            for master, staging, event in landed:
+                event.synchronize()
+                master.copy_(staging)
+        stream.synchronize()
+
+    def refresh_master(self, i: int) -> None:
+        p, master, staging = self.params[i], self._master(i), self._staging(i)
+        with torch.no_grad():
+            if staging is None or p.numel() == 0:
+                master.copy_(p)  # on the device, or into pinned host memory: synchronous
+            else:
+                staging.copy_(p)  # synchronous: landed before the CPU widens it
+                master.copy_(staging)
+        self.versions[i] = p._version
+
+    def _refresh_stale_masters(self, slots) -> None:
+        """Before these slots' update: their host state resident, and the masters of parameters
+        someone else wrote since refreshed (emsa's own writes leave _version)."""
+        self._await_populated(slots)
+        for j in slots:
+            if self.params[j]._version != self.versions[j] and self._master(j) is not None:
+                self.refresh_master(j)
+
+    def _await_populated(self, slots) -> None:
+        """Waits until the host arena's background population has passed these slots' state;
+        the seconds waited add up in setup_times["host_arena.populate_wait"]."""
+        if self.state_end is None:
+            return
+        end = max((self.state_end[j] for j in slots), default=0)
+        if end <= self.populated_to:
+            return
+        start = time.perf_counter()
+        done = self.host_arena.wait_populated(end)
+        self.populated_to = end
+        times = self.setup_times
+        times["host_arena.populate_wait"] = (times.get("host_arena.populate_wait", 0.0)
+                                             + time.perf_counter() - start)
+        if done:
+            times["host_arena.populate"] = self.host_arena.times.get("host_arena.populate", 0.0)
+            self.state_end = None
+
+    def _make_host_tier(self, group_count: int, hold_bytes: int) -> None:
+        if not self.host_slots:
+            return
+        start = time.perf_counter()
+        tensors, params = [], []
+        for b, members in enumerate(self.host_slots):
+            for i in members:
+                tensors.append(self._host_tensor(i, b))
+                params.append(self.params[i])
+        self.host = HostTier(tensors, self.host_slots, group_count, self.kind, self.device,
+                             params, in_backward=self.in_backward, hold_bytes=hold_bytes)
+        self.setup_times["bind.host_tier"] = time.perf_counter() - start
+
+    def _host_tensor(self, i: int, b: int) -> HostTierTensor:
+        p, v, h = self.params[i], self.views[i], self.hidden[i]
+        t = HostTierTensor()
+        lib.emsa_host_tier_tensor_init(ctypes.byref(t))
+        u = t.update
+        u.param_dtype = u.grad_dtype = _capi.DTYPE[DTYPE_NAMES[p.dtype]]
+        u.state_dtype = _capi.DTYPE[DTYPE_NAMES[v["exp_avg"].dtype]]
+        # The parameter the CPU updates and the upload reads: an fp32 one's master, else the
+        # rounded copy (param_out), beside its master.
+        param = h["master"] if p.dtype == torch.float32 else h["param_out"]
+        u.param = param.data_ptr()
+        u.master = v["master"].data_ptr() if p.dtype != torch.float32 else None
+        u.grad = h["grad"].data_ptr()
+        u.exp_avg = v["exp_avg"].data_ptr()
+        u.exp_avg_sq = v["exp_avg_sq"].data_ptr() if "exp_avg_sq" in v else None
+        u.numel = p.numel()
+        t.group = self.groups[i]
+        t.bucket = b
+        t.device_param = p.data_ptr()
+        t.device_update = int(self.host_on_gpu[b])
+        copied = [h["grad"], param]
+        if self.host_on_gpu[b]:  # its moments are streamed up and back
+            copied += [v[k] for k in ("exp_avg", "exp_avg_sq") if k in v]
+        self._check_locked(i, copied)
+        return t
+
+    def _check_locked(self, i: int, copied: list[torch.Tensor]) -> None:
+        """Refuses a host-tier view a copy reads or writes that lies outside the arena's
+        page-locked prefix: the host tier copies only from pinned memory."""
+        arena = self.host_arena
+        limit = arena.locked_bytes  # the plan's prefix (all of it on the cudaHostAlloc fallback)
+        for t in copied:
+            if t.numel() and arena.offset_of(t) + t.numel() * t.element_size() > limit:
+                raise RuntimeError(
+                    f"emsa internal error: the host tier would copy {self.names[i]} from "
+                    f"pageable memory (offset {arena.offset_of(t)} is past the "
+                    f"{limit}-byte locked prefix of the host arena); please report it")
