@@ -9,11 +9,15 @@ the same for every configuration. Both FSDP configurations shard the model the s
 one-rank mesh (the process group comes from MASTER_ADDR / MASTER_PORT set here, rank 0 of 1, no
 torchrun), by --units:
 
-  ends     fully_shard on embed_tokens, on each decoder layer and on lm_head, then on the root
-           (which keeps the final norm), as torchtitan shards a Llama (the default)
+  ends     fully_shard on embed_tokens, on each decoder layer, on the final norm and on
+           lm_head, then on the root (which holds no parameter), as torchtitan shards a Llama
+           (the default)
   layers   fully_shard on each decoder layer, then on the root (which then holds embed_tokens,
-           the final norm and lm_head: lm_head's gradient, the first backward computes, is
-           reduced, and so handed to the optimizer, only when the root's backward ends)
+           the final norm and lm_head)
+A root unit's gradients are reduced, and so handed to the optimizer, only when the whole
+backward ends, and its parameters are read by the first forward before anything else: with the
+host tier, lm_head's update (the first gradient backward computes) then waits for the end of
+backward, and the next forward waits for the last update of the step.
 
 The configurations (--configs):
   offload  fully_shard(..., offload_policy=CPUOffloadPolicy(pin_memory=True)): parameters,
@@ -85,7 +89,7 @@ def shard(model, device, units: str, policy=None):
         kw["offload_policy"] = policy
     parts = list(model.model.layers)
     if units == "ends":
-        parts = [model.model.embed_tokens, *parts, model.lm_head]
+        parts = [model.model.embed_tokens, *parts, model.model.norm, model.lm_head]
     for part in parts:
         fully_shard(part, **kw)
     fully_shard(model, **kw)

@@ -27,7 +27,11 @@ last ranks' shards of a dim that does not divide evenly), so ranks do not share 
   of later units overlap the earlier units' forward. A plain module's own DTensor parameters
   (tensor parallel) are waited for at its forward. Where FSDP's internals cannot be read, the
   unit waits for every pending upload. An explicit FSDPModule.unshard() after a step reads the
-  shards outside any forward: call the optimizer's synchronize() first.
+  shards outside any forward: call the optimizer's synchronize() first. Shard the embedding and
+  the output layer as units of their own (as torchtitan does): a root unit's gradients are
+  reduced only when the whole backward ends and its parameters are read first by the next
+  forward, so host-tier parameters in the root unit make that forward wait for the step's last
+  update.
 - State: opt.state and state_dict() hold each DTensor parameter's state tensors as DTensors
   with its mesh and placements (aliasing emsa's arenas), so torch.distributed.checkpoint
   reshards them between world sizes; "step" stays a plain scalar, as torch.optim keeps it.

@@ -181,6 +181,76 @@ def _unit_reads(ctx, cfg: dict) -> None:
     assert _dtensor.reads(model[1]) == ([], None)  # a plain module without parameters
 
 
+class _FakeTier:
+    """What forward_waits' hook uses of a HostTier: pending buckets, and the waits issued."""
+
+    device = None
+
+    def __init__(self):
+        self.pending: set[int] = set()
+        self.waits: list[tuple[int, object]] = []
+        self.waited_all = 0
+
+    def wait(self, b, stream):
+        self.waits.append((b, stream))
+        self.pending.discard(b)
+
+    def wait_all(self, stream):
+        self.waited_all += 1
+        self.pending.clear()
+
+
+def _hook_waits(ctx, cfg: dict) -> None:
+    """forward_waits' hook on a CPU FSDP2 model, each parameter its own bucket of a fake tier,
+    the CUDA current stream a stand-in: when FSDP's own pre-forward of a unit starts, the
+    unit's buckets (and its prefetch targets') have been waited for on the current stream and
+    on both all-gather streams, and the buckets of the units that run later are still pending
+    (the forward does not wait for every upload at its start)."""
+    from unittest import mock
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from emsa import _dtensor
+
+    model = _model()
+    _shard_mlp(model, init_device_mesh(ctx.device.type, (ctx.world_size,)), cfg["root_keeps"])
+    units = [m for m in model.modules() if _dtensor._fsdp_state(m) is not None]
+    if cfg["prefetch"]:
+        units[0].set_modules_to_forward_prefetch([units[-1]])
+    x, y = _batch(0, ctx.rank, ctx.world_size)
+    torch.nn.functional.mse_loss(model(x), y).backward()  # FSDP's lazy init: its streams
+    model.zero_grad()
+    bucket = {id(p): b for b, p in enumerate(model.parameters())}
+    tier = _FakeTier()
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(
+        _dtensor._UploadWaits(tier, bucket))
+    mine = {u: {bucket[id(p)] for p in _dtensor.reads(u)[0]} for u in units}
+    order = []
+
+    def before_fsdp(unit, args):  # prepended after fully_shard: runs before FSDP's pre-forward
+        order.append(unit)
+        assert not mine[unit] & tier.pending, f"unit {units.index(unit)}: not waited"
+        later = set().union(*(mine[u] for u in units if u not in order)) - set().union(
+            *(mine[u] for u in order))
+        assert later <= tier.pending, f"unit {units.index(unit)}: later units' waited"
+
+    handles = [u.register_forward_pre_hook(before_fsdp, prepend=True) for u in units]
+    comm = units[0]._get_fsdp_state()._comm_ctx
+    streams = {"current", comm.all_gather_copy_in_stream, comm.all_gather_stream}
+    try:
+        tier.pending = set(bucket.values())
+        with mock.patch.object(torch.cuda, "current_stream", lambda device=None: "current"):
+            model(x)
+    finally:
+        hook.remove()
+        for h in handles:
+            h.remove()
+    assert tier.waited_all == 0 and not tier.pending
+    for b in bucket.values():
+        assert {s for c, s in tier.waits if c == b} == streams, f"bucket {b}"
+    assert len(order) == len(units)
+
+
 def _cuda_twins(ctx, cfg: dict) -> None:
     """World size 1, NCCL: FSDP2 + emsa.AdamW(tier="host") against a twin with tier="device",
     each its own forward and backward, bitwise every step (the engines' updates are bitwise
@@ -331,6 +401,13 @@ def test_two_rank_checkpoint_into_one_rank(checkpoint, opt):
 @pytest.mark.parametrize("root_keeps", [False, True], ids=["root_empty", "root_holds"])
 def test_fsdp2_units_read_their_own_shards(root_keeps, prefetch):
     dist_util.run(_unit_reads, world_size=2, backend="gloo", timeout=TIMEOUT_S,
+                  args=({"root_keeps": root_keeps, "prefetch": prefetch},))
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["implicit", "forward_prefetch"])
+@pytest.mark.parametrize("root_keeps", [False, True], ids=["root_empty", "root_holds"])
+def test_fsdp2_forward_waits_per_unit(root_keeps, prefetch):
+    dist_util.run(_hook_waits, world_size=2, backend="gloo", timeout=TIMEOUT_S,
                   args=({"root_keeps": root_keeps, "prefetch": prefetch},))
 
 
