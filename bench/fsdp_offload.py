@@ -283,6 +283,8 @@ def breakdown(result: dict) -> str:
             lines.append(f"{key:>8} {config:<8} {ms(r['step_s']):>7} {ms(r['forward_s']):>6} "
                          f"{ms(r['quiet_forward_s']):>6} {ms(r['backward_s']):>6} "
                          f"{ms(r['opt_step_s']):>6} | {host} | {trace} | {plan}")
+            if r.get("probe_error"):
+                lines.append(f"{'':>8} {config:<8} probe failed: {r['probe_error'][:140]}")
     return "\n".join(lines)
 
 

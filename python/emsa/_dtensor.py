@@ -254,9 +254,10 @@ def reads(module: torch.nn.Module) -> tuple[list[torch.Tensor], object] | None:
 
 
 class _UploadWaits:
-    """The forward pre-hook of forward_waits: per module (cached) the host-tier buckets its
-    forward reads; the current stream, and for an FSDP unit its all-gather streams, wait for
-    those still pending."""
+    """The forward pre-hook of forward_waits: per module the host-tier buckets its forward
+    reads (cached, for an FSDP unit while its forward-prefetch targets stay the same); the
+    current stream, and for an FSDP unit its all-gather streams, wait for those still
+    pending."""
 
     _STREAMS = ("all_gather_copy_in_stream", "all_gather_stream")
 
@@ -269,10 +270,13 @@ class _UploadWaits:
         tier = self._tier()
         if tier is None or not tier.pending:
             return
+        state = _fsdp_state(module)  # not cached: it would keep the module alive
+        key = None if state is None else tuple(
+            map(id, getattr(state, "_states_to_forward_prefetch", ())))
         entry = self._cache.get(module)
-        if entry is None:
-            entry = self._cache[module] = self._buckets(module)
-        buckets, unit = entry
+        if entry is None or entry[0] != key:
+            entry = self._cache[module] = (key, self._buckets(module))
+        buckets = entry[1]
         current = torch.cuda.current_stream(tier.device)
         if buckets is None:
             tier.wait_all(current)
@@ -281,8 +285,8 @@ class _UploadWaits:
         if not mine:
             return
         streams = [current]
-        if unit:  # the state is looked up each time: a cached one would keep the module alive
-            ctx = getattr(_fsdp_state(module), "_comm_ctx", None)
+        if state is not None:
+            ctx = getattr(state, "_comm_ctx", None)
             found = [getattr(ctx, name, None) for name in self._STREAMS]
             if None in found:  # not the FSDP this was written against: wait for everything
                 tier.wait_all(current)
@@ -292,16 +296,15 @@ class _UploadWaits:
             for stream in streams:
                 tier.wait(b, stream)
 
-    def _buckets(self, module) -> tuple[tuple[int, ...] | None, bool]:
-        """(the buckets module's forward reads, whether it is an FSDP unit); (None, True): a
-        unit whose parameters this torch's FSDP does not show."""
+    def _buckets(self, module) -> tuple[int, ...] | None:
+        """The buckets module's forward reads; None: an FSDP unit whose parameters this
+        torch's FSDP does not show."""
         found = reads(module)
         if found is None:
-            return None, True
-        params, state = found
-        buckets = {self._bucket_of.get(id(p)) for p in params}
+            return None
+        buckets = {self._bucket_of.get(id(p)) for p in found[0]}
         buckets.discard(None)
-        return tuple(sorted(buckets)), state is not None
+        return tuple(sorted(buckets))
 
 
 # ---- probing a sharded model (emsa.probe) ------------------------------------------------------

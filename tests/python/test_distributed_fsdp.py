@@ -205,7 +205,8 @@ def _hook_waits(ctx, cfg: dict) -> None:
     the CUDA current stream a stand-in: when FSDP's own pre-forward of a unit starts, the
     unit's buckets (and its prefetch targets') have been waited for on the current stream and
     on both all-gather streams, and the buckets of the units that run later are still pending
-    (the forward does not wait for every upload at its start)."""
+    (the forward does not wait for every upload at its start). A forward prefetch is set
+    after the hook has seen a forward without it."""
     from unittest import mock
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -215,15 +216,20 @@ def _hook_waits(ctx, cfg: dict) -> None:
     model = _model()
     _shard_mlp(model, init_device_mesh(ctx.device.type, (ctx.world_size,)), cfg["root_keeps"])
     units = [m for m in model.modules() if _dtensor._fsdp_state(m) is not None]
-    if cfg["prefetch"]:
-        units[0].set_modules_to_forward_prefetch([units[-1]])
     x, y = _batch(0, ctx.rank, ctx.world_size)
-    torch.nn.functional.mse_loss(model(x), y).backward()  # FSDP's lazy init: its streams
-    model.zero_grad()
     bucket = {id(p): b for b, p in enumerate(model.parameters())}
     tier = _FakeTier()
     hook = torch.nn.modules.module.register_module_forward_pre_hook(
         _dtensor._UploadWaits(tier, bucket))
+    for _ in range(2):  # the first: FSDP's lazy init (its streams; the hook waits for all)
+        tier.pending = set(bucket.values())
+        with mock.patch.object(torch.cuda, "current_stream", lambda device=None: "current"):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        model.zero_grad()
+    tier.waits.clear()
+    tier.waited_all = 0
+    if cfg["prefetch"]:
+        units[0].set_modules_to_forward_prefetch([units[-1]])
     mine = {u: {bucket[id(p)] for p in _dtensor.reads(u)[0]} for u in units}
     order = []
 
