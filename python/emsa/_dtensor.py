@@ -214,13 +214,17 @@ def forward_waits(backend, shards: Shards):
     return handle
 
 
+_OPAQUE_UNIT = object()  # the state of an FSDP unit this torch's FSDP does not show
+
+
 def _fsdp_state(module: torch.nn.Module):
     """module's FSDP2 state when it is an FSDP unit (fully_shard applied to it), else None."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     cls = getattr(fsdp, "FSDPModule", None)
     if cls is None or not isinstance(module, cls):
         return None
-    return module._get_fsdp_state()
+    getter = getattr(module, "_get_fsdp_state", None)
+    return _OPAQUE_UNIT if getter is None else getter()
 
 
 def _unit_params(state) -> list[torch.Tensor]:
@@ -247,7 +251,7 @@ def reads(module: torch.nn.Module) -> tuple[list[torch.Tensor], object] | None:
         return own, None
     try:
         unit = _unit_params(state)
-    except AttributeError:
+    except (AttributeError, TypeError, AssertionError):  # another torch's FSDP internals
         return None
     seen = {id(p) for p in own}
     return own + [p for p in unit if id(p) not in seen], state

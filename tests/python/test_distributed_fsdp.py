@@ -257,6 +257,36 @@ def _hook_waits(ctx, cfg: dict) -> None:
     assert len(order) == len(units)
 
 
+def _opaque_waits(ctx) -> None:
+    """Where FSDP's internals are not what forward_waits reads, the root unit's pre-forward
+    waits for every pending upload before FSDP's own pre-forward (the rule before per-unit
+    waits: slower, never wrong)."""
+    from unittest import mock
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from emsa import _dtensor
+
+    model = _model()
+    _shard_mlp(model, init_device_mesh(ctx.device.type, (ctx.world_size,)))
+    x, y = _batch(0, ctx.rank, ctx.world_size)
+    torch.nn.functional.mse_loss(model(x), y).backward()  # FSDP's lazy init
+    tier = _FakeTier()
+    tier.pending = {b for b, _ in enumerate(model.parameters())}
+    pending_at_root = []
+    model.register_forward_pre_hook(lambda m, a: pending_at_root.append(set(tier.pending)),
+                                    prepend=True)
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(_dtensor._UploadWaits(
+        tier, {id(p): b for b, p in enumerate(model.parameters())}))
+    try:
+        with mock.patch.object(torch.cuda, "current_stream", lambda device=None: "current"), \
+                mock.patch.object(_dtensor, "_unit_params", side_effect=AttributeError("x")):
+            model(x)
+    finally:
+        hook.remove()
+    assert pending_at_root == [set()] and tier.waited_all == 1
+
+
 def _cuda_twins(ctx, cfg: dict) -> None:
     """World size 1, NCCL: FSDP2 + emsa.AdamW(tier="host") against a twin with tier="device",
     each its own forward and backward, bitwise every step (the engines' updates are bitwise
@@ -415,6 +445,10 @@ def test_fsdp2_units_read_their_own_shards(root_keeps, prefetch):
 def test_fsdp2_forward_waits_per_unit(root_keeps, prefetch):
     dist_util.run(_hook_waits, world_size=2, backend="gloo", timeout=TIMEOUT_S,
                   args=({"root_keeps": root_keeps, "prefetch": prefetch},))
+
+
+def test_fsdp2_forward_waits_for_all_where_fsdp_is_opaque():
+    dist_util.run(_opaque_waits, world_size=2, backend="gloo", timeout=TIMEOUT_S)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not torch.distributed.is_nccl_available(),
