@@ -40,10 +40,10 @@ uploads and the backward for copies); then, with nothing pending, one forward un
 waited). Reported: the median ms/step and of each part, the peak device memory (torch's peak,
 plus emsa's device arena, which torch's allocator does not see), the final loss; for emsa the
 host tier's own medians (d2h, cpu, h2d busy; wait: host time a forward blocked for an upload
-not yet enqueued; grad_wait, worker), the last step's host timeline (last bucket submitted,
-CPU updates' first start and last end, seconds from the step's start on the host), the share
-of the host tier the GPU updated, the plan's predicted step. The bar: offload / emsa >= 2.5 at
-every shape. JSON: bench/results/fsdp_offload-<date>.json (--out FILE elsewhere); the tables
+not yet enqueued; grad_wait, worker), the last step's host timeline (first and last bucket
+submitted, CPU updates' first start and last end, seconds from the step's start on the host),
+the share of the host tier the GPU updated, the plan's predicted step. The bar: offload / emsa
+>= 2.5 at every shape. JSON: bench/results/fsdp_offload-<date>.json (--out FILE elsewhere); the tables
 are printed last.
 
 --dry-run: a tiny Llama on the CPU over gloo, a 2x16 shape, 2+2 steps: checks this script, its
@@ -263,10 +263,11 @@ def breakdown(result: dict) -> str:
     """Where each step goes (module docstring), ms: medians of the timed steps."""
     ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
     lines = ["Breakdown, ms (fwd - quiet: what the forward waited; host tier: busy medians; "
-             "trace: the last step, from its start on the host)",
+             "the last step from its start on the host: first and last bucket submitted, "
+             "the CPU's last update done)",
              f"{'shape':>8} {'config':<8} {'step':>7} {'fwd':>6} {'quiet':>6} {'bwd':>6} "
              f"{'step()':>6} | {'d2h':>6} {'cpu':>6} {'h2d':>6} {'wait':>6} {'worker':>6} "
-             f"| {'submit':>6} {'cpu end':>7} | gpu share, predicted"]
+             f"| {'first':>6} {'last':>6} {'cpu end':>7} | gpu share, predicted"]
     for key, runs in result["shapes"].items():
         for config in CONFIGS:
             r = runs.get(config)
@@ -275,7 +276,9 @@ def breakdown(result: dict) -> str:
             m, t = r.get("measured") or {}, r.get("host_trace") or {}
             host = " ".join(f"{ms(m.get(k)):>6}" for k in ("d2h_s", "cpu_s", "h2d_s", "wait_s",
                                                            "worker_s"))
-            trace = f"{ms(t.get('last_submit_s')):>6} {ms(t.get('last_cpu_end_s')):>7}"
+            first = min((row[0] for row in t.get("rows", []) if row[0] >= 0), default=None)
+            trace = (f"{ms(first):>6} {ms(t.get('last_submit_s')):>6} "
+                     f"{ms(t.get('last_cpu_end_s')):>7}")
             plan = ""
             if "device_update_share" in r:
                 plan = (f"{r['device_update_share']:.0%}, {ms(r.get('predicted_step_s'))} ms"
