@@ -43,8 +43,8 @@ host tier's own medians (d2h, cpu, h2d busy; wait: host time a forward blocked f
 not yet enqueued; grad_wait, worker), the last step's host timeline (first and last bucket
 submitted, CPU updates' first start and last end, seconds from the step's start on the host),
 the share of the host tier the GPU updated, the plan's predicted step. The bar: offload / emsa
->= 2.5 at every shape. JSON: bench/results/fsdp_offload-<date>.json (--out FILE elsewhere); the tables
-are printed last.
+>= 2.5 at every shape. JSON: bench/results/fsdp_offload-<date>.json (--out FILE elsewhere);
+the tables are printed last.
 
 --dry-run: a tiny Llama on the CPU over gloo, a 2x16 shape, 2+2 steps: checks this script, its
 subprocesses, tables and JSON, not the speed.
