@@ -163,7 +163,9 @@ def run_emsa(args, shape, batches, device, fsdp: bool = True) -> dict:
 def _run_emsa(args, shape, batches, device, fsdp: bool) -> dict:
     import emsa
 
-    out: dict = dict(step_in_backward=args.step_in_backward)
+    if args.wait_all:  # A/B: every module finds no per-unit buckets, so the first waits for all
+        emsa._dtensor._UploadWaits._buckets = lambda self, module: None
+    out: dict = dict(step_in_backward=args.step_in_backward, wait_all=args.wait_all)
     model = e2e.make_llama(shape, device)
     if fsdp:
         model = shard(model, device, args.units)
@@ -240,7 +242,8 @@ def launch(args, config: str, shape: tuple[int, int]) -> dict:
 def table(result: dict) -> str:
     gib = e2e.GIB
     lines = [f"FSDP2, Adam state on the host: {result['device']}, torch {result['torch']}, "
-             f"commit {result['commit']}, {result['date']}, units {result['units']}",
+             f"commit {result['commit']}, {result['date']}, units {result['units']}"
+             f"{', forward waits for all (A/B)' if result.get('wait_all') else ''}",
              f"{'shape':>8}  {'configuration':<38} {'ms/step':>9} {'peak GiB':>9} {'loss':>8}"]
     for key, runs in result["shapes"].items():
         for config, label in CONFIGS.items():
@@ -302,6 +305,9 @@ def main() -> None:
     ap.add_argument("--no-step-in-backward", dest="step_in_backward", action="store_false")
     ap.add_argument("--no-probe", dest="probe", action="store_false",
                     help="emsa plans from its first backward instead of emsa.probe")
+    ap.add_argument("--wait-all", action="store_true",
+                    help="A/B: under FSDP the first forward waits for every pending upload "
+                         "(the rule before per-unit waits) instead of each unit for its own")
     ap.add_argument("--no-autocast", dest="autocast", action="store_false")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per subprocess")
     ap.add_argument("--dry-run", action="store_true")
@@ -323,7 +329,7 @@ def main() -> None:
     result.update(model="tiny Llama (dry run)" if args.dry_run else "Llama 0.95 B",
                   warmup=args.warmup, steps=args.steps, autocast_bf16=args.autocast,
                   step_in_backward=args.step_in_backward, probe=args.probe, units=args.units,
-                  bar=BAR, shapes={})
+                  wait_all=args.wait_all, bar=BAR, shapes={})
     for batch, seq in e2e.parse_shapes(args.shapes):
         runs = {config: launch(args, config, (batch, seq)) for config in configs}
         if runs.get("offload", {}).get("ok") and runs.get("emsa", {}).get("ok"):
