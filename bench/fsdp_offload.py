@@ -121,8 +121,9 @@ def train(model, opt, batches, device, warmup: int, autocast: bool) -> dict:
     with torch.no_grad(), ctx:
         start = clock.mark()
         model(input_ids=batches[-1], labels=batches[-1])
-        quiet = clock.seconds(start, clock.mark())
-    e2e.sync(device)
+        end = clock.mark()
+    e2e.sync(device)  # both events complete before elapsed_time reads them
+    quiet = clock.seconds(start, end)
     timed = marks[warmup:]
     step = [clock.seconds(m[0], m[3]) for m in timed]
     out = dict(step_s=statistics.median(step), step_times_s=step, quiet_forward_s=quiet,
