@@ -16,11 +16,22 @@ last ranks' shards of a dim that does not divide evenly), so ranks do not share 
   (the same memory, no copy); release() drops both, so the reduce-scatter output is freed.
 - Updates in backward: FSDP2 calls the sharded parameters' post-accumulate-grad hooks once
   their reduced gradient is set (from its reduce-scatter, on its reduce stream), which is when
-  emsa's hooks update; autograd never accumulates into a sharded parameter itself. The host
-  tier's uploads must be waited for before FSDP's first all-gather of a forward: FSDP orders
-  its all-gather streams after the compute stream once, at the root's pre-forward, so a wait
-  at each module's own forward would come after the all-gather had read the old shard.
-  forward_waits() makes the first module forward wait for every pending upload.
+  emsa's hooks update; autograd never accumulates into a sharded parameter itself.
+- The next forward: what reads a sharded parameter is its FSDP unit's pre-forward (the
+  all-gather's copy-in, or at world size 1 a copy into the unsharded parameter on the current
+  stream), not the module that uses it, and FSDP orders its all-gather streams after the
+  compute stream only once, at the root's pre-forward. forward_waits() therefore makes each
+  unit's pre-forward wait for exactly its own parameters' host-tier uploads (and those of the
+  units it prefetches), on the current stream and on FSDP's all-gather streams, before FSDP's
+  own pre-forward hook runs (global forward pre-hooks run before a module's own); the uploads
+  of later units overlap the earlier units' forward. A plain module's own DTensor parameters
+  (tensor parallel) are waited for at its forward. Where FSDP's internals cannot be read, the
+  unit waits for every pending upload. An explicit FSDPModule.unshard() after a step reads the
+  shards outside any forward: call the optimizer's synchronize() first. Shard the embedding and
+  the output layer as units of their own (as torchtitan does): a root unit's gradients are
+  reduced only when the whole backward ends and its parameters are read first by the next
+  forward, so host-tier parameters in the root unit make that forward wait for the step's last
+  update.
 - State: opt.state and state_dict() hold each DTensor parameter's state tensors as DTensors
   with its mesh and placements (aliasing emsa's arenas), so torch.distributed.checkpoint
   reshards them between world sizes; "step" stays a plain scalar, as torch.optim keeps it.
@@ -186,22 +197,118 @@ def shard_like(src: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 def forward_waits(backend, shards: Shards):
     """With DTensor parameters in a CUDA host tier: a global module forward pre-hook that makes
-    the first forward after a step wait (on the compute stream) for every pending upload, before
-    FSDP's root pre-forward orders its all-gather streams after the compute stream (module
-    docstring). Returns the hook's handle, or None when nothing needs it."""
+    each FSDP unit's pre-forward (and each module holding DTensor parameters) wait for the
+    pending uploads of just the parameters it reads (module docstring). Returns the hook's
+    handle, or None when nothing needs it."""
     host = getattr(backend, "host", None)
     if not shards.any or host is None:
         return None
-    ref = weakref.ref(host)
-
-    def pre_hook(module, args):
-        tier = ref()
-        if tier is not None and tier.pending:
-            tier.wait_all(torch.cuda.current_stream(tier.device))
-
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+    bucket_of = {}
+    for src, loc in zip(shards.sources, shards.locals):
+        b = host._bucket_of.get(id(loc))
+        if src is not loc and b is not None:
+            bucket_of[id(src)] = b
+    waits = _UploadWaits(host, bucket_of)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(waits)
     weakref.finalize(host, handle.remove)  # gone with the tier
     return handle
+
+
+_OPAQUE_UNIT = object()  # the state of an FSDP unit this torch's FSDP does not show
+
+
+def _fsdp_state(module: torch.nn.Module):
+    """module's FSDP2 state when it is an FSDP unit (fully_shard applied to it), else None."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    cls = getattr(fsdp, "FSDPModule", None)
+    if cls is None or not isinstance(module, cls):
+        return None
+    getter = getattr(module, "_get_fsdp_state", None)
+    return _OPAQUE_UNIT if getter is None else getter()
+
+
+def _unit_params(state) -> list[torch.Tensor]:
+    """The sharded parameters an FSDP unit's pre-forward reads: its parameter groups' and
+    those of the units it prefetches in forward. Raises AttributeError where this torch's FSDP
+    keeps them under other names."""
+    out = []
+    for st in (state, *state._states_to_forward_prefetch):
+        groups = getattr(st, "_fsdp_param_groups", None)
+        if groups is None:  # torch before per-parameter meshes: at most one group
+            group = st._fsdp_param_group
+            groups = [] if group is None else [group]
+        out += [fp.sharded_param for g in groups for fp in g.fsdp_params]
+    return out
+
+
+def reads(module: torch.nn.Module) -> tuple[list[torch.Tensor], object] | None:
+    """What module's forward (with its pre-hooks) reads of the sharded parameters: (its own
+    DTensor parameters, plus for an FSDP unit those of unit_params; the unit's FSDP state or
+    None). None: a unit whose parameters this torch's FSDP does not show."""
+    own = [p for p in module._parameters.values() if is_dtensor(p)]
+    state = _fsdp_state(module)
+    if state is None:
+        return own, None
+    try:
+        unit = _unit_params(state)
+    except (AttributeError, TypeError, AssertionError):  # another torch's FSDP internals
+        return None
+    seen = {id(p) for p in own}
+    return own + [p for p in unit if id(p) not in seen], state
+
+
+class _UploadWaits:
+    """The forward pre-hook of forward_waits: per module the host-tier buckets its forward
+    reads (cached, for an FSDP unit while its forward-prefetch targets stay the same); the
+    current stream, and for an FSDP unit its all-gather streams, wait for those still
+    pending."""
+
+    _STREAMS = ("all_gather_copy_in_stream", "all_gather_stream")
+
+    def __init__(self, tier, bucket_of: dict[int, int]):
+        self._tier = weakref.ref(tier)
+        self._bucket_of = bucket_of
+        self._cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __call__(self, module, args):
+        tier = self._tier()
+        if tier is None or not tier.pending:
+            return
+        state = _fsdp_state(module)  # not cached: it would keep the module alive
+        key = None if state is None else tuple(
+            map(id, getattr(state, "_states_to_forward_prefetch", ())))
+        entry = self._cache.get(module)
+        if entry is None or entry[0] != key:
+            entry = self._cache[module] = (key, self._buckets(module))
+        buckets = entry[1]
+        current = torch.cuda.current_stream(tier.device)
+        if buckets is None:
+            tier.wait_all(current)
+            return
+        mine = [b for b in buckets if b in tier.pending]
+        if not mine:
+            return
+        streams = [current]
+        if state is not None:
+            ctx = getattr(state, "_comm_ctx", None)
+            found = [getattr(ctx, name, None) for name in self._STREAMS]
+            if None in found:  # not the FSDP this was written against: wait for everything
+                tier.wait_all(current)
+                return
+            streams += found
+        for b in mine:
+            for stream in streams:
+                tier.wait(b, stream)
+
+    def _buckets(self, module) -> tuple[int, ...] | None:
+        """The buckets module's forward reads; None: an FSDP unit whose parameters this
+        torch's FSDP does not show."""
+        found = reads(module)
+        if found is None:
+            return None
+        buckets = {self._bucket_of.get(id(p)) for p in found[0]}
+        buckets.discard(None)
+        return tuple(sorted(buckets))
 
 
 # ---- probing a sharded model (emsa.probe) ------------------------------------------------------

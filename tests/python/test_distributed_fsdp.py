@@ -6,6 +6,8 @@ shard on rank 1 is empty: FSDP2 shards dim 0 unevenly) and no bias without a tru
   updates in backward (FSDP2 calls the sharded parameters' post-accumulate-grad hooks after
   its reduce-scatter), with and without max_grad_norm=1.0 (against clip_grad_norm_ on the
   DTensor gradients: the norm is the whole model's, and clipping fires);
+- the sharded parameters each FSDP unit's pre-forward reads (what the host tier's per-unit
+  forward waits wait for) are its own and its forward-prefetch targets', and cover the model;
 - DCP: saved at step 10, loaded by fresh processes, continued to 20: bitwise the uninterrupted
   run (and within 1e-6 of torch.optim's); the 2-rank checkpoint loaded into 1 rank (a plain
   model) with emsa and with torch.optim.AdamW continues within 1e-6 of the uninterrupted 2-rank
@@ -87,7 +89,6 @@ def _train(ctx, cfg: dict) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
                                                          set_optimizer_state_dict)
-    from torch.distributed.fsdp import fully_shard
 
     rank, world = ctx.rank, ctx.world_size
     model = _model()
@@ -95,11 +96,7 @@ def _train(ctx, cfg: dict) -> dict:
         # The mesh on the ranks' own device: fully_shard's default mesh is the accelerator's
         # when one exists, which would move a CPU (gloo) run's model to the GPU.
         from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh(ctx.device.type, (world,))
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        _shard_mlp(model, init_device_mesh(ctx.device.type, (world,)))
     opt = _optimizer(cfg, model, rank, world)
     start = 0
     if cfg.get("load"):
@@ -141,13 +138,163 @@ def _train(ctx, cfg: dict) -> dict:
             "clip_count": getattr(opt, "clip_count", None)}
 
 
+def _shard_mlp(model: torch.nn.Module, mesh=None, root_keeps: bool = False) -> None:
+    """fully_shard on each Linear (but the first and last with root_keeps: the root unit then
+    holds parameters of its own), then on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+    for layer in linears[1:-1] if root_keeps else linears:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _unit_reads(ctx, cfg: dict) -> None:
+    """Each FSDP unit's pre-forward is found to read exactly the sharded parameters of its own
+    subtree (less nested units') and of the units it prefetches, and every parameter is read
+    by some unit: the host tier's per-unit forward waits (emsa._dtensor.forward_waits) leave
+    none unwaited."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from emsa import _dtensor
+
+    model = _model()
+    _shard_mlp(model, init_device_mesh(ctx.device.type, (ctx.world_size,)), cfg["root_keeps"])
+    units = [m for m in model.modules() if _dtensor._fsdp_state(m) is not None]
+    if cfg["prefetch"]:  # the root all-gathers the last unit at its own pre-forward
+        units[0].set_modules_to_forward_prefetch([units[-1]])
+
+    def own(unit):  # its subtree's parameters, less those of nested units
+        nested = {id(p) for m in unit.modules() if m is not unit and m in units
+                  for p in m.parameters()}
+        return {id(p) for p in unit.parameters()} - nested
+
+    covered = set()
+    for k, unit in enumerate(units):
+        found = _dtensor.reads(unit)
+        assert found is not None, f"unit {k}: this torch's FSDP internals were not found"
+        params, state = found
+        assert state is not None and all(_dtensor.is_dtensor(p) for p in params)
+        want = own(unit) | (own(units[-1]) if cfg["prefetch"] and k == 0 else set())
+        assert {id(p) for p in params} == want, f"unit {k}"
+        covered |= want
+    assert covered == {id(p) for p in model.parameters()}
+    assert _dtensor.reads(model[1]) == ([], None)  # a plain module without parameters
+
+
+class _FakeTier:
+    """What forward_waits' hook uses of a HostTier: pending buckets, and the waits issued."""
+
+    device = None
+
+    def __init__(self):
+        self.pending: set[int] = set()
+        self.waits: list[tuple[int, object]] = []
+        self.waited_all = 0
+
+    def wait(self, b, stream):
+        self.waits.append((b, stream))
+        self.pending.discard(b)
+
+    def wait_all(self, stream):
+        self.waited_all += 1
+        self.pending.clear()
+
+
+def _hook_waits(ctx, cfg: dict) -> None:
+    """forward_waits' hook on a CPU FSDP2 model, each parameter its own bucket of a fake tier,
+    the CUDA current stream a stand-in: when FSDP's own pre-forward of a unit starts, the
+    unit's buckets (and its prefetch targets') have been waited for on the current stream and
+    on both all-gather streams, and the buckets of the units that run later are still pending
+    (the forward does not wait for every upload at its start). A forward prefetch is set
+    after the hook has seen a forward without it."""
+    from unittest import mock
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from emsa import _dtensor
+
+    model = _model()
+    _shard_mlp(model, init_device_mesh(ctx.device.type, (ctx.world_size,)), cfg["root_keeps"])
+    units = [m for m in model.modules() if _dtensor._fsdp_state(m) is not None]
+    x, y = _batch(0, ctx.rank, ctx.world_size)
+    bucket = {id(p): b for b, p in enumerate(model.parameters())}
+    tier = _FakeTier()
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(
+        _dtensor._UploadWaits(tier, bucket))
+    for _ in range(2):  # the first: FSDP's lazy init (its streams; the hook waits for all)
+        tier.pending = set(bucket.values())
+        with mock.patch.object(torch.cuda, "current_stream", lambda device=None: "current"):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        model.zero_grad()
+    tier.waits.clear()
+    tier.waited_all = 0
+    if cfg["prefetch"]:
+        units[0].set_modules_to_forward_prefetch([units[-1]])
+    mine = {u: {bucket[id(p)] for p in _dtensor.reads(u)[0]} for u in units}
+    order = []
+
+    def before_fsdp(unit, args):  # prepended after fully_shard: runs before FSDP's pre-forward
+        order.append(unit)
+        assert not mine[unit] & tier.pending, f"unit {units.index(unit)}: not waited"
+        later = set().union(*(mine[u] for u in units if u not in order)) - set().union(
+            *(mine[u] for u in order))
+        assert later <= tier.pending, f"unit {units.index(unit)}: later units' waited"
+
+    handles = [u.register_forward_pre_hook(before_fsdp, prepend=True) for u in units]
+    comm = units[0]._get_fsdp_state()._comm_ctx
+    streams = {"current", comm.all_gather_copy_in_stream, comm.all_gather_stream}
+    try:
+        tier.pending = set(bucket.values())
+        with mock.patch.object(torch.cuda, "current_stream", lambda device=None: "current"):
+            model(x)
+    finally:
+        hook.remove()
+        for h in handles:
+            h.remove()
+    assert tier.waited_all == 0 and not tier.pending
+    for b in bucket.values():
+        assert {s for c, s in tier.waits if c == b} == streams, f"bucket {b}"
+    assert len(order) == len(units)
+
+
+def _opaque_waits(ctx) -> None:
+    """Where FSDP's internals are not what forward_waits reads, the root unit's pre-forward
+    waits for every pending upload before FSDP's own pre-forward (the rule before per-unit
+    waits: slower, never wrong)."""
+    from unittest import mock
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from emsa import _dtensor
+
+    model = _model()
+    _shard_mlp(model, init_device_mesh(ctx.device.type, (ctx.world_size,)))
+    x, y = _batch(0, ctx.rank, ctx.world_size)
+    torch.nn.functional.mse_loss(model(x), y).backward()  # FSDP's lazy init
+    tier = _FakeTier()
+    tier.pending = {b for b, _ in enumerate(model.parameters())}
+    pending_at_root = []
+    model.register_forward_pre_hook(lambda m, a: pending_at_root.append(set(tier.pending)),
+                                    prepend=True)
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(_dtensor._UploadWaits(
+        tier, {id(p): b for b, p in enumerate(model.parameters())}))
+    try:
+        with mock.patch.object(torch.cuda, "current_stream", lambda device=None: "current"), \
+                mock.patch.object(_dtensor, "_unit_params", side_effect=AttributeError("x")):
+            model(x)
+    finally:
+        hook.remove()
+    assert pending_at_root == [set()] and tier.waited_all == 1
+
+
 def _cuda_twins(ctx, cfg: dict) -> None:
     """World size 1, NCCL: FSDP2 + emsa.AdamW(tier="host") against a twin with tier="device",
     each its own forward and backward, bitwise every step (the engines' updates are bitwise
     equal): an all-gather that read a shard before its upload, a gradient released before its
-    copy, change bits."""
-    from torch.distributed.fsdp import fully_shard
-
+    copy, change bits. Each Linear's weight as its forward sees it (the unsharded copy FSDP
+    made at the unit's pre-forward) is compared too, so a forward that read a parameter before
+    its upload landed fails at that parameter."""
     import emsa
 
     def build():
@@ -155,16 +302,20 @@ def _cuda_twins(ctx, cfg: dict) -> None:
         width = 1024
         model = torch.nn.Sequential(*[m for _ in range(4) for m in (
             torch.nn.Linear(width, width), torch.nn.GELU())], torch.nn.Linear(width, 8)).cuda()
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        return fully_shard(model)
+        _shard_mlp(model, root_keeps=cfg.get("root_keeps", False))
+        return model
 
     hyper = dict(lr=1e-3, weight_decay=0.1, step_in_backward=cfg["in_backward"],
                  max_grad_norm=cfg.get("clip"))
     models = [build(), build()]
     opts = [emsa.AdamW(m.parameters(), tier=tier, **hyper)
             for m, tier in zip(models, ("host", "device"))]
+    seen = [[], []]  # per twin: each Linear's weight at its forward, in forward order
+    for k, model in enumerate(models):
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):  # after FSDP's own pre-forward (prepended)
+                layer.register_forward_pre_hook(
+                    lambda m, args, k=k: seen[k].append(m.weight.detach().clone()))
     g = torch.Generator(device="cuda").manual_seed(7)
     for step in range(STEPS):
         x = torch.randn(64, 1024, device="cuda", generator=g)
@@ -179,6 +330,10 @@ def _cuda_twins(ctx, cfg: dict) -> None:
             opt.step()
             opt.zero_grad()
             losses.append(loss)
+        for i, (a, b) in enumerate(zip(*seen)):
+            assert torch.equal(a, b), f"step {step + 1}: Linear {i}'s forward read another weight"
+        seen[0].clear()
+        seen[1].clear()
         assert torch.equal(losses[0], losses[1]), f"step {step + 1}: losses {losses}"
         opts[0].synchronize()
         for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
@@ -282,10 +437,30 @@ def test_two_rank_checkpoint_into_one_rank(checkpoint, torch_runs, opt):
     _assert_params(got["params"], torch_runs(None)["params"], rtol=1e-6)  # torch.optim's run
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["implicit", "forward_prefetch"])
+@pytest.mark.parametrize("root_keeps", [False, True], ids=["root_empty", "root_holds"])
+def test_fsdp2_units_read_their_own_shards(root_keeps, prefetch):
+    dist_util.run(_unit_reads, world_size=2, backend="gloo", timeout=TIMEOUT_S,
+                  args=({"root_keeps": root_keeps, "prefetch": prefetch},))
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["implicit", "forward_prefetch"])
+@pytest.mark.parametrize("root_keeps", [False, True], ids=["root_empty", "root_holds"])
+def test_fsdp2_forward_waits_per_unit(root_keeps, prefetch):
+    dist_util.run(_hook_waits, world_size=2, backend="gloo", timeout=TIMEOUT_S,
+                  args=({"root_keeps": root_keeps, "prefetch": prefetch},))
+
+
+def test_fsdp2_forward_waits_for_all_where_fsdp_is_opaque():
+    dist_util.run(_opaque_waits, world_size=2, backend="gloo", timeout=TIMEOUT_S)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not torch.distributed.is_nccl_available(),
                     reason="needs a CUDA GPU and NCCL")
-@pytest.mark.parametrize("variant", ["step", "in_backward", "clipped_in_backward"])
+@pytest.mark.parametrize("variant", ["step", "in_backward", "clipped_in_backward",
+                                     "in_backward_root_holds"])
 def test_cuda_host_tier_under_fsdp2_equals_device_tier_bitwise(variant):
     dist_util.run(_cuda_twins, world_size=1, backend="nccl", timeout=TIMEOUT_S,
                   args=({"in_backward": variant != "step",
-                         "clip": 1e-3 if variant.startswith("clipped") else None},))
+                         "clip": 1e-3 if variant.startswith("clipped") else None,
+                         "root_keeps": variant.endswith("root_holds")},))
