@@ -76,7 +76,9 @@ def test_partly_locked_arena_reports_locked_and_pageable_bytes():
     d = a.describe()
     assert d["pin"] == "cudaHostRegister", d["fallback_reason"]
     assert d["locked_bytes"] == 4 * MiB and d["pageable_bytes"] == 6 * MiB  # whole 2 MiB pages
-    assert a.bytes[:4 * MiB].is_pinned() and not a.bytes[4 * MiB:].is_pinned()
+    # Which addresses the driver registered is checked per byte by the C++ test
+    # HostArena.LockedPrefixIsRegisteredAndTheRestPageable: torch's Tensor.is_pinned looks at
+    # a view's storage base (the arena's first byte), so it says "pinned" for every view.
     assert int(a.bytes.count_nonzero()) == 0
 
 
@@ -97,13 +99,27 @@ def test_host_tier_arena_locks_only_what_copies_touch(dtype):
     assert mem["locked_bytes"] == locked and mem["pageable_bytes"] > 0
     i = 0  # model[0].weight's slot
     backend = opt._backend
-    assert backend.hidden[i]["grad"].is_pinned()  # copied down
+    host = backend.host_arena
+    assert host.locked_bytes == locked
+
+    # Where a view lies: wholly in the locked prefix, or wholly after it. (torch's is_pinned looks
+    # at the storage's base, the arena's first byte, so it cannot tell.)
+    def in_prefix(t: torch.Tensor) -> bool:
+        first = host.offset_of(t)
+        assert 0 <= first and first + t.numel() * t.element_size() <= host.nbytes
+        return first + t.numel() * t.element_size() <= locked
+
+    def after_prefix(t: torch.Tensor) -> bool:
+        return host.offset_of(t) >= locked
+
+    assert in_prefix(backend.hidden[i]["grad"])  # copied down
     state = opt.state[model[0].weight]
-    assert state["exp_avg"].device.type == "cpu" and not state["exp_avg"].is_pinned()
+    assert state["exp_avg"].device.type == "cpu"
+    assert after_prefix(state["exp_avg"]) and after_prefix(state["exp_avg_sq"])
     if dtype == torch.bfloat16:  # copied up from param_out; the master stays on the CPU
-        assert backend.hidden[i]["param_out"].is_pinned() and not state["master"].is_pinned()
+        assert in_prefix(backend.hidden[i]["param_out"]) and after_prefix(state["master"])
     else:  # an fp32 parameter's host master is uploaded (Adam) and refreshed: locked
-        assert backend.hidden[i]["master"].is_pinned()
+        assert in_prefix(backend.hidden[i]["master"])
     # (host_arena.populate_wait only when the first step had to wait: not for so small a model.)
     for phase in ("host_arena", "host_arena.fill", "host_arena.pin", "host_arena.populate",
                   "bind", "bind.masters", "first_step"):
@@ -121,7 +137,10 @@ def test_masters_equal_the_parameters_widened_bitwise(dtype, tier):
     with torch.no_grad():
         model[0].weight.mul_(torch.logspace(low, high, 96, device="cuda").to(dtype)[:, None])
         model[1].bias.copy_(torch.tensor([-0.0, 10.0 ** low, -(10.0 ** high)]).to(dtype))
-    opt = emsa.AdamW(model.parameters(), lr=1e-3, tier=tier)
+    # step_in_backward plans (and binds) in the constructor; without it or probe= the plan,
+    # and so the state, would come at the first step().
+    opt = emsa.AdamW(model.parameters(), lr=1e-3, tier=tier, step_in_backward=True)
+    assert len(opt.state) == 4
     for p in model.parameters():
         master = opt.state[p]["master"]
         assert master.device.type == ("cpu" if tier == "host" else "cuda")
