@@ -122,7 +122,11 @@ void CheckLayout(const Plan& plan) {
     }
   }
   for (auto& s : spans) {  // module ranges do not overlap
-    std::sort(s.begin(), s.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+    // By begin, then end: an empty view at the offset where another begins overlaps nothing,
+    // and std::sort leaves the order of equal keys to the library (libc++ and libstdc++ differ).
+    std::sort(s.begin(), s.end(), [](const Span& a, const Span& b) {
+      return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+    });
     for (size_t i = 1; i < s.size(); ++i) {
       EXPECT_LE(s[i - 1].end, s[i].begin) << s[i - 1].what << " overlaps " << s[i].what;
     }
@@ -199,7 +203,11 @@ void CheckLayout(const Plan& plan) {
   EXPECT_LE(locked, plan.prediction.host_state_bytes);
   if (locked < plan.prediction.host_state_bytes) EXPECT_EQ(locked % kHostArenaPageBytes, 0u);
   for (auto& s : spans) {
-    std::sort(s.begin(), s.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+    // By begin, then end: an empty view at the offset where another begins overlaps nothing,
+    // and std::sort leaves the order of equal keys to the library (libc++ and libstdc++ differ).
+    std::sort(s.begin(), s.end(), [](const Span& a, const Span& b) {
+      return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+    });
     for (size_t i = 1; i < s.size(); ++i) {
       EXPECT_LE(s[i - 1].end, s[i].begin) << s[i - 1].what << " overlaps " << s[i].what;
     }
