@@ -1,12 +1,12 @@
 // emsa/host_tier.h — the host tier's step for CUDA parameters: gradients down, CPU update,
 // parameters up, each stage overlapped with the others and with the GPU's own work.
 //
-// The state of a host-tier parameter lives in the host arena (moments, an fp32 master,
-// a staging buffer for its gradient and, for bf16/fp16 parameters, one for the rounded
-// parameter). What a copy reads or writes must be pinned (the staging buffers, the parameter
-// the upload reads, a device-updated bucket's moments); what only the CPU touches may be
-// pageable, resident before the tier's first step. Per step and per bucket (the plan's unit, in
-// gradient-ready order):
+// The state of a host-tier parameter lives in the host arena (moments, an fp32 master and a
+// staging buffer for its gradient, over which a bf16/fp16 parameter's update may write the
+// rounded parameter for the upload). What a copy reads or writes must be pinned (the staging
+// buffers, the parameter the upload reads, a device-updated bucket's moments); what only the CPU
+// touches may be pageable, resident before the tier's first step. Per step and per bucket (the
+// plan's unit, in gradient-ready order):
 //
 //   Submit(b, grads, compute)   an event on the compute stream; the D2H stream waits on it and
 //                               copies the bucket's gradients into their staging buffers, then
@@ -75,9 +75,11 @@ struct DeviceStepHeader;  // emsa/cuda_update.h
 
 struct HostTierTensor {
   // Host pointers for the CPU update: param is what the update writes in place (the fp32 master
-  // for fp32 parameters, with master null; the bf16/fp16 staging buffer otherwise, with master
-  // the fp32 master); grad is the staging buffer the D2H copy fills. step and hyper are set per
-  // step by BeginStep.
+  // for fp32 parameters, with master null; a bf16/fp16 staging buffer otherwise, with master
+  // the fp32 master, and that buffer may be grad itself: the update reads each gradient element
+  // before it writes the rounded parameter there, and the tier orders the next step's gradient
+  // copy after the upload that reads it); grad is the staging buffer the D2H copy fills. step
+  // and hyper are set per step by BeginStep.
   TensorUpdate update;
   int32_t group = 0;             // param group: whose hyperparameters and step count apply
   int64_t bucket = 0;            // 0 <= bucket < bucket_count; tensors of a bucket update together

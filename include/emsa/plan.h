@@ -95,14 +95,13 @@ struct ParamPlan {
   int64_t bucket = -1;         // index into Plan::buckets
   bool device_update = false;  // host tier, updated by the GPU (PlanOptions::device_update_share)
   // Views. Device tier: exp_avg, exp_avg_sq, master in the device arena. Host tier: exp_avg,
-  // exp_avg_sq, master, grad (staging for the device->host copy) and param_out (staging for the
-  // host->device copy, only when the param is not fp32) in the host arena.
+  // exp_avg_sq, master and grad (staging for the device->host copy; a 16-bit param's update
+  // writes the rounded param over it for the host->device copy) in the host arena.
   int64_t exp_avg_offset = -1;
   int64_t exp_avg_sq_offset = -1;  // -1 for Lion
   int64_t master_offset = -1;
-  int64_t grad_offset = -1;       // host tier only
-  int64_t param_out_offset = -1;  // host tier only, non-fp32 params
-  uint64_t state_bytes = 0;       // bytes this parameter occupies in its arena, padding included
+  int64_t grad_offset = -1;   // host tier only
+  uint64_t state_bytes = 0;   // bytes this parameter occupies in its arena, padding included
 };
 
 // A contiguous range of one module's state in one tier's arena. In the host arena a module's

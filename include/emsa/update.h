@@ -36,7 +36,10 @@ enum class Rounding : int32_t {
 
 struct TensorUpdate {
   void* param = nullptr;       // numel elements of param_dtype; updated in place
-  const void* grad = nullptr;  // numel elements of grad_dtype
+  // numel elements of grad_dtype. CPU only (CpuUpdater): may be param itself when both have the
+  // same dtype (each element is read before it is written): a 16-bit parameter with a master
+  // is then rounded over its gradient, which the host tier's upload reads.
+  const void* grad = nullptr;
   void* exp_avg = nullptr;     // numel elements of state_dtype
   void* exp_avg_sq = nullptr;  // numel elements of state_dtype; unused (may be null) for Lion
   float* master = nullptr;     // numel fp32 master weights, or null (then param is the master;

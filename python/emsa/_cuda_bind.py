@@ -3,12 +3,12 @@ staging, the masters' values, libemsa's host-tier tensors, and the host arena's 
 
 Views, at the plan's offsets: exp_avg, exp_avg_sq (not Lion) and, for a 16-bit parameter, its
 fp32 master, in the device arena (device tier) or the pinned host arena (host tier). A host-tier
-slot also holds, hidden from the state: the gradient staging (the copy down lands there), the
-rounded parameter (param_out, 16-bit parameters: the copy up reads it) and, for an fp32
-parameter, its host master (the parameter the CPU updates).
+slot also holds, hidden from the state: the gradient staging (the copy down lands there; a 16-bit
+parameter's update writes the rounded parameter over it, and the copy up reads it there) and, for
+an fp32 parameter, its host master (the parameter the CPU updates).
 
 The host arena's two parts (the plan's host_locked_bytes): every view a copy to or from the
-device touches (gradient staging, param_out, fp32 masters, GPU-updated buckets' moments) lies
+device touches (gradient staging, fp32 masters, GPU-updated buckets' moments) lies
 in a page-locked prefix; the moments and masters that only CPU threads touch lie after it, in
 pageable memory that libemsa populates in the background, front to back in gradient-ready
 order. Before a host-tier bucket's update reads its state, the population must have passed it
@@ -18,13 +18,13 @@ it copies only from pinned memory.
 
 Masters are fp32(param) exactly (bf16 and fp16 widen to fp32 without rounding):
   - a device-tier master is converted on the device;
-  - a host-tier 16-bit parameter is copied down by DMA into its pinned param_out staging (the
+  - a host-tier 16-bit parameter is copied down by DMA into its pinned gradient staging (the
     same dtype: nothing converted on the way), then widened into its master on CPU threads
     (torch's parallel copy), which also populates the master's pageable pages;
   - an fp32 parameter's host master is in the prefix: one DMA.
 refresh_master (a parameter written by someone else since) takes the same path, on the current
 stream, which is ordered after the last step's uploads by then (the forwards waited for them, or
-_claim_unwaited did), so param_out is free to reuse.
+_claim_unwaited did), and before the slot's gradient is copied into the staging.
 """
 
 from __future__ import annotations
@@ -78,8 +78,6 @@ class Binding:
                 self.hidden[i]["master"] = master
         if self.on_host[i]:
             self.hidden[i]["grad"] = state_view(arena, pp["grad_offset"], p, p.dtype)
-            if p.dtype != torch.float32:
-                self.hidden[i]["param_out"] = state_view(arena, pp["param_out_offset"], p, p.dtype)
         return views
 
     def _state_end(self, i: int) -> int:
@@ -94,8 +92,11 @@ class Binding:
         return self.views[i].get("master", self.hidden[i].get("master"))
 
     def _staging(self, i: int) -> torch.Tensor | None:
-        """The pinned param_out a host-tier 16-bit parameter's master is filled through."""
-        return self.hidden[i].get("param_out") if self.on_host[i] else None
+        """The pinned gradient staging a host-tier 16-bit parameter's master is filled through
+        (None: an fp32 or device-tier master, filled directly)."""
+        if not self.on_host[i] or self.params[i].dtype == torch.float32:
+            return None
+        return self.hidden[i]["grad"]
 
     def _fill_masters(self) -> None:
         """Every master = fp32(param): the copies down all enqueued first, each widened on the
@@ -175,8 +176,9 @@ class Binding:
         u.param_dtype = u.grad_dtype = _capi.DTYPE[DTYPE_NAMES[p.dtype]]
         u.state_dtype = _capi.DTYPE[DTYPE_NAMES[v["exp_avg"].dtype]]
         # The parameter the CPU updates and the upload reads: an fp32 one's master, else the
-        # rounded copy (param_out), beside its master.
-        param = h["master"] if p.dtype == torch.float32 else h["param_out"]
+        # rounded value, written over its gradient staging (each element read first), beside
+        # its master.
+        param = h["master"] if p.dtype == torch.float32 else h["grad"]
         u.param = param.data_ptr()
         u.master = v["master"].data_ptr() if p.dtype != torch.float32 else None
         u.grad = h["grad"].data_ptr()
@@ -187,7 +189,7 @@ class Binding:
         t.bucket = b
         t.device_param = p.data_ptr()
         t.device_update = int(self.host_on_gpu[b])
-        copied = [h["grad"], param]
+        copied = [h["grad"], param] if param is not h["grad"] else [param]
         if self.host_on_gpu[b]:  # its moments are streamed up and back
             copied += [v[k] for k in ("exp_avg", "exp_avg_sq") if k in v]
         self._check_locked(i, copied)

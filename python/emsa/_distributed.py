@@ -170,8 +170,7 @@ def _layout(plan: dict) -> list:
     """What must agree between replicas: every parameter's tier, state and place, the
     buckets. Budget and predictions may differ (each GPU's free memory)."""
     keys = ("tier", "state_dtype", "master_weights", "bucket", "device_update",
-            "exp_avg_offset", "exp_avg_sq_offset", "master_offset", "grad_offset",
-            "param_out_offset")
+            "exp_avg_offset", "exp_avg_sq_offset", "master_offset", "grad_offset")
     return ([[pp.get(k) for k in keys] for pp in plan["params"]],
             [[b.get("tier"), b.get("params")] for b in plan["buckets"]])
 

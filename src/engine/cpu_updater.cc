@@ -94,6 +94,11 @@ Status ValidateTensor(size_t i, const TensorUpdate& t, const StepOptions& o) {
                             "; only an fp32 gradient can hold the delta in place");
     }
   }
+  if (t.param == t.grad && t.param != nullptr && t.param_dtype != t.grad_dtype) {
+    return Invalid(i, std::string("param is grad, but param is ") + DTypeName(t.param_dtype) +
+                          " and grad " + DTypeName(t.grad_dtype) +
+                          "; the parameter can be written over its gradient only in its own dtype");
+  }
   if (t.numel == 0) return Status::Ok();
   if (t.param == nullptr && t.delta == nullptr) return Invalid(i, "param is null");
   if (t.grad == nullptr) return Invalid(i, "grad is null");

@@ -193,8 +193,8 @@ Status HostTier::Impl::InitBucket(TierBucket& b) {
 
 // ---- the caller's side --------------------------------------------------------------------------
 
-// Submit's checks; *after_upload: the bucket's last upload read deltas from the gradient staging
-// buffer its copies are about to overwrite.
+// Submit's checks; *after_upload: the bucket's last upload read the gradient staging buffer (its
+// deltas, or its 16-bit parameters rounded there) that its copies are about to overwrite.
 Status HostTier::Impl::CheckSubmit(size_t bucket, const void* const* grads, size_t count,
                                    bool* after_upload, bool* gated) {
   if (bucket >= buckets.size()) {
@@ -211,7 +211,7 @@ Status HostTier::Impl::CheckSubmit(size_t bucket, const void* const* grads, size
     std::lock_guard<std::mutex> lock(shared.mu);
     EMSA_RETURN_IF_ERROR(shared.error);
     if (shared.step == 0) return Status::InvalidArgument("Submit before the first BeginStep");
-    *after_upload = delta_staging != nullptr && b.uploaded > 0;
+    *after_upload = b.upload.reads_grads() && b.uploaded > 0;
     *gated = shared.verdict.gated;
     if (b.submitted == shared.step) {
       return Status::InvalidArgument("bucket " + std::to_string(bucket) +
@@ -246,8 +246,8 @@ bool HostTier::Impl::HoldForPacing(TierBucket& b) {
 }
 
 // Enqueues bucket `index`'s gradient copies on the D2H stream, after the compute stream's event
-// and, under device delta, after its last upload (which read the staging buffer they
-// overwrite; the forward's wait on it usually orders them already).
+// and, where the upload reads the staging buffer they overwrite, after its last upload (the
+// forward's wait on it usually orders them already).
 Status HostTier::Impl::CopyAtSubmit(size_t index, const void* const* grads, bool after_upload) {
   TierBucket& b = buckets[index];
   EMSA_RETURN_IF_ERROR(engine->StreamWait(d2h, b.ready.get()));

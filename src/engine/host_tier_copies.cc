@@ -94,6 +94,7 @@ Status Uploads::Init(CopyEngine* engine, const std::vector<TensorUpdate>& update
   for (size_t k = 0; copies && k < updates.size(); ++k) {
     const TensorUpdate& u = updates[k];
     if (u.numel == 0) continue;
+    reads_grads_ = reads_grads_ || u.delta != nullptr || u.param == u.grad;
     if (u.delta == nullptr) {
       copies_.push_back({device_params[k], u.param,
                          static_cast<size_t>(u.numel) * DTypeSize(u.param_dtype), nullptr, 0, k});

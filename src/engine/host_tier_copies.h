@@ -89,6 +89,9 @@ class Uploads {
                  cudaStream_t h2d);
   // The upload is done (for a GPU-updated bucket: its kernels).
   cudaEvent_t done() const { return done_.get(); }
+  // Whether it reads the gradient staging (a delta, or a 16-bit parameter rounded over its
+  // gradient): the next gradient copy into it must wait for done().
+  bool reads_grads() const { return reads_grads_; }
   // The last upload's time, once done.
   Status Seconds(double* out) const;
 
@@ -103,6 +106,7 @@ class Uploads {
   };
   CopyEngine* engine_ = nullptr;
   std::vector<Copy> copies_;
+  bool reads_grads_ = false;
   EngineEvent start_, done_;
 };
 

@@ -29,12 +29,12 @@ Status HostTier::Impl::TimeUpload(TierBucket& b) {
 }
 
 // Pacing: enqueues bucket b's next gradient piece on the D2H stream (the first after the
-// compute stream's event and, under device delta, after the last upload, which read the staging
-// buffer the copy overwrites).
+// compute stream's event and, where the upload reads the gradient staging (a delta, a 16-bit
+// parameter), after the last upload, which read the buffer the copy overwrites).
 Status HostTier::Impl::EnqueuePiece(TierBucket& b, int64_t s) {
   if (b.grads.enqueued() == 0) {
     EMSA_RETURN_IF_ERROR(engine->StreamWait(d2h, b.ready.get()));
-    if (delta_staging != nullptr && b.uploaded > 0) {
+    if (b.upload.reads_grads() && b.uploaded > 0) {
       EMSA_RETURN_IF_ERROR(engine->StreamWait(d2h, b.upload.done()));
     }
   }

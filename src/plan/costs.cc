@@ -39,7 +39,6 @@ int TierViews(Tier tier, int64_t numel, DType param_dtype, const PlanOptions& op
   out[count++] = {ViewKind::kExpAvg, state};
   if (two_moments) out[count++] = {ViewKind::kExpAvgSq, state};
   if (tier == Tier::kL2 || !fp32) out[count++] = {ViewKind::kMaster, n * 4};
-  if (tier == Tier::kL2 && !fp32) out[count++] = {ViewKind::kParamOut, param};
   return count;
 }
 
@@ -69,8 +68,10 @@ uint64_t HostUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions& 
                                                    param_dtype != DType::kFloat32)) {
     return 2 * n * 4 + 2 * moments;  // grad r, delta w (device_delta)
   }
-  const uint64_t param_out = param_dtype == DType::kFloat32 ? 0 : param;
-  return param + 2 * n * 4 + 2 * moments + param_out;
+  // A 16-bit parameter is rounded over its gradient (r, then w) beside its master; an fp32 one
+  // is its master.
+  const uint64_t rounded = param_dtype == DType::kFloat32 ? 0 : param;
+  return param + 2 * n * 4 + 2 * moments + rounded;
 }
 
 uint64_t DeviceUpdateLinkBytes(int64_t numel, const PlanOptions& options) {

@@ -30,17 +30,17 @@ struct Bandwidths {
 // duplex to the slower single direction; duplex_under_update to duplex (no slowdown known).
 Bandwidths ResolveBandwidths(const DeviceProfile& profile);
 
-enum class ViewKind { kGrad, kExpAvg, kExpAvgSq, kMaster, kParamOut };
+enum class ViewKind { kGrad, kExpAvg, kExpAvgSq, kMaster };
 struct ViewSpec {
   ViewKind kind;
   uint64_t bytes;
 };
-constexpr int kMaxViews = 5;
+constexpr int kMaxViews = 4;
 
 // The views a parameter of `numel` elements owns in `tier`'s arena, in layout order. Returns the
-// count. Device: exp_avg, exp_avg_sq (not Lion), master (param not fp32). Host: grad staging,
-// exp_avg, exp_avg_sq, master (always: for an fp32 param it is the weights' host copy), param_out
-// staging (param not fp32).
+// count. Device: exp_avg, exp_avg_sq (not Lion), master (param not fp32). Host: grad staging
+// (a 16-bit param's update writes the rounded param over it, which the upload reads), exp_avg,
+// exp_avg_sq, master (always: for an fp32 param it is the weights' host copy).
 int TierViews(Tier tier, int64_t numel, DType param_dtype, const PlanOptions& options,
               ViewSpec out[kMaxViews]);
 // Sum of the views' sizes, each rounded up to `align`: what the parameter takes in the arena.
@@ -51,7 +51,7 @@ uint64_t PaddedStateBytes(Tier tier, int64_t numel, DType param_dtype, const Pla
 // moment r+w, master r+w when present.
 uint64_t DeviceUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions& options);
 // Bytes the CPU reads plus writes for one host-tier update: grad r, each moment r+w, and master
-// r+w with param_out w when the param is not fp32. Where HostTierAppliesDelta (fp32 under AdamW
+// r+w with the rounded param w (over the gradient) when the param is not fp32. Where HostTierAppliesDelta (fp32 under AdamW
 // or Lion), the param is updated on the device from a delta the CPU writes over its gradient
 // (HostTierOptions::device_delta, on by default: kHostTierDeviceDelta): grad r, delta w,
 // moments r+w (24 B in fp32); under Adam its L2 decay reads the parameter, which the CPU then

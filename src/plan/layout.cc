@@ -45,9 +45,6 @@ void SetOffset(ParamPlan* p, ViewKind kind, int64_t off) {
     case ViewKind::kMaster:
       p->master_offset = off;
       break;
-    case ViewKind::kParamOut:
-      p->param_out_offset = off;
-      break;
   }
 }
 
@@ -66,14 +63,13 @@ uint64_t PlaceViews(ParamPlan* p, uint64_t offset, const PlanOptions& options) {
 }
 
 // Whether a copy between the device and the host arena reads or writes a host-tier view: the
-// gradient staging (gradients down; the delta up under device_delta), the rounded parameter (up),
-// an fp32 parameter's master (its host copy: uploaded under Adam, refreshed from the device) and
-// the moments of a GPU-updated parameter (streamed up and back). Everything else is touched by
-// CPU threads alone.
+// gradient staging (gradients down; up, the delta under device_delta or the rounded 16-bit
+// parameter written over it), an fp32 parameter's master (its host copy: uploaded under Adam,
+// refreshed from the device) and the moments of a GPU-updated parameter (streamed up and back).
+// Everything else is touched by CPU threads alone.
 bool CopiedView(ViewKind kind, const ParamPlan& p) {
   switch (kind) {
     case ViewKind::kGrad:
-    case ViewKind::kParamOut:
       return true;
     case ViewKind::kMaster:
       return p.param_dtype == DType::kFloat32;

@@ -52,7 +52,6 @@ Value ParamJson(const ParamPlan& p) {
   v.Set("exp_avg_sq_offset", p.exp_avg_sq_offset);
   v.Set("master_offset", p.master_offset);
   v.Set("grad_offset", p.grad_offset);
-  v.Set("param_out_offset", p.param_out_offset);
   v.Set("state_bytes", p.state_bytes);
   return v;
 }

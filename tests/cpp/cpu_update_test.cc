@@ -751,6 +751,51 @@ TEST(CpuUpdate, DeltaKernelsGiveTheParameterTheOrdinaryUpdateStores) {
   }
 }
 
+// TensorUpdate::grad may be param itself (same dtype): the host tier rounds a 16-bit parameter
+// with a master over its gradient staging, which its upload then reads. Every element's gradient
+// is read before its parameter is written, so the moments, the master and the rounded parameter
+// (now where the gradient was) are the bits of the update with a buffer of its own; every ISA,
+// each optimizer, bf16 and fp16 parameters, fp32 and bf16 state.
+TEST(CpuUpdate, ParameterRoundedOverItsGradientGivesTheSameBits) {
+  for (SimdLevel level : kLevels) {
+    if (!Supported(level)) continue;
+    auto updater = MakeUpdater(level, 3);
+    ASSERT_NE(updater, nullptr);
+    for (OptimizerKind opt : {OptimizerKind::kAdamW, OptimizerKind::kAdam, OptimizerKind::kLion}) {
+      for (DType param : {DType::kBFloat16, DType::kFloat16}) {
+        for (DType state : {DType::kFloat32, DType::kBFloat16}) {
+          const Combo c{opt, param, true, param, state, Rounding::kNearest};
+          const std::string name = std::string(SimdLevelName(level)) + " " + ComboName(c);
+          Batch want(c, kSizes, 91);
+          Batch got = want;
+          ASSERT_TRUE(want.Step(*updater, want.Options()).ok()) << name;
+          std::vector<TensorUpdate> ups = got.Updates();
+          for (TensorUpdate& u : ups) u.param = const_cast<void*>(u.grad);
+          ASSERT_TRUE(updater->Step(ups.data(), ups.size(), got.Options()).ok()) << name;
+          EXPECT_EQ(FirstDiff("exp_avg", want.t.m, got.t.m), "") << name;
+          EXPECT_EQ(FirstDiff("exp_avg_sq", want.t.v, got.t.v), "") << name;
+          EXPECT_EQ(FirstDiff("master", want.t.master, got.t.master), "") << name;
+          EXPECT_EQ(FirstDiff("rounded param", want.t.param, got.t.grad), "") << name;
+        }
+      }
+    }
+  }
+}
+
+// A parameter written over a gradient of another dtype would mix element sizes: refused.
+TEST(CpuUpdate, ParameterOverAGradientOfAnotherDtypeIsRejected) {
+  auto updater = MakeUpdater(DetectSimdLevel(), 2);
+  const Combo c{OptimizerKind::kAdamW, DType::kBFloat16, true, DType::kFloat32, DType::kFloat32,
+                Rounding::kNearest};
+  Batch b(c, {64, 100}, 5);
+  const Batch before = b;
+  std::vector<TensorUpdate> ups = b.Updates();
+  ups[1].param = const_cast<void*>(ups[1].grad);
+  ExpectError(updater->Step(ups.data(), ups.size(), b.Options()), StatusCode::kInvalidArgument,
+              "only in its own dtype");
+  EXPECT_EQ(FirstDiff(before.t, b.t), "");
+}
+
 TEST(CpuUpdate, DeltaIsRejectedWhereItCannotHoldTheUpdateAndNothingChanges) {
   auto updater = MakeUpdater(DetectSimdLevel(), 2);
   struct Case {

@@ -61,8 +61,12 @@ struct Case {
 struct Side {
   std::vector<std::vector<float>> master, m, v;
   std::vector<std::vector<uint8_t>> param, grad;  // param: the master's bytes for fp32
+  // The tier's side, as the front end binds it: a bf16 parameter is rounded over its gradient
+  // staging, which its upload then reads (param unused).
+  bool rounded_over_grad = false;
   void* Param(size_t i, DType d) {
-    return d == DType::kFloat32 ? static_cast<void*>(master[i].data()) : param[i].data();
+    if (d == DType::kFloat32) return master[i].data();
+    return rounded_over_grad ? grad[i].data() : param[i].data();
   }
 };
 
@@ -81,6 +85,7 @@ class HostTierCpu : public ::testing::Test {
     host_tier_.reset();
     engine_ = std::make_unique<FakeCopyEngine>(max_delay_us);
     tier_ = Side{};
+    tier_.rounded_over_grad = rounded_over_grad_;
     ref_ = Side{};
     device_params_.clear();
     device_grads_.clear();
@@ -309,6 +314,9 @@ class HostTierCpu : public ::testing::Test {
     EXPECT_STATUS_OK(host_tier_->Synchronize());
   }
   HyperParams hypers_;  // TierStep's
+  // Build's: the tier's bf16 parameters rounded over their gradient staging (as the front end
+  // binds them), so their next gradient copy waits for the upload that reads it.
+  bool rounded_over_grad_ = true;
 
   std::vector<int64_t> Steps() const {
     std::vector<int64_t> steps(host_tier_->tensor_count(), -1);
@@ -422,6 +430,7 @@ TEST_F(HostTierCpu, WaitReturnsOnlyOnceTheUploadIsEnqueued) {
 TEST_F(HostTierCpu, TakesWhatTheNextForwardNeedsFirst) {
   HostTierOptions o;
   o.device_delta = false;  // the gradient copies do not wait for the uploads
+  rounded_over_grad_ = false;
   Build(0, o);
   HyperParams hyper;
   engine_->Hold(h2d_);

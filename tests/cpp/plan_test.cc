@@ -139,8 +139,8 @@ void CheckLayout(const Plan& plan) {
       EXPECT_EQ(p.state_bytes, 0u);
       EXPECT_EQ(p.bucket, -1);
       EXPECT_EQ(p.offload_rank, -1);
-      for (int64_t off : {p.exp_avg_offset, p.exp_avg_sq_offset, p.master_offset, p.grad_offset,
-                          p.param_out_offset}) {
+      for (int64_t off :
+           {p.exp_avg_offset, p.exp_avg_sq_offset, p.master_offset, p.grad_offset}) {
         EXPECT_EQ(off, -1) << p.name;
       }
       continue;
@@ -154,13 +154,13 @@ void CheckLayout(const Plan& plan) {
     const bool fp32 = p.param_dtype == DType::kFloat32;
     const bool lion = o.optimizer == OptimizerKind::kLion;
     // {offset, size, whether a copy to or from the device touches it (host tier)}: the
-    // gradient staging, the rounded parameter, an fp32 master, a GPU-updated param's moments.
+    // gradient staging (a 16-bit param is rounded over it), an fp32 master, a GPU-updated
+    // param's moments.
     const std::tuple<int64_t, int64_t, bool> views[] = {
         {p.exp_avg_offset, static_cast<int64_t>(state), p.device_update},
         {p.exp_avg_sq_offset, lion ? -1 : static_cast<int64_t>(state), p.device_update},
         {p.master_offset, host || !fp32 ? static_cast<int64_t>(n * 4) : -1, fp32},
-        {p.grad_offset, host ? static_cast<int64_t>(param) : -1, true},
-        {p.param_out_offset, host && !fp32 ? static_cast<int64_t>(param) : -1, true}};
+        {p.grad_offset, host ? static_cast<int64_t>(param) : -1, true}};
     EXPECT_EQ(p.master_weights, host || !fp32) << p.name;
     uint64_t used = 0;
     auto it = ranges.find({p.module, static_cast<int>(p.tier)});
@@ -568,9 +568,10 @@ TEST(PlanLayout, ModulesFollowGradientReadyOrder) {
 uint64_t AlignUpTo(uint64_t x, uint64_t align) { return (x + align - 1) / align * align; }
 
 // The host arena: every view a copy to or from the device touches (a bf16 param's gradient
-// staging and rounded parameter) in one locked prefix first, ending on an arena page; the moments
-// and masters only CPU threads touch after it. A GPU-updated fp32 param's moments are copied
-// (streamed up and back), so they join the prefix, as does its fp32 master.
+// staging, which its rounded value overwrites for the upload) in one locked prefix first, ending
+// on an arena page; the moments and masters only CPU threads touch after it. A GPU-updated fp32
+// param's moments are copied (streamed up and back), so they join the prefix, as does its fp32
+// master.
 TEST(PlanLayout, HostArenaPutsCopiedViewsFirst) {
   const ProbeRecord r = Decoder(false, DType::kBFloat16);
   PlanOptions o;
@@ -584,13 +585,11 @@ TEST(PlanLayout, HostArenaPutsCopiedViewsFirst) {
     if (!p.trainable) continue;
     ASSERT_EQ(p.tier, Tier::kL2) << p.name;
     const uint64_t n = static_cast<uint64_t>(p.numel);
-    for (int64_t off : {p.grad_offset, p.param_out_offset}) {
-      EXPECT_LT(static_cast<uint64_t>(off), locked) << p.name;
-    }
+    EXPECT_LT(static_cast<uint64_t>(p.grad_offset), locked) << p.name;
     for (int64_t off : {p.exp_avg_offset, p.exp_avg_sq_offset, p.master_offset}) {
       EXPECT_GE(static_cast<uint64_t>(off), locked) << p.name;
     }
-    copied += 2 * AlignUpTo(2 * n, o.host_tensor_alignment);
+    copied += AlignUpTo(2 * n, o.host_tensor_alignment);
     pageable += 3 * AlignUpTo(4 * n, o.host_tensor_alignment);
   }
   EXPECT_EQ(locked, AlignUpTo(copied, kHostArenaPageBytes));
@@ -1126,7 +1125,6 @@ TEST(PlanOutput, JsonIsDeterministicAndComplete) {
     EXPECT_EQ(*p.String("name"), q.name);
     EXPECT_EQ(*p.String("tier"), TierName(q.tier));
     EXPECT_EQ(*p.Int("exp_avg_offset"), q.exp_avg_offset);
-    EXPECT_EQ(*p.Int("param_out_offset"), q.param_out_offset);
     EXPECT_EQ(*p.Int("bucket"), q.bucket);
     EXPECT_EQ(*p.UInt("state_bytes"), q.state_bytes);
     EXPECT_EQ(*p.Number("hotness"), q.hotness);
