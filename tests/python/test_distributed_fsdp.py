@@ -214,7 +214,8 @@ def _unit_reads(ctx, cfg: dict) -> None:
 
 
 class _FakeTier:
-    """What forward_waits' hook uses of a HostTier: pending buckets, and the waits issued."""
+    """What forward_waits' hook uses of a HostTier: pending buckets, and the waits issued
+    (which buckets a module reads, and which of them it waits for, are HostTier's own)."""
 
     device = None
 
@@ -230,6 +231,14 @@ class _FakeTier:
     def wait_all(self, stream):
         self.waited_all += 1
         self.pending.clear()
+
+    def buckets_of(self, params, bucket_of):
+        from emsa._host_tier import HostTier
+        return HostTier.buckets_of(self, params, bucket_of)
+
+    def wait_pending(self, buckets, streams):
+        from emsa._host_tier import HostTier
+        HostTier.wait_pending(self, buckets, streams)
 
 
 def _hook_waits(ctx, cfg: dict) -> None:
