@@ -494,6 +494,8 @@ def host_trace(opt) -> dict | None:
     """The last step's host-tier timeline (seconds since the step began on the host): when the
     last bucket was submitted (about the end of backward), how much CPU update ran before
     that, and when the CPU first and last worked."""
+    from emsa import _dtensor
+
     host = getattr(getattr(opt, "_backend", None), "host", None)
     if host is None:
         return None
@@ -505,13 +507,15 @@ def host_trace(opt) -> dict | None:
         return None
     last = max(submitted)
     before = sum(max(0.0, min(b, last) - a) for a, b in spans)
-    # Each bucket's parameter count, so its CPU time reads as a rate (rows: submit, start, end).
+    # Each bucket's parameter count, so its CPU time reads as a rate (rows: submit, start, end):
+    # the tier holds this rank's shards, so a DTensor parameter (FSDP2) counts its local piece.
     numel = [0] * len(rows)
     for group in opt.param_groups:
         for p in group["params"]:
-            k = host._bucket_of.get(id(p))
+            shard = _dtensor.local(p)
+            k = host._bucket_of.get(id(shard))
             if k is not None:
-                numel[k] += p.numel()
+                numel[k] += shard.numel()
     return dict(buckets=len(rows), last_submit_s=last, first_cpu_start_s=min(a for a, _ in spans),
                 last_cpu_end_s=max(b for _, b in spans), cpu_busy_s=sum(b - a for a, b in spans),
                 cpu_busy_before_last_submit_s=before, bucket_numel=numel,

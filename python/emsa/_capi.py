@@ -1,4 +1,5 @@
-"""The declared ctypes table for libemsa's C ABI (include/emsa/emsa.h).
+"""The declared ctypes table for libemsa's C ABI (include/emsa/emsa.h, with its parts
+emsa_device.h and emsa_host.h).
 
 One built library serves any Python and any torch: nothing here links torch. The library is
 found at first use: the one packaged with this module (`pip install .` puts it next to this file;

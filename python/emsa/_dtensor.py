@@ -259,9 +259,9 @@ def reads(module: torch.nn.Module) -> tuple[list[torch.Tensor], object] | None:
 
 class _UploadWaits:
     """The forward pre-hook of forward_waits: per module the host-tier buckets its forward
-    reads (cached, for an FSDP unit while its forward-prefetch targets stay the same); the
-    current stream, and for an FSDP unit its all-gather streams, wait for those still
-    pending."""
+    reads (HostTier.buckets_of; cached, for an FSDP unit while its forward-prefetch targets
+    stay the same); the current stream, and for an FSDP unit its all-gather streams, wait for
+    those still pending (HostTier.wait_pending)."""
 
     _STREAMS = ("all_gather_copy_in_stream", "all_gather_stream")
 
@@ -279,14 +279,15 @@ class _UploadWaits:
             map(id, getattr(state, "_states_to_forward_prefetch", ())))
         entry = self._cache.get(module)
         if entry is None or entry[0] != key:
-            entry = self._cache[module] = (key, self._buckets(module))
+            read = reads(module)  # None: a unit whose parameters this torch's FSDP hides
+            entry = self._cache[module] = (
+                key, None if read is None else tier.buckets_of(read[0], self._bucket_of))
         buckets = entry[1]
         current = torch.cuda.current_stream(tier.device)
         if buckets is None:
             tier.wait_all(current)
             return
-        mine = [b for b in buckets if b in tier.pending]
-        if not mine:
+        if not any(b in tier.pending for b in buckets):
             return
         streams = [current]
         if state is not None:
@@ -296,19 +297,7 @@ class _UploadWaits:
                 tier.wait_all(current)
                 return
             streams += found
-        for b in mine:
-            for stream in streams:
-                tier.wait(b, stream)
-
-    def _buckets(self, module) -> tuple[int, ...] | None:
-        """The buckets module's forward reads; None: an FSDP unit whose parameters this
-        torch's FSDP does not show."""
-        found = reads(module)
-        if found is None:
-            return None
-        buckets = {self._bucket_of.get(id(p)) for p in found[0]}
-        buckets.discard(None)
-        return tuple(sorted(buckets))
+        tier.wait_pending(buckets, streams)
 
 
 # ---- probing a sharded model (emsa.probe) ------------------------------------------------------

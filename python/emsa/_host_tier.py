@@ -216,20 +216,27 @@ class HostTier:
         for b in sorted(self.pending):
             self.wait(b, stream)
 
+    def buckets_of(self, params, bucket_of: dict[int, int] | None = None) -> tuple[int, ...]:
+        """The buckets holding any of params (None entries skipped), sorted: looked up by id in
+        bucket_of, by default the tier's own map of its tensors' parameters."""
+        bucket_of = self._bucket_of if bucket_of is None else bucket_of
+        found = {bucket_of.get(id(p)) for p in params if p is not None}
+        found.discard(None)
+        return tuple(sorted(found))
+
+    def wait_pending(self, buckets, streams) -> None:
+        """Each of those buckets still pending: every one of streams waits for its upload."""
+        for b in buckets:
+            if b in self.pending:
+                for stream in streams:
+                    self.wait(b, stream)
+
     def _module_forward(self, module: torch.nn.Module) -> None:
         mine = self._module_buckets.get(module)
         if mine is None:
-            found = {self._bucket_of.get(id(p)) for p in module._parameters.values()
-                     if p is not None}
-            found.discard(None)
-            mine = tuple(sorted(found))
-            self._module_buckets[module] = mine
-        if not mine:
-            return
-        stream = torch.cuda.current_stream(self.device)
-        for b in mine:
-            if b in self.pending:
-                self.wait(b, stream)
+            mine = self._module_buckets[module] = self.buckets_of(module._parameters.values())
+        if mine:
+            self.wait_pending(mine, (torch.cuda.current_stream(self.device),))
 
     def synchronize(self) -> None:
         """The host waits until every update is done and its parameters are on the device;

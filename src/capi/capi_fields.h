@@ -1,4 +1,5 @@
-// capi_fields.h — one field list per C options struct of emsa.h, serving both directions.
+// capi_fields.h — one field list per C options struct of the C ABI (emsa.h and its parts),
+// serving both directions.
 //
 // An emsa_*_init fills the C struct from the C++ struct's defaults through the list (InitFields),
 // and a create call fills the C++ struct from the caller's C struct through the same list

@@ -13,6 +13,17 @@ shard on rank 1 is empty: FSDP2 shards dim 0 unevenly) and no bias without a tru
   model) with emsa and with torch.optim.AdamW continues within 1e-6 of the uninterrupted 2-rank
   runs, emsa's and torch.optim's.
 
+CUDA (world size 1, NCCL, the same MLP, batches and wrapping, on the GPU), in one process: per
+variant (step(), in backward, clipped in backward, the root unit holding parameters) FSDP2 +
+emsa.AdamW with tier="host" and with tier="device" each equals FSDP2 + torch.optim.AdamW within
+1e-4 of how far training moved each parameter (far less than one update: torch's run one step
+short, and the initial parameters, are checked to fail it), no gradient is left after a
+backward, and the two tiers are bitwise equal (losses every step, parameters at the end): a
+forward that read a shard before its upload, or a gradient released before its copy, changes
+bits. The plans' buckets are cut at 2 KiB of parameters (the default 32 MiB would make the MLP one
+bucket), so the host tier has several and each unit's forward waits for its own uploads while
+the later units' may still be pending.
+
 The ranks are started by tests/python/dist_util.py (a fresh process group per run; a hang fails
 the test at its timeout).
 """
@@ -72,7 +83,8 @@ def _optimizer(cfg: dict, model: torch.nn.Module, rank: int, world: int):
         assert sorted(r.grad_ready_order for r in record.params) == list(range(len(shards)))
         assert sorted(r.forward_order for r in record.params) == list(range(len(shards)))
     return emsa.AdamW(model.parameters(), **hyper, max_grad_norm=cfg.get("clip"),
-                      step_in_backward=cfg.get("in_backward", False), probe=record)
+                      step_in_backward=cfg.get("in_backward", False), probe=record,
+                      tier=cfg.get("tier"))
 
 
 def _state(model, opt):
@@ -83,20 +95,24 @@ def _state(model, opt):
 
 
 def _train(ctx, cfg: dict) -> dict:
-    """Trains the MLP (sharded by FSDP2 unless cfg["fsdp"] is False) to cfg["stop"] steps,
-    from the checkpoint cfg["load"] if given, saving one at cfg["save_at"]; returns the full
-    parameters, the gradient norms and which sharded parameters' storage moved."""
+    """Trains the MLP on ctx.device (sharded by FSDP2 unless cfg["fsdp"] is False; cfg
+    ["root_keeps"]: the root unit holds the first and last Linear) to cfg["stop"] steps, from
+    the checkpoint cfg["load"] if given, saving one at cfg["save_at"]; returns the full
+    parameters before and after, the losses, the gradient norms, which sharded parameters'
+    storage moved and (updates in backward) which held a gradient after a backward."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
                                                          set_optimizer_state_dict)
 
     rank, world = ctx.rank, ctx.world_size
-    model = _model()
+    model = _model().to(ctx.device)
     if cfg.get("fsdp", True):
         # The mesh on the ranks' own device: fully_shard's default mesh is the accelerator's
         # when one exists, which would move a CPU (gloo) run's model to the GPU.
         from torch.distributed.device_mesh import init_device_mesh
-        _shard_mlp(model, init_device_mesh(ctx.device.type, (world,)))
+        _shard_mlp(model, init_device_mesh(ctx.device.type, (world,)),
+                   cfg.get("root_keeps", False))
+    init = _full_params(model)
     opt = _optimizer(cfg, model, rank, world)
     start = 0
     if cfg.get("load"):
@@ -110,17 +126,20 @@ def _train(ctx, cfg: dict) -> dict:
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, opt, state["optim"])
         start = SAVE_AT
-    norms = []
-    ptrs = [p._local_tensor.data_ptr() if hasattr(p, "_local_tensor") else p.data_ptr()
-            for p in model.parameters()]
+    norms, losses, held = [], [], set()
+    ptrs = [_local(p).data_ptr() for p in model.parameters()]
     for step in range(start, cfg.get("stop", STEPS)):
-        x, y = _batch(step, rank, world)
+        x, y = (t.to(ctx.device) for t in _batch(step, rank, world))
         if cfg.get("accumulate"):  # two micro-batches, the first without reduce-scatter
             model.set_requires_gradient_sync(False)
             torch.nn.functional.mse_loss(model(x[::2]), y[::2]).backward()
             model.set_requires_gradient_sync(True)
             x, y = x[1::2], y[1::2]
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        losses.append(loss.detach())
+        if cfg.get("in_backward"):
+            held |= {n for n, p in model.named_parameters() if p.grad is not None}
         if cfg["opt"] == "torch" and cfg.get("clip"):
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
             norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
@@ -130,12 +149,24 @@ def _train(ctx, cfg: dict) -> dict:
         opt.zero_grad()
         if step + 1 == cfg.get("save_at"):
             dcp.save(_state(model, opt), checkpoint_id=cfg["save"])
-    moved = [n for (n, p), q in zip(model.named_parameters(), ptrs)
-             if (p._local_tensor.data_ptr() if hasattr(p, "_local_tensor") else p.data_ptr()) != q]
-    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-              for n, p in model.named_parameters()}
-    return {"params": params, "norms": norms, "moved": moved,
-            "clip_count": getattr(opt, "clip_count", None)}
+    if cfg["opt"] == "emsa":
+        opt.synchronize()  # the host tier's last uploads, before reading outside a forward
+    moved = [n for (n, p), q in zip(model.named_parameters(), ptrs) if _local(p).data_ptr() != q]
+    host = getattr(getattr(opt, "_backend", None), "host", None)  # emsa's CUDA host tier
+    return {"init": init, "params": _full_params(model), "moved": moved,
+            "losses": torch.stack(losses).cpu() if losses else torch.zeros(0),
+            "norms": norms, "held": sorted(held), "clip_count": getattr(opt, "clip_count", None),
+            "host_buckets": 0 if host is None else len(host.buckets)}
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p._local_tensor if hasattr(p, "_local_tensor") else p
+
+
+def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter whole (a DTensor gathered), a copy."""
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
 
 
 def _shard_mlp(model: torch.nn.Module, mesh=None, root_keeps: bool = False) -> None:
@@ -183,7 +214,8 @@ def _unit_reads(ctx, cfg: dict) -> None:
 
 
 class _FakeTier:
-    """What forward_waits' hook uses of a HostTier: pending buckets, and the waits issued."""
+    """What forward_waits' hook uses of a HostTier: pending buckets, and the waits issued
+    (which buckets a module reads, and which of them it waits for, are HostTier's own)."""
 
     device = None
 
@@ -199,6 +231,14 @@ class _FakeTier:
     def wait_all(self, stream):
         self.waited_all += 1
         self.pending.clear()
+
+    def buckets_of(self, params, bucket_of):
+        from emsa._host_tier import HostTier
+        return HostTier.buckets_of(self, params, bucket_of)
+
+    def wait_pending(self, buckets, streams):
+        from emsa._host_tier import HostTier
+        HostTier.wait_pending(self, buckets, streams)
 
 
 def _hook_waits(ctx, cfg: dict) -> None:
@@ -288,58 +328,76 @@ def _opaque_waits(ctx) -> None:
     assert pending_at_root == [set()] and tier.waited_all == 1
 
 
-def _cuda_twins(ctx, cfg: dict) -> None:
-    """World size 1, NCCL: FSDP2 + emsa.AdamW(tier="host") against a twin with tier="device",
-    each its own forward and backward, bitwise every step (the engines' updates are bitwise
-    equal): an all-gather that read a shard before its upload, a gradient released before its
-    copy, change bits. Each Linear's weight as its forward sees it (the unsharded copy FSDP
-    made at the unit's pre-forward) is compared too, so a forward that read a parameter before
-    its upload landed fails at that parameter."""
-    import emsa
+CUDA_VARIANTS = {  # the emsa runs' options; torch.optim's run has the same clip and wrapping
+    "step": {},
+    "in_backward": {"in_backward": True},
+    "clipped_in_backward": {"in_backward": True, "clip": 1.0},
+    "in_backward_root_holds": {"in_backward": True, "root_keeps": True},
+}
+# Of how far training moved each parameter (max |final - initial|): a step is at most about a
+# twentieth of that after STEPS steps, so a missing or stale update fails by far.
+CUDA_RTOL = 1e-4
+CUDA_BUCKET_BYTES = 2048  # the hidden weights each a bucket of their own
 
-    def build():
-        torch.manual_seed(0)
-        width = 1024
-        model = torch.nn.Sequential(*[m for _ in range(4) for m in (
-            torch.nn.Linear(width, width), torch.nn.GELU())], torch.nn.Linear(width, 8)).cuda()
-        _shard_mlp(model, root_keeps=cfg.get("root_keeps", False))
-        return model
 
-    hyper = dict(lr=1e-3, weight_decay=0.1, step_in_backward=cfg["in_backward"],
-                 max_grad_norm=cfg.get("clip"))
-    models = [build(), build()]
-    opts = [emsa.AdamW(m.parameters(), tier=tier, **hyper)
-            for m, tier in zip(models, ("host", "device"))]
-    seen = [[], []]  # per twin: each Linear's weight at its forward, in forward order
-    for k, model in enumerate(models):
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):  # after FSDP's own pre-forward (prepended)
-                layer.register_forward_pre_hook(
-                    lambda m, args, k=k: seen[k].append(m.weight.detach().clone()))
-    g = torch.Generator(device="cuda").manual_seed(7)
-    for step in range(STEPS):
-        x = torch.randn(64, 1024, device="cuda", generator=g)
-        y = torch.randn(64, 8, device="cuda", generator=g)
-        losses = []
-        for model, opt in zip(models, opts):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            if cfg["in_backward"]:
-                held = [n for n, p in model.named_parameters() if p.grad is not None]
-                assert not held, f"step {step + 1}: gradients held after backward: {held}"
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss)
-        for i, (a, b) in enumerate(zip(*seen)):
-            assert torch.equal(a, b), f"step {step + 1}: Linear {i}'s forward read another weight"
-        seen[0].clear()
-        seen[1].clear()
-        assert torch.equal(losses[0], losses[1]), f"step {step + 1}: losses {losses}"
-        opts[0].synchronize()
-        for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
-            assert torch.equal(p._local_tensor, q._local_tensor), f"step {step + 1}: {name}"
-    if cfg.get("clip"):
-        assert opts[0].clip_count == opts[1].clip_count == STEPS
+def _small_buckets(plan_options):
+    """emsa.plan._plan_options with buckets of CUDA_BUCKET_BYTES."""
+    def options(*args, **kwargs):
+        out = plan_options(*args, **kwargs)
+        out.bucket_bytes = CUDA_BUCKET_BYTES
+        return out
+    return options
+
+
+def _cuda_checks(ctx) -> dict[str, str]:
+    """World size 1, NCCL, every variant in this one process (module docstring): FSDP2 +
+    torch.optim.AdamW, and FSDP2 + emsa.AdamW with tier="host" and tier="device". Returns per
+    variant what failed its checks ("" when nothing did), so each variant is its own test."""
+    from unittest import mock
+
+    import emsa.plan
+
+    refs, verdicts = {}, {}
+    small = mock.patch.object(emsa.plan, "_plan_options", _small_buckets(emsa.plan._plan_options))
+    for name, cfg in CUDA_VARIANTS.items():
+        same = {k: cfg[k] for k in ("clip", "root_keeps") if k in cfg}
+        key = tuple(sorted(same.items()))
+        if key not in refs:  # torch.optim's run, and the same one step short
+            refs[key] = [_train(ctx, {"opt": "torch", **same, "stop": stop})
+                         for stop in (STEPS, STEPS - 1)]
+        with small:
+            runs = {tier: _train(ctx, {"opt": "emsa", "tier": tier, **cfg})
+                    for tier in ("host", "device")}
+        try:
+            _check_cuda_variant(cfg, *refs[key], runs)
+            verdicts[name] = ""
+        except AssertionError as e:
+            verdicts[name] = str(e) or "an assertion failed"
+    return verdicts
+
+
+def _check_cuda_variant(cfg: dict, ref: dict, short: dict, runs: dict) -> None:
+    """The checks of one variant (module docstring): torch.optim's runs ref and short (one step
+    fewer), emsa's by tier."""
+    init = ref["init"]
+    for name, wrong in (("no update at all", init), ("one update short", short["params"])):
+        try:
+            _assert_params(wrong, ref["params"], CUDA_RTOL, init=init)
+        except AssertionError:
+            continue
+        raise AssertionError(f"the tolerance passes torch.optim's run {name}")
+    for tier, got in runs.items():
+        try:
+            _assert_like_torch(got, ref, cfg.get("clip"), CUDA_RTOL, init=init, norm_rtol=1e-5)
+            if cfg.get("in_backward"):
+                assert got["held"] == [], f"gradients held after a backward: {got['held']}"
+        except AssertionError as e:
+            raise AssertionError(f"tier={tier}: {e}") from None
+    host, device = runs["host"], runs["device"]
+    assert host["host_buckets"] > 1, "one host-tier bucket: CUDA_BUCKET_BYTES did not apply"
+    assert torch.equal(host["losses"], device["losses"]), (
+        f"host and device tiers' losses differ: {host['losses']} {device['losses']}")
+    _assert_params(host["params"], device["params"], rtol=0, exact=True)
 
 
 # ---- the launcher -----------------------------------------------------------------------------
@@ -349,14 +407,38 @@ def _launch(world: int = 2, **cfg) -> dict:
                          timeout=TIMEOUT_S)[0]
 
 
-def _assert_params(got: dict, want: dict, rtol: float, exact: bool = False) -> None:
+def _assert_params(got: dict, want: dict, rtol: float, exact: bool = False,
+                   init: dict | None = None) -> None:
+    """Each parameter within rtol of want's (relative, and absolute: rtol x its largest
+    magnitude), or with init (the parameters before training) within rtol x how far training
+    moved it; exact: bitwise."""
     assert got.keys() == want.keys()
     for name in want:
+        msg = lambda m, name=name: f"{name}: {m}"  # noqa: E731
         if exact:
             assert torch.equal(got[name], want[name]), f"{name} differs"
+        elif init is not None:
+            moved = float((want[name] - init[name]).abs().max())
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=rtol * moved, msg=msg)
         else:
-            torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=rtol * float(
-                want[name].abs().max()), msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(got[name], want[name], rtol=rtol,
+                                       atol=rtol * float(want[name].abs().max()), msg=msg)
+
+
+def _assert_like_torch(got: dict, ref: dict, clip: float | None, rtol: float = 1e-6,
+                       init: dict | None = None, norm_rtol: float = 1e-6) -> None:
+    """An emsa run against torch.optim's of the same model, batches and wrapping: the
+    parameters (_assert_params), no sharded storage moved, and with clip the norms and how often
+    clipping fired."""
+    _assert_params(got["params"], ref["params"], rtol=rtol, init=init)
+    assert got["moved"] == [], "FSDP2 moved a sharded parameter's storage"
+    if clip:
+        # The norm is the whole model's (all-reduced over the shards), as torch's on DTensors.
+        torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref["norms"]),
+                                   rtol=norm_rtol, atol=0)
+        fired = sum(n > clip for n in ref["norms"])
+        assert fired > 0, f"clipping never fired (norms {ref['norms']})"
+        assert got["clip_count"] == fired
 
 
 pytestmark = pytest.mark.skipif(bool(_missing()), reason=_missing() or "runs")
@@ -380,17 +462,8 @@ def torch_runs():
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in_backward"])
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["noclip", "clip"])
 def test_fsdp2_equals_torch_adamw(torch_runs, in_backward, clip):
-    ref = torch_runs(clip)
-    got = _launch(opt="emsa", clip=clip, in_backward=in_backward)
-    _assert_params(got["params"], ref["params"], rtol=1e-6)
-    assert got["moved"] == [], "FSDP2 moved a sharded parameter's storage"
-    if clip:
-        # The norm is the whole model's (all-reduced over the shards), as torch's on DTensors.
-        torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref["norms"]),
-                                   rtol=1e-6, atol=0)
-        fired = sum(n > clip for n in ref["norms"])
-        assert fired > 0, f"clipping never fired (norms {ref['norms']})"
-        assert got["clip_count"] == fired
+    _assert_like_torch(_launch(opt="emsa", clip=clip, in_backward=in_backward), torch_runs(clip),
+                       clip)
 
 
 @pytest.mark.numerics
@@ -455,12 +528,17 @@ def test_fsdp2_forward_waits_for_all_where_fsdp_is_opaque():
     dist_util.run(_opaque_waits, world_size=2, backend="gloo", timeout=TIMEOUT_S)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not torch.distributed.is_nccl_available(),
-                    reason="needs a CUDA GPU and NCCL")
-@pytest.mark.parametrize("variant", ["step", "in_backward", "clipped_in_backward",
-                                     "in_backward_root_holds"])
-def test_cuda_host_tier_under_fsdp2_equals_device_tier_bitwise(variant):
-    dist_util.run(_cuda_twins, world_size=1, backend="nccl", timeout=TIMEOUT_S,
-                  args=({"in_backward": variant != "step",
-                         "clip": 1e-3 if variant.startswith("clipped") else None,
-                         "root_keeps": variant.endswith("root_holds")},))
+_NO_CUDA = not torch.cuda.is_available() or not torch.distributed.is_nccl_available()
+
+
+@pytest.fixture(scope="module")
+def cuda_checks():
+    """Every CUDA variant's verdict, from one NCCL process (its start is most of the cost)."""
+    return dist_util.run(_cuda_checks, world_size=1, backend="nccl", timeout=TIMEOUT_S)[0]
+
+
+@pytest.mark.numerics
+@pytest.mark.skipif(_NO_CUDA, reason="needs a CUDA GPU and NCCL")
+@pytest.mark.parametrize("variant", list(CUDA_VARIANTS))
+def test_cuda_fsdp2_host_and_device_tiers_equal_torch_adamw(cuda_checks, variant):
+    assert cuda_checks[variant] == "", cuda_checks[variant]
