@@ -214,8 +214,8 @@ typedef struct emsa_tensor_update {
   int32_t param_dtype;  /* EMSA_DTYPE_* */
   int32_t grad_dtype;
   int32_t state_dtype;
-  void* param; /* numel elements, updated in place */
-  const void* grad;
+  void* param;      /* numel elements, updated in place */
+  const void* grad; /* may be param itself in the same dtype (read before written) */
   void* exp_avg;
   void* exp_avg_sq; /* NULL for Lion */
   float* master;    /* fp32 master weights, or NULL */

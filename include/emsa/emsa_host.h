@@ -103,8 +103,10 @@ typedef struct emsa_host_tier emsa_host_tier;
 typedef struct emsa_host_tier_tensor {
   uint32_t struct_size; /* sizeof(emsa_host_tier_tensor) */
   /* Host pointers: param is what the CPU update writes (the fp32 master of an fp32 parameter,
-   * master NULL; else a bf16/fp16 staging buffer with master the fp32 master); grad the staging
-   * buffer the gradient is copied into. .step and .hyper are ignored (set per step). */
+   * master NULL; else a bf16/fp16 staging buffer with master the fp32 master, which may be grad
+   * itself: the rounded parameter is written over the gradient, and the next step's gradient
+   * copy waits for the upload that reads it); grad the staging buffer the gradient is copied
+   * into. .step and .hyper are ignored (set per step). */
   emsa_tensor_update update;
   int32_t group;      /* param group */
   int64_t bucket;     /* 0 <= bucket < bucket_count */

@@ -100,8 +100,8 @@ struct ParamPlan {
   int64_t exp_avg_offset = -1;
   int64_t exp_avg_sq_offset = -1;  // -1 for Lion
   int64_t master_offset = -1;
-  int64_t grad_offset = -1;   // host tier only
-  uint64_t state_bytes = 0;   // bytes this parameter occupies in its arena, padding included
+  int64_t grad_offset = -1;  // host tier only
+  uint64_t state_bytes = 0;  // bytes this parameter occupies in its arena, padding included
 };
 
 // A contiguous range of one module's state in one tier's arena. In the host arena a module's

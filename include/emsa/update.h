@@ -35,7 +35,7 @@ enum class Rounding : int32_t {
 };
 
 struct TensorUpdate {
-  void* param = nullptr;       // numel elements of param_dtype; updated in place
+  void* param = nullptr;  // numel elements of param_dtype; updated in place
   // numel elements of grad_dtype. CPU only (CpuUpdater): may be param itself when both have the
   // same dtype (each element is read before it is written): a 16-bit parameter with a master
   // is then rounded over its gradient, which the host tier's upload reads.

@@ -51,11 +51,11 @@ uint64_t PaddedStateBytes(Tier tier, int64_t numel, DType param_dtype, const Pla
 // moment r+w, master r+w when present.
 uint64_t DeviceUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions& options);
 // Bytes the CPU reads plus writes for one host-tier update: grad r, each moment r+w, and master
-// r+w with the rounded param w (over the gradient) when the param is not fp32. Where HostTierAppliesDelta (fp32 under AdamW
-// or Lion), the param is updated on the device from a delta the CPU writes over its gradient
-// (HostTierOptions::device_delta, on by default: kHostTierDeviceDelta): grad r, delta w,
-// moments r+w (24 B in fp32); under Adam its L2 decay reads the parameter, which the CPU then
-// updates: 28 B.
+// r+w with the rounded param w (over the gradient) when the param is not fp32. Where
+// HostTierAppliesDelta (fp32 under AdamW or Lion), the param is updated on the device from a
+// delta the CPU writes over its gradient (HostTierOptions::device_delta, on by default:
+// kHostTierDeviceDelta): grad r, delta w, moments r+w (24 B in fp32); under Adam its L2 decay
+// reads the parameter, which the CPU then updates: 28 B.
 uint64_t HostUpdateTraffic(int64_t numel, DType param_dtype, const PlanOptions& options);
 // What one host-tier update costs the host's memory, at the profile's host_update_bandwidth:
 // the CPU's own traffic (HostUpdateTraffic) plus the DMA's, which crosses the same DRAM: the

@@ -785,8 +785,8 @@ TEST(CpuUpdate, ParameterRoundedOverItsGradientGivesTheSameBits) {
 // A parameter written over a gradient of another dtype would mix element sizes: refused.
 TEST(CpuUpdate, ParameterOverAGradientOfAnotherDtypeIsRejected) {
   auto updater = MakeUpdater(DetectSimdLevel(), 2);
-  const Combo c{OptimizerKind::kAdamW, DType::kBFloat16, true, DType::kFloat32, DType::kFloat32,
-                Rounding::kNearest};
+  const Combo c{OptimizerKind::kAdamW, DType::kBFloat16, true,
+                DType::kFloat32,       DType::kFloat32,  Rounding::kNearest};
   Batch b(c, {64, 100}, 5);
   const Batch before = b;
   std::vector<TensorUpdate> ups = b.Updates();

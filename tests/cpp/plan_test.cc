@@ -139,8 +139,7 @@ void CheckLayout(const Plan& plan) {
       EXPECT_EQ(p.state_bytes, 0u);
       EXPECT_EQ(p.bucket, -1);
       EXPECT_EQ(p.offload_rank, -1);
-      for (int64_t off :
-           {p.exp_avg_offset, p.exp_avg_sq_offset, p.master_offset, p.grad_offset}) {
+      for (int64_t off : {p.exp_avg_offset, p.exp_avg_sq_offset, p.master_offset, p.grad_offset}) {
         EXPECT_EQ(off, -1) << p.name;
       }
       continue;
