@@ -54,6 +54,8 @@ from dataclasses import replace
 
 import torch
 
+from . import _host_tier
+
 
 def _dtensor_class():
     """torch's DTensor class once something imported it, else None: no tensor can be a DTensor
@@ -208,6 +210,7 @@ def forward_waits(backend, shards: Shards):
         b = host._bucket_of.get(id(loc))
         if src is not loc and b is not None:
             bucket_of[id(src)] = b
+    host.sharded = True
     waits = _UploadWaits(host, bucket_of)
     handle = torch.nn.modules.module.register_module_forward_pre_hook(waits)
     weakref.finalize(host, handle.remove)  # gone with the tier
@@ -273,6 +276,9 @@ class _UploadWaits:
     def __call__(self, module, args):
         tier = self._tier()
         if tier is None or not tier.pending:
+            return
+        if _host_tier._compiling():  # traced by torch.compile: one eager wait for everything
+            tier.wait_all_compiled()
             return
         state = _fsdp_state(module)  # not cached: it would keep the module alive
         key = None if state is None else tuple(

@@ -17,7 +17,8 @@ enqueues those runs, and their gradients are held the same way until it has). Th
 then pending: the first module
 forward that reads one of its parameters makes the compute stream wait for that upload (a
 global module forward pre-hook looks at the module's own parameters, not its children's, so a
-parent's forward does not wait for the whole model). Nothing here
+parent's forward does not wait for the whole model; a forward under torch.compile waits for
+every pending upload before its compiled region: forward_pre_hook). Nothing here
 synchronizes the compute stream with the host; wait() may block the host only while the worker
 has not yet enqueued the upload that forward is about to need.
 
@@ -36,13 +37,64 @@ by the hook: call synchronize() first (the optimizer's synchronize() does).
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
+import sys
+import warnings
 import weakref
 
 import torch
 
 from . import _capi, _tuning
 from ._capi import HostTierOptions, HostTierStepStats, HostTierTensor, check, lib
+
+
+def _is_compiling_function():
+    """torch's test for whether torch.compile (Dynamo) is tracing the calling code."""
+    found = getattr(torch.compiler, "is_compiling", None)  # torch >= 2.3
+    if found is None:
+        found = importlib.import_module("torch._dynamo").is_compiling
+    return found
+
+
+_compiling = _is_compiling_function()
+
+
+def forward_pre_hook(tier: "HostTier"):
+    """The global module forward pre-hook of a tier (held weakly). In an eager forward each
+    module waits for the pending uploads of its own parameters. Under torch.compile (Dynamo
+    traces the hook) it reads only tier.pending, which Dynamo guards on. The first module of a
+    compiled region that finds uploads pending waits for all of them (tier.wait_all_compiled,
+    run eagerly at a graph break). The rest trace as nothing to wait for. torch.compile(model)'s
+    wrapper waits for all of them too, before the trace begins."""
+    ref = weakref.ref(tier)
+
+    def pre_hook(module, args):
+        tier = ref()
+        if tier is None:
+            return
+        if _compiling():
+            if tier.pending:
+                tier.wait_all_compiled()
+            return
+        if tier.held:
+            tier._release_copied()
+        if tier.pending:
+            if isinstance(module, _compiled_wrapper()):  # torch.compile(model), eager here
+                tier.wait_all_compiled()
+            else:
+                tier._module_forward(module)
+
+    return pre_hook
+
+
+def _compiled_wrapper() -> type:
+    """The class of torch.compile(module)'s wrapper, whose forward Dynamo runs. Global hooks fire
+    for the wrapper itself, outside the trace, so the wait for everything costs no graph break
+    there."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    return wrapper if isinstance(wrapper, type) else ()
 
 
 class HostTier:
@@ -115,17 +167,10 @@ class HostTier:
             bucket_of[id(p)] = int(t.bucket)
         self._bucket_of = bucket_of
         self._module_buckets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        ref = weakref.ref(self)
-
-        def pre_hook(module, args):
-            tier = ref()
-            if tier is not None:
-                if tier.held:
-                    tier._release_copied()
-                if tier.pending:
-                    tier._module_forward(module)
-
-        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+        self.sharded = False  # FSDP2's all-gathers read this tier's shards (emsa._dtensor)
+        self._compiled_warned = False
+        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(
+            forward_pre_hook(self))
 
     # ---- per step ---------------------------------------------------------------------------
     def begin_step(self, hypers, gated: bool = False) -> None:
@@ -230,6 +275,28 @@ class HostTier:
             if b in self.pending:
                 for stream in streams:
                     self.wait(b, stream)
+
+    @torch.compiler.disable
+    def wait_all_compiled(self) -> None:
+        """What a compiled forward waits for (forward_pre_hook): every pending upload, on the
+        current stream, before the compiled region's first module. It runs eagerly, in
+        torch.compile(model)'s wrapper or at a graph break. Under FSDP2 the host also waits for
+        those uploads, because its all-gathers read the shards on streams of their own. Warns
+        once: the uploads then overlap less of the forward than an eager forward's per-module
+        waits let them."""
+        if not self._compiled_warned:
+            self._compiled_warned = True
+            warnings.warn(
+                "emsa: the model's forward runs under torch.compile, which traces module hooks: "
+                "the host tier waits for all of its pending uploads at the compiled region's "
+                "first module (one graph break) instead of per module, so the uploads overlap "
+                "less of the forward (torch.compile the optimizer's step only, or leave the "
+                "model eager, to keep the overlap)", RuntimeWarning, stacklevel=2)
+        self._release_copied()
+        current = torch.cuda.current_stream(self.device)
+        self.wait_all(current)
+        if self.sharded:
+            current.synchronize()
 
     def _module_forward(self, module: torch.nn.Module) -> None:
         mine = self._module_buckets.get(module)

@@ -186,3 +186,91 @@ def test_a_size_1_stride_change_is_taken_and_matches_torch(device):
         opt.step()
         ref.step()
     torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+class _LandingTier:
+    """What the host tier's forward pre-hook uses of a HostTier, its waits HostTier's own:
+    bucket b is the model's parameter b, which holds stale values while b is pending, until
+    wait(b, stream) lands its upload."""
+
+    from emsa._host_tier import HostTier as _Tier
+
+    wait_all_compiled = _Tier.wait_all_compiled
+    wait_all = _Tier.wait_all
+    wait_pending = _Tier.wait_pending
+    buckets_of = _Tier.buckets_of
+    _module_forward = _Tier._module_forward
+
+    def __init__(self, model):
+        import weakref
+
+        self.params = list(model.parameters())
+        self._bucket_of = {id(p): b for b, p in enumerate(self.params)}
+        self._module_buckets = weakref.WeakKeyDictionary()
+        self.pending, self.held, self.landing, self.waits = set(), {}, {}, []
+        self.device, self.sharded, self._compiled_warned = None, False, False
+
+    def _release_copied(self):
+        pass
+
+    def upload(self, values):
+        """A step's new parameters, enqueued: until waited for, each parameter reads stale."""
+        with torch.no_grad():
+            for b, (p, v) in enumerate(zip(self.params, values)):
+                self.landing[b] = v.clone()
+                p.fill_(1e3)
+                self.pending.add(b)
+
+    def wait(self, b, stream):
+        assert stream == "current stream"
+        with torch.no_grad():
+            self.params[b].copy_(self.landing.pop(b))
+        self.waits.append(b)
+        self.pending.discard(b)
+
+
+@pytest.mark.parametrize("compiled", [None, "wrapper", "in_place"])
+def test_host_tier_forward_waits_for_its_uploads_under_torch_compile(compiled, monkeypatch):
+    """A model under torch.compile reads every parameter only after its upload has landed. That
+    holds for torch.compile(model), whose wrapper's hooks run eagerly, and for model.compile(),
+    whose tracer runs the module hooks. An eager model holds it too, each module waiting for its
+    own. Tested on the host tier's forward pre-hook, with a tier that lands uploads in wait()."""
+    import copy
+
+    from emsa._host_tier import forward_pre_hook
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16),
+                                torch.nn.Sequential(torch.nn.Linear(16, 16)))
+    truth = copy.deepcopy(model)
+    tier = _LandingTier(model)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "current stream")
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(forward_pre_hook(tier))
+    run = model
+    if compiled == "wrapper":
+        run = torch.compile(model, backend="aot_eager")
+    elif compiled == "in_place":
+        model.compile(backend="aot_eager")
+    x = torch.randn(4, 16)
+    try:
+        for step in range(6):
+            tier.waits.clear()
+            if step % 3 != 2:  # every third step uploads nothing: nothing to wait for
+                with torch.no_grad():
+                    for p in truth.parameters():
+                        p.add_(torch.randn_like(p), alpha=0.1)
+                tier.upload([p.detach() for p in truth.parameters()])
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                out = run(x)
+            torch.testing.assert_close(out, truth(x), rtol=1e-5, atol=1e-6,
+                                       msg=f"step {step}: a parameter read before its upload")
+            assert not tier.pending
+            uploaded = step % 3 != 2
+            assert tier.waits == (list(range(len(tier.params))) if uploaded else [])
+            warned = [w for w in seen if str(w.message).startswith("emsa:")]
+            # Compiled, the slower wait (all at the region's first module) is reported once.
+            messages = [str(w.message) for w in seen]
+            assert len(warned) == (1 if compiled and step == 0 else 0), messages
+    finally:
+        handle.remove()

@@ -220,6 +220,37 @@ def test_matches_torch_every_step(tier, variant, profile):
     assert steps == {STEPS}, f"step counts: {steps}"
 
 
+@pytest.mark.filterwarnings("ignore:Using `torch.compile.module.` when there are global hooks")
+@pytest.mark.parametrize("compiled", ["wrapper", "in_place"])
+def test_compiled_model_reads_its_uploaded_parameters(compiled, profile):
+    """The model under torch.compile: torch.compile(model) (its wrapper's hooks run eagerly) or
+    model.compile() (the tracer runs the host tier's forward hook). Its forward must read each
+    parameter only after its upload. The host tier runs in backward, steps back to back, and
+    must be bitwise equal to the device-tier twin compiled alike. The slower wait is reported
+    once."""
+    ref = race_model()
+    ours, twin = copy.deepcopy(ref), copy.deepcopy(ref)
+
+    def compile_(model):
+        if compiled == "wrapper":
+            return torch.compile(model, backend="aot_eager")
+        model.compile(backend="aot_eager")
+        return model
+
+    opt = emsa.AdamW(ours.parameters(), **HYPER, tier="host", step_in_backward=True)
+    twin_opt = twin_optimizer(twin, True)
+    run_ours, run_twin = compile_(ours), compile_(twin)
+    data = batches(8)
+    with pytest.warns(RuntimeWarning, match="emsa: the model's forward runs under torch.compile"):
+        ours_losses = [train_step(run_ours, opt, b) for b in data]
+    twin_losses = [train_step(run_twin, twin_opt, b) for b in data]
+    opt.synchronize()
+    assert_tiers(opt, "host")
+    assert_params_equal(ours, twin, f"compiled ({compiled}), {len(data)} steps back to back: ")
+    assert torch.equal(torch.stack(ours_losses), torch.stack(twin_losses)), \
+        "the losses (each read by a compiled forward of the model as it then was) differ"
+
+
 @pytest.mark.parametrize("tier", TIERS)
 def test_bf16_parameters_with_an_fp32_master(tier, profile):
     """bf16 parameters on the GPU, their fp32 master (and state) on the host for the host-tier
