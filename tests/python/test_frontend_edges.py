@@ -106,6 +106,43 @@ def test_step_under_torch_compile_matches_torch(eager_first, device):
     assert all((s["exp_avg_sq"] >= 0).all() for s in opt.state.values())
 
 
+@pytest.mark.numerics
+@pytest.mark.parametrize("in_backward", [False, True])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_compiled_model_with_clipping_matches_torch(in_backward, device):
+    """The model under torch.compile, clipped at a norm that fires, trained by emsa.AdamW
+    (max_grad_norm=, in step() or in backward) and by torch.optim.AdamW + clip_grad_norm_ on
+    a twin compiled alike: equal within a tolerance that one update exceeds."""
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
+                               torch.nn.Linear(64, 32)).to(device)
+    ref = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
+                              torch.nn.Linear(64, 32)).to(device)
+    ref.load_state_dict(ours.state_dict())
+    start = [p.detach().clone() for p in ref.parameters()]
+    opt = emsa.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=0.05,
+                     step_in_backward=in_backward)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    run_ours = torch.compile(ours, backend="aot_eager")
+    run_ref = torch.compile(ref, backend="aot_eager")
+    g = torch.Generator().manual_seed(5)
+    for _ in range(6):
+        x = torch.randn(8, 32, generator=g).to(device)
+        run_ours(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        run_ref(x).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    opt.synchronize()
+    assert int(opt.clip_count) == 6, "the norm should clip every step"
+    moved = max((p - q).abs().max().item() for p, q in zip(ref.parameters(), start))
+    assert moved > 1e-3
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
 def test_only_empty_parameters_step_as_torch_does(device):
     p = torch.zeros(0, device=device, requires_grad=True)
