@@ -198,8 +198,59 @@ class InBackwardPasses:
             found.device: found.clone()}
         found.zero_()
 
+    def _refuse_clipping_after(self, closure) -> None:
+        """step(closure) with step_in_backward: refuses, before the closure runs (so nothing
+        changes), a closure after which Lightning clips (Trainer(gradient_clip_val=...)). The
+        clipping would find the gradients this pass consumes already gone, unless emsa clips
+        them itself."""
+        clip, algorithm = _lightning_clip_request(closure)
+        if clip is None:
+            return
+        if algorithm != "norm":
+            raise RuntimeError(
+                f"emsa.{type(self).__name__}(step_in_backward=True): Lightning clips each "
+                f"gradient element after backward (gradient_clip_algorithm={algorithm!r}), but "
+                "emsa updates from the gradients, and releases them, during backward: the "
+                "clipping would act on nothing. emsa clips by the global norm only "
+                "(max_grad_norm=, or gradient_clip_algorithm='norm' with "
+                "emsa.lightning.EmsaLightningCallback()); or use step_in_backward=False")
+        if self._max_grad_norm is None:
+            raise RuntimeError(
+                f"emsa.{type(self).__name__}(step_in_backward=True): Lightning clips the "
+                f"gradients after backward (gradient_clip_val={clip}), but emsa updates from "
+                "them, and releases them, during backward: the clipping would act on nothing. "
+                "Add emsa.lightning.EmsaLightningCallback() to the Trainer's callbacks, which "
+                "hands gradient_clip_val to emsa, or pass max_grad_norm= to emsa and leave "
+                "gradient_clip_val unset")
+        if clip != self._max_grad_norm:
+            self._warn_once("lightning_clip", (
+                f"emsa: Lightning's gradient_clip_val={clip} finds no gradients after an "
+                f"in-backward pass; emsa clips at its own max_grad_norm={self._max_grad_norm}"),
+                stacklevel=4)
+
     def remove_hooks(self) -> None:
         """Step in backward: removes the gradient hooks; later backwards update nothing."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _lightning_clip_request(closure) -> tuple[float | None, str]:
+    """(threshold, algorithm) of the clipping Lightning runs after `closure`. The threshold is
+    None when Lightning does not clip or the closure is not Lightning's. Lightning's precision
+    plugin hands optimizer.step() functools.partial(plugin._wrap_closure, module, optimizer,
+    closure), and the module's trainer holds gradient_clip_val and gradient_clip_algorithm."""
+    func = getattr(closure, "func", None)
+    plugin = getattr(func, "__self__", None)
+    if plugin is None or not type(plugin).__module__.startswith(("lightning.",
+                                                                  "pytorch_lightning.")):
+        return None, ""
+    args = getattr(closure, "args", ())
+    module = args[0] if args else None
+    if not getattr(module, "automatic_optimization", False):
+        return None, ""  # manual optimization: Lightning does not clip
+    trainer = getattr(module, "_trainer", None)
+    clip = getattr(trainer, "gradient_clip_val", None)
+    algorithm = getattr(trainer, "gradient_clip_algorithm", None) or "norm"
+    algorithm = str(getattr(algorithm, "value", algorithm)).lower()  # an enum, or its value
+    return (float(clip) if clip else None), algorithm

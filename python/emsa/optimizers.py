@@ -60,7 +60,9 @@ options of emsa's own:
                      still overlap backward).
                      Clipping by hand after backward cannot work (the gradients are gone):
                      use max_grad_norm=; emsa warns where it can see it being tried
-                     (scaler.unscale_(opt); emsa.hf.EmsaTrainerCallback for Trainer);
+                     (scaler.unscale_(opt); emsa.hf.EmsaTrainerCallback for Trainer) and
+                     refuses a Lightning step that would clip (gradient_clip_val: use
+                     emsa.lightning.EmsaLightningCallback);
                    - DDP: pass ddp=ddp_model (below); under torch.distributed with world
                      size > 1 and neither ddp= given, emsa refuses (updates before the
                      all-reduce would be each rank's own);
@@ -446,6 +448,8 @@ class _EmsaOptimizer(InBackwardPasses, Optimizer):
         one graph break."""
         loss = None
         if closure is not None:
+            if self._in_backward:
+                self._refuse_clipping_after(closure)
             with torch.enable_grad():
                 loss = closure()
         amp = "found_inf" in self.__dict__  # set by GradScaler.step, which then calls this

@@ -70,7 +70,8 @@ emsa_build_libcxx() {
 # The Python environment for the front end's tests, the demo and the benchmarks: one venv outside
 # the repo, created once and reused by every clone ($EMSA_VENV to put it elsewhere). torch comes
 # from PyPI (a CUDA build; it runs on the CPU too); matplotlib draws `emsa report`'s plots;
-# transformers and accelerate run the recipe tests' Hugging Face models and Trainer.
+# transformers and accelerate run the recipe tests' Hugging Face models and Trainer, lightning
+# the Lightning Trainer's.
 # Installs only the packages the venv lacks.
 EMSA_VENV=${EMSA_VENV:-$HOME/.cache/emsa/venv}
 export EMSA_VENV
@@ -82,7 +83,7 @@ emsa_python_env() {
   local missing
   missing=$("$EMSA_VENV/bin/python" -c 'import importlib.util as u
 print(" ".join(m for m in ("torch", "numpy", "pytest", "matplotlib", "transformers",
-                          "accelerate") if not u.find_spec(m)))')
+                          "accelerate", "lightning") if not u.find_spec(m)))')
   if [ -n "$missing" ]; then
     echo "emsa: installing $missing into $EMSA_VENV (torch is several GB, once)"
     "$EMSA_VENV/bin/python" -m pip install -q --upgrade pip

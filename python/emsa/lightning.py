@@ -1,0 +1,104 @@
+"""Lightning's Trainer with an emsa optimizer: clipping by emsa, exact in every mode.
+
+Lightning clips after the closure has run backward and before optimizer.step(), with
+torch.nn.utils.clip_grad_norm_ (Trainer(gradient_clip_val=...)). With step_in_backward=True
+emsa has already updated from, and released, the gradients by then, so that clipping would act
+on nothing. emsa refuses such a step (see lightning_clip_request). In step() mode Lightning's
+clipping is exact but costs a separate pass over every gradient, which emsa fuses into its
+update. The recipe hands the threshold to emsa:
+
+    import lightning as L
+    import emsa
+    from emsa.lightning import EmsaLightningCallback
+
+    class Model(L.LightningModule):
+        def configure_optimizers(self):
+            return emsa.AdamW(self.parameters(), lr=1e-3, step_in_backward=True, tier="host")
+
+    trainer = L.Trainer(gradient_clip_val=1.0, callbacks=[EmsaLightningCallback()])
+    trainer.fit(Model(), loader)
+
+At fit start the callback sets opt.max_grad_norm = trainer.gradient_clip_val on every emsa
+optimizer that was not given its own max_grad_norm=. It then sets trainer.gradient_clip_val =
+None, so Lightning does not clip, and restores it at fit end. emsa clips by the global norm of
+every gradient the optimizer holds, as clip_grad_norm_ does, inside its update. Clipping by
+value (gradient_clip_algorithm="value") has no fused form: the callback refuses it with
+step_in_backward=True; in step() mode it leaves it to Lightning. With step_in_backward=True and
+fp16 ("16-mixed"), the callback gives Lightning's GradScaler to the optimizer (opt.grad_scaler).
+emsa then unscales in backward, skips inf/nan passes and reports them to scaler.update().
+"""
+
+from __future__ import annotations
+
+import warnings
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:  # the standalone package
+    from pytorch_lightning import Callback
+
+__all__ = ["EmsaLightningCallback"]
+
+
+def _emsa_optimizers(trainer) -> list:
+    """The emsa optimizers among the Trainer's (Lightning may wrap them as .optimizer)."""
+    from .optimizers import _EmsaOptimizer
+
+    found = []
+    for opt in getattr(trainer, "optimizers", []) or []:
+        inner = getattr(opt, "optimizer", opt)
+        if isinstance(inner, _EmsaOptimizer):
+            found.append(inner)
+    return found
+
+
+class EmsaLightningCallback(Callback):
+    """Moves Lightning's gradient clipping (Trainer(gradient_clip_val=...)) into the emsa
+    optimizers; see the module docstring for the recipe."""
+
+    def __init__(self):
+        self._restore = None
+
+    def on_fit_start(self, trainer, pl_module):
+        opts = _emsa_optimizers(trainer)
+        if not opts:
+            warnings.warn("EmsaLightningCallback: none of the Trainer's optimizers is an emsa "
+                          "optimizer; the callback does nothing (Lightning clips as usual)",
+                          RuntimeWarning, stacklevel=2)
+            return
+        wanted = float(trainer.gradient_clip_val or 0.0)
+        if wanted > 0:
+            algorithm = getattr(trainer, "gradient_clip_algorithm", None) or "norm"
+            algorithm = str(getattr(algorithm, "value", algorithm)).lower()
+            if algorithm != "norm":
+                if any(opt._in_backward for opt in opts):
+                    raise ValueError(
+                        f"EmsaLightningCallback: gradient_clip_algorithm={algorithm!r} clips "
+                        "each gradient element after backward, which an emsa optimizer with "
+                        "step_in_backward=True has already consumed. emsa clips by the global "
+                        "norm only: use gradient_clip_algorithm='norm', or step_in_backward=False")
+                return  # step() mode: Lightning clips by value on .grad, exactly
+            for opt in opts:
+                if opt.max_grad_norm is None:
+                    opt.max_grad_norm = wanted
+                elif opt.max_grad_norm != wanted:
+                    warnings.warn(
+                        f"EmsaLightningCallback: the emsa optimizer clips at max_grad_norm="
+                        f"{opt.max_grad_norm}, the Trainer's gradient_clip_val is {wanted}; "
+                        "emsa's threshold is kept and Lightning's clipping is turned off",
+                        RuntimeWarning, stacklevel=2)
+            self._restore = trainer.gradient_clip_val
+            trainer.gradient_clip_val = None
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        if scaler is not None:
+            for opt in opts:
+                if opt._in_backward and opt.grad_scaler is None:
+                    opt.grad_scaler = scaler
+
+    def on_fit_end(self, trainer, pl_module):
+        if self._restore is not None:
+            trainer.gradient_clip_val, self._restore = self._restore, None
+
+    def on_exception(self, trainer, pl_module, exception):
+        self.on_fit_end(trainer, pl_module)
+
