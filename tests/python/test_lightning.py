@@ -51,16 +51,17 @@ def _loader():
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
 
 
-def _fit(make_optimizer, device, callbacks=(), clip=CLIP, algorithm="norm"):
+def _fit(make_optimizer, device, callbacks=(), clip=CLIP, algorithm="norm", max_steps=STEPS,
+         ckpt_path=None):
     model = _MLP(make_optimizer)
     trainer = L.Trainer(
-        max_steps=STEPS, gradient_clip_val=clip, gradient_clip_algorithm=algorithm,
+        max_steps=max_steps, gradient_clip_val=clip, gradient_clip_algorithm=algorithm,
         accelerator="gpu" if device == "cuda" else "cpu", devices=1, deterministic=True,
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=list(callbacks))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", module="lightning")  # its advice on workers, logging
-        trainer.fit(model, _loader())
+        trainer.fit(model, _loader(), ckpt_path=ckpt_path)
     return model, trainer
 
 
@@ -150,3 +151,36 @@ def test_callback_refuses_clipping_by_value_in_backward_and_leaves_it_in_step_mo
     ref, _ = _fit(lambda p: torch.optim.AdamW(p, **HYPER), "cpu", clip=1e-3, algorithm="value")
     for p, q in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def _resumed(make_first, make_second, tmp_path, name, callbacks=()):
+    """10 steps, a Lightning checkpoint, then a new Trainer resumed from it to 20. Lightning
+    restarts the epoch's data on resume, so resumed runs are compared with resumed runs."""
+    first, trainer = _fit(make_first, "cpu", callbacks, max_steps=STEPS // 2)
+    path = str(tmp_path / f"{name}.ckpt")
+    trainer.save_checkpoint(path)
+    return first, _fit(make_second, "cpu", callbacks, ckpt_path=path)[0]
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_lightning_checkpoint_resumes_as_torch_and_loads_into_torch(in_backward, tmp_path):
+    """A Lightning checkpoint of an emsa run (clipped by emsa through the callback), resumed
+    by emsa and by torch.optim.AdamW, ends where torch's own checkpoint resumed by torch ends."""
+    def make_emsa(params):
+        return emsa.AdamW(params, **HYPER, step_in_backward=in_backward)
+
+    def make_torch(params):
+        return torch.optim.AdamW(params, **HYPER)
+
+    callback = [EmsaLightningCallback()]
+    half, ours = _resumed(make_emsa, make_emsa, tmp_path, "emsa", callback)
+    _, into_torch = _resumed(make_emsa, make_torch, tmp_path, "emsa-torch", callback)
+    _, ref = _resumed(make_torch, make_torch, tmp_path, "torch")
+    steps = {float(s["step"]) for s in ours.opt.state_dict()["state"].values()}
+    assert steps == {float(STEPS)}, steps
+    moved = max((p - q).abs().max().item() for p, q in zip(ref.parameters(), half.parameters()))
+    assert moved > 1e-3, f"the resumed steps moved the parameters by only {moved}"
+    for run in (ours, into_torch):
+        for (name, p), q in zip(run.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
