@@ -427,10 +427,12 @@ requires_emsa_hf = pytest.mark.skipif(not HAS_EMSA_HF, reason="emsa.hf (issue 19
 TRAINER_STEPS = 50
 
 
-def _trainer_losses(device, tmp_path, emsa_kw=None):
+def _trainer_losses(device, tmp_path, emsa_kw=None, save_steps=None, resume=None):
     """50 logged losses of a tiny Llama trained by Trainer (max_grad_norm=1.0, warmup+cosine,
     its two param groups): with torch AdamW (emsa_kw None) or emsa.AdamW(**emsa_kw) and the
-    emsa.hf recipe. Returns the losses and the emsa optimizer (None for torch's run)."""
+    emsa.hf recipe. Returns the losses and the emsa optimizer (None for torch's run).
+    save_steps: Trainer saves a checkpoint every that many steps; resume: the checkpoint
+    folder this run resumes from (the losses are then those logged after it)."""
     import transformers
 
     torch.manual_seed(0)
@@ -441,8 +443,9 @@ def _trainer_losses(device, tmp_path, emsa_kw=None):
         output_dir=str(tmp_path), max_steps=TRAINER_STEPS, per_device_train_batch_size=4,
         learning_rate=3e-3, weight_decay=0.1, adam_beta2=0.95, warmup_steps=5,
         lr_scheduler_type="cosine", max_grad_norm=1.0, logging_steps=1, report_to=[],
-        save_strategy="no", use_cpu=device == "cpu", seed=0, dataloader_num_workers=0,
-        disable_tqdm=True, optim="adamw_torch")
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        use_cpu=device == "cpu", seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        optim="adamw_torch")
     kw, opt = {}, None
     if emsa_kw is not None:
         probe = transformers.Trainer(model=model, args=args)  # only for its param groups
@@ -461,9 +464,13 @@ def _trainer_losses(device, tmp_path, emsa_kw=None):
     with warnings.catch_warnings():
         # emsa's warning that clipping was asked of consumed gradients: the recipe avoids it.
         warnings.filterwarnings("error", message="emsa", category=RuntimeWarning)
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert len(losses) == TRAINER_STEPS
+    if resume is None:
+        assert len(losses) == TRAINER_STEPS
+    else:  # the history loaded from the checkpoint, then this run's
+        losses = [h["loss"] for h in trainer.state.log_history
+                  if "loss" in h and h["step"] > trainer.state.global_step - TRAINER_STEPS // 2]
     return losses, opt
 
 
@@ -490,3 +497,28 @@ def test_trainer_losses_match_torch_with_emsas_clipping(device, mode, tmp_path, 
           f"{TRAINER_STEPS} steps")
     assert clipped > 0, "emsa never clipped: the recipe did not hand it max_grad_norm"
     assert max(gaps) <= 1e-4, f"logged losses differ by up to {max(gaps):.3g}: {gaps}"
+
+
+@requires_hf
+@requires_api
+@requires_emsa_hf
+@pytest.mark.numerics
+@pytest.mark.parametrize("mode", ["step", "backward"])
+def test_trainer_resumes_an_emsa_checkpoint_as_torch_runs_on(mode, tmp_path, deterministic):
+    """Trainer saves emsa's state at step 25 (optimizer.pt: emsa's state_dict), a new Trainer
+    with a new emsa.AdamW resumes from it, and its logged losses for steps 26..50 equal those
+    of torch's uninterrupted run within 1e-4, as the uninterrupted emsa run's do."""
+    device = "cpu"
+    if device not in _TORCH_TRAINER_LOSSES:
+        _TORCH_TRAINER_LOSSES[device] = _trainer_losses(device, tmp_path / "torch")[0]
+    want = _TORCH_TRAINER_LOSSES[device][TRAINER_STEPS // 2:]
+    kw = mode_kwargs(device, mode)
+    _trainer_losses(device, tmp_path / "first", kw, save_steps=TRAINER_STEPS // 2)
+    checkpoint = tmp_path / "first" / f"checkpoint-{TRAINER_STEPS // 2}"
+    assert (checkpoint / "optimizer.pt").is_file()
+    got, opt = _trainer_losses(device, tmp_path / "resumed", kw, resume=str(checkpoint))
+    assert len(got) == TRAINER_STEPS // 2, got
+    steps = {float(st["step"]) for st in opt.state_dict()["state"].values()}
+    assert steps == {float(TRAINER_STEPS)}, steps
+    gaps = [abs(a - b) for a, b in zip(got, want)]
+    assert max(gaps) <= 1e-4, f"resumed losses differ from torch's by up to {max(gaps):.3g}"
