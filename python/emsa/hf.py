@@ -19,10 +19,13 @@ recipe hands the threshold to emsa instead:
 At train begin the callback sets opt.max_grad_norm = args.max_grad_norm (unless the optimizer
 was given its own max_grad_norm=) and args.max_grad_norm = 0, so Trainer does not clip; at
 train end it restores args.max_grad_norm. emsa then clips by the global norm of every gradient
-the optimizer holds, as clip_grad_norm_ does, inside its update (step_in_backward: over each
-backward's gradients, or the accumulated ones with accumulate=N; pass
-gradient_accumulation_steps=1 to Trainer and accumulate=N to emsa, since Trainer's accumulation
-calls backward N times before one step()).
+the optimizer holds, as clip_grad_norm_ does, inside its update.
+
+Gradient accumulation: Trainer(gradient_accumulation_steps=N) runs N backwards per optimizer
+step. With step_in_backward=True the callback hands N to emsa (accumulate=N), which then
+updates, and clips by the accumulated gradients' norm, in the Nth backward. An emsa optimizer
+built with another accumulate= is refused: Trainer zeroes the gradients after each optimizer
+step, so the two must agree.
 
 Also, with step_in_backward=True:
 - fp16 (Trainer/Accelerate's GradScaler): the callback gives the scaler to the optimizer
@@ -56,6 +59,7 @@ class EmsaTrainerCallback(TrainerCallback):
 
     def __init__(self):
         self._restore: float | None = None
+        self._restore_accumulate: int | None = None
         self._opt = None
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
@@ -66,6 +70,17 @@ class EmsaTrainerCallback(TrainerCallback):
                           RuntimeWarning, stacklevel=2)
             return
         self._opt = opt
+        steps = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+        if opt._in_backward and opt._accumulate != steps:
+            if opt._accumulate != 1:
+                raise ValueError(
+                    f"EmsaTrainerCallback: the emsa optimizer accumulates {opt._accumulate} "
+                    f"backward passes (accumulate=), Trainer's gradient_accumulation_steps is "
+                    f"{steps}. Trainer zeroes the gradients after each optimizer step, so they "
+                    "must agree: pass gradient_accumulation_steps=N to Trainer (the callback "
+                    "hands it to emsa) and leave emsa's accumulate at 1")
+            # Trainer runs `steps` backwards per optimizer step: emsa updates on the last.
+            self._restore_accumulate, opt._accumulate = opt._accumulate, steps
         wanted = float(args.max_grad_norm or 0.0)
         if wanted > 0:
             if opt.max_grad_norm is None:
@@ -101,3 +116,5 @@ class EmsaTrainerCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self._restore is not None:
             args.max_grad_norm, self._restore = self._restore, None
+        if self._restore_accumulate is not None and self._opt is not None:
+            self._opt._accumulate, self._restore_accumulate = self._restore_accumulate, None
