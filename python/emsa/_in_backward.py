@@ -199,11 +199,21 @@ class InBackwardPasses:
         found.zero_()
 
     def _refuse_clipping_after(self, closure) -> None:
-        """step(closure) with step_in_backward: refuses, before the closure runs (so nothing
-        changes), a closure after which Lightning clips (Trainer(gradient_clip_val=...)). The
-        clipping would find the gradients this pass consumes already gone, unless emsa clips
-        them itself."""
-        clip, algorithm = _lightning_clip_request(closure)
+        """step(closure) with step_in_backward: refuses, before the closure runs (so this step
+        changes nothing), a closure after which Lightning clips (Trainer(gradient_clip_val=...)):
+        the clipping would find the gradients this pass consumes already gone, unless emsa clips
+        them itself. Also refuses a Trainer that accumulates batches emsa does not, found only
+        here, at the step after them (a Lightning callback sees it first: EmsaLightningCallback
+        hands the count to emsa)."""
+        clip, algorithm, accumulate = _lightning_request(closure)
+        if accumulate is not None and accumulate != self._accumulate:
+            raise RuntimeError(
+                f"emsa.{type(self).__name__}(step_in_backward=True): Lightning accumulates "
+                f"{accumulate} batches per optimizer step (accumulate_grad_batches), emsa "
+                f"updates every {self._accumulate} backward passes, so the earlier backwards of "
+                "this step already updated the parameters. Add "
+                "emsa.lightning.EmsaLightningCallback() to the Trainer's callbacks (it hands "
+                f"accumulate_grad_batches to emsa) or pass accumulate={accumulate} to emsa")
         if clip is None:
             return
         if algorithm != "norm":
@@ -235,22 +245,25 @@ class InBackwardPasses:
         self._hooks = []
 
 
-def _lightning_clip_request(closure) -> tuple[float | None, str]:
-    """(threshold, algorithm) of the clipping Lightning runs after `closure`. The threshold is
-    None when Lightning does not clip or the closure is not Lightning's. Lightning's precision
-    plugin hands optimizer.step() functools.partial(plugin._wrap_closure, module, optimizer,
-    closure), and the module's trainer holds gradient_clip_val and gradient_clip_algorithm."""
+def _lightning_request(closure) -> tuple[float | None, str, int | None]:
+    """(threshold, algorithm) of the clipping Lightning runs after `closure`, and the number of
+    batches it accumulates per optimizer step. The threshold is None when Lightning does not
+    clip; all are None when the closure is not Lightning's. Lightning's precision plugin hands
+    optimizer.step() functools.partial(plugin._wrap_closure, module, optimizer, closure), and
+    the module's trainer holds gradient_clip_val, gradient_clip_algorithm and
+    accumulate_grad_batches."""
     func = getattr(closure, "func", None)
     plugin = getattr(func, "__self__", None)
     if plugin is None or not type(plugin).__module__.startswith(("lightning.",
                                                                   "pytorch_lightning.")):
-        return None, ""
+        return None, "", None
     args = getattr(closure, "args", ())
     module = args[0] if args else None
     if not getattr(module, "automatic_optimization", False):
-        return None, ""  # manual optimization: Lightning does not clip
+        return None, "", None  # manual optimization: Lightning neither clips nor accumulates
     trainer = getattr(module, "_trainer", None)
     clip = getattr(trainer, "gradient_clip_val", None)
     algorithm = getattr(trainer, "gradient_clip_algorithm", None) or "norm"
     algorithm = str(getattr(algorithm, "value", algorithm)).lower()  # an enum, or its value
-    return (float(clip) if clip else None), algorithm
+    accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+    return (float(clip) if clip else None), algorithm, accumulate

@@ -18,6 +18,8 @@ update. The recipe hands the threshold to emsa:
     trainer = L.Trainer(gradient_clip_val=1.0, callbacks=[EmsaLightningCallback()])
     trainer.fit(Model(), loader)
 
+With step_in_backward=True the callback hands the Trainer's accumulate_grad_batches=N to emsa
+(accumulate=N): Lightning runs N backwards per optimizer step and emsa updates in the last.
 At fit start the callback sets opt.max_grad_norm = trainer.gradient_clip_val on every emsa
 optimizer that was not given its own max_grad_norm=. It then sets trainer.gradient_clip_val =
 None, so Lightning does not clip, and restores it at fit end. emsa clips by the global norm of
@@ -58,6 +60,7 @@ class EmsaLightningCallback(Callback):
 
     def __init__(self):
         self._restore = None
+        self._accumulate = []  # (optimizer, its accumulate= before fit)
 
     def on_fit_start(self, trainer, pl_module):
         opts = _emsa_optimizers(trainer)
@@ -66,6 +69,19 @@ class EmsaLightningCallback(Callback):
                           "optimizer; the callback does nothing (Lightning clips as usual)",
                           RuntimeWarning, stacklevel=2)
             return
+        steps = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+        for opt in opts:
+            if opt._in_backward and opt._accumulate != steps:
+                if opt._accumulate != 1:
+                    raise ValueError(
+                        f"EmsaLightningCallback: the emsa optimizer accumulates "
+                        f"{opt._accumulate} backward passes (accumulate=), the Trainer's "
+                        f"accumulate_grad_batches is {steps}: they must agree. Pass "
+                        "accumulate_grad_batches=N to the Trainer (the callback hands it to "
+                        "emsa) and leave emsa's accumulate at 1")
+                # Lightning runs `steps` backwards per optimizer step: emsa updates on the last.
+                self._accumulate.append((opt, opt._accumulate))
+                opt._accumulate = steps
         wanted = float(trainer.gradient_clip_val or 0.0)
         if wanted > 0:
             algorithm = getattr(trainer, "gradient_clip_algorithm", None) or "norm"
@@ -98,6 +114,9 @@ class EmsaLightningCallback(Callback):
     def on_fit_end(self, trainer, pl_module):
         if self._restore is not None:
             trainer.gradient_clip_val, self._restore = self._restore, None
+        for opt, accumulate in self._accumulate:
+            opt._accumulate = accumulate
+        self._accumulate = []
 
     def on_exception(self, trainer, pl_module, exception):
         self.on_fit_end(trainer, pl_module)

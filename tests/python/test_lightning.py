@@ -52,10 +52,10 @@ def _loader():
 
 
 def _fit(make_optimizer, device, callbacks=(), clip=CLIP, algorithm="norm", max_steps=STEPS,
-         ckpt_path=None):
+         ckpt_path=None, accumulate=1):
     model = _MLP(make_optimizer)
     trainer = L.Trainer(
-        max_steps=max_steps, gradient_clip_val=clip, gradient_clip_algorithm=algorithm,
+        max_steps=max_steps, gradient_clip_val=clip, accumulate_grad_batches=accumulate, gradient_clip_algorithm=algorithm,
         accelerator="gpu" if device == "cuda" else "cpu", devices=1, deterministic=True,
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=list(callbacks))
@@ -184,3 +184,33 @@ def test_lightning_checkpoint_resumes_as_torch_and_loads_into_torch(in_backward,
     for run in (ours, into_torch):
         for (name, p), q in zip(run.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_lightning_accumulation_matches_torch(in_backward):
+    """Trainer(accumulate_grad_batches=2): in backward the callback hands the 2 to emsa, which
+    updates, and clips by the accumulated gradients' norm, in every second backward."""
+    ref, _ = _fit(lambda p: torch.optim.AdamW(p, **HYPER), "cpu", accumulate=2,
+                  max_steps=STEPS // 2)
+    ours, _ = _fit(lambda p: emsa.AdamW(p, **HYPER, step_in_backward=in_backward), "cpu",
+                   [EmsaLightningCallback()], accumulate=2, max_steps=STEPS // 2)
+    assert int(ours.opt.clip_count) == STEPS // 2
+    assert ours.opt._accumulate == 1, "the callback did not restore accumulate= at fit end"
+    start = _MLP(None)
+    moved = max((p - q).abs().max().item() for p, q in zip(ref.parameters(), start.parameters()))
+    assert moved > 1e-2
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_lightning_accumulation_emsa_does_not_share_is_refused():
+    """In backward without the callback, emsa would update in each of the accumulated
+    backwards: refused at the step after them (the first one Lightning hands emsa)."""
+    with pytest.raises(RuntimeError, match="accumulates 2 batches"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="lightning")
+        _fit(lambda p: emsa.AdamW(p, **HYPER, step_in_backward=True), "cpu", clip=None,
+             accumulate=2)
+    with pytest.raises(ValueError, match="accumulate_grad_batches is 2"):
+        _fit(lambda p: emsa.AdamW(p, **HYPER, step_in_backward=True, accumulate=3), "cpu",
+             [EmsaLightningCallback()], accumulate=2)
