@@ -16,6 +16,7 @@ _configure and _warn_skipped.
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 
@@ -197,6 +198,45 @@ class InBackwardPasses:
         scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {
             found.device: found.clone()}
         found.zero_()
+
+    def _refuse_trainer_settings(self) -> None:
+        """step() with step_in_backward, the first time: a Hugging Face Trainer calling it
+        without emsa.hf.EmsaTrainerCallback clips after backward (args.max_grad_norm, 1.0 by
+        default), which finds the gradients this mode consumed gone, and accumulates batches
+        that emsa updated from one by one. Refused, with what to do (the first pass's update is
+        done by then; later ones would repeat it). Found by the Trainer in the calling frames,
+        looked for once."""
+        self._trainer_checked = True
+        transformers = sys.modules.get("transformers")
+        trainer_cls = getattr(transformers, "Trainer", None)
+        if not isinstance(trainer_cls, type):
+            return
+        frame = sys._getframe(1)
+        for _ in range(16):
+            if frame is None:
+                return
+            trainer = frame.f_locals.get("self")
+            if isinstance(trainer, trainer_cls):
+                break
+            frame = frame.f_back
+        else:
+            return
+        handler = getattr(trainer, "callback_handler", None)
+        if any(type(c).__name__ == "EmsaTrainerCallback"
+               for c in getattr(handler, "callbacks", [])):
+            return
+        args = trainer.args
+        steps = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+        clip = float(getattr(args, "max_grad_norm", 0.0) or 0.0)
+        if clip > 0 or steps != self._accumulate:
+            raise RuntimeError(
+                f"emsa.{type(self).__name__}(step_in_backward=True) is stepped by a Hugging "
+                f"Face Trainer (max_grad_norm={clip}, gradient_accumulation_steps={steps}) "
+                "without emsa.hf.EmsaTrainerCallback: Trainer would clip gradients emsa has "
+                "already updated from and released, and emsa would update in every "
+                "accumulated backward. Pass callbacks=[EmsaTrainerCallback()] to the Trainer "
+                "(it hands both to emsa), or set max_grad_norm=0 and "
+                f"gradient_accumulation_steps={self._accumulate}")
 
     def _refuse_clipping_after(self, closure) -> None:
         """step(closure) with step_in_backward: refuses, before the closure runs (so this step

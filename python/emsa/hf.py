@@ -27,6 +27,10 @@ updates, and clips by the accumulated gradients' norm, in the Nth backward. An e
 built with another accumulate= is refused: Trainer zeroes the gradients after each optimizer
 step, so the two must agree.
 
+Without the callback, an emsa optimizer with step_in_backward=True refuses Trainer's first
+step() if Trainer clips (args.max_grad_norm > 0, its default) or accumulates batches that emsa
+does not: that clipping would act on nothing, and emsa would update in every backward.
+
 Also, with step_in_backward=True:
 - fp16 (Trainer/Accelerate's GradScaler): the callback gives the scaler to the optimizer
   (opt.grad_scaler), so emsa unscales in backward, skips inf/nan passes and reports them to

@@ -60,9 +60,10 @@ options of emsa's own:
                      still overlap backward).
                      Clipping by hand after backward cannot work (the gradients are gone):
                      use max_grad_norm=; emsa warns where it can see it being tried
-                     (scaler.unscale_(opt); emsa.hf.EmsaTrainerCallback for Trainer) and
-                     refuses a Lightning step that would clip (gradient_clip_val: use
-                     emsa.lightning.EmsaLightningCallback);
+                     (scaler.unscale_(opt)), and refuses the step of a Hugging Face or
+                     Lightning Trainer that would clip, or accumulate batches emsa does not,
+                     without emsa.hf.EmsaTrainerCallback / emsa.lightning.EmsaLightningCallback
+                     (they hand both settings to emsa);
                    - DDP: pass ddp=ddp_model (below); under torch.distributed with world
                      size > 1 and neither ddp= given, emsa refuses (updates before the
                      all-reduce would be each rank's own);
@@ -454,6 +455,8 @@ class _EmsaOptimizer(InBackwardPasses, Optimizer):
                 loss = closure()
         amp = "found_inf" in self.__dict__  # set by GradScaler.step, which then calls this
         if self._in_backward:
+            if not self.__dict__.get("_trainer_checked"):
+                self._refuse_trainer_settings()
             if amp:
                 self._amp_step()
             return loss

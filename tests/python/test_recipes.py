@@ -428,13 +428,14 @@ TRAINER_STEPS = 50
 
 
 def _trainer_losses(device, tmp_path, emsa_kw=None, save_steps=None, resume=None,
-                    accumulation=1):
+                    accumulation=1, callback=True, max_grad_norm=1.0):
     """50 logged losses of a tiny Llama trained by Trainer (max_grad_norm=1.0, warmup+cosine,
     its two param groups): with torch AdamW (emsa_kw None) or emsa.AdamW(**emsa_kw) and the
     emsa.hf recipe. Returns the losses and the emsa optimizer (None for torch's run).
     save_steps: Trainer saves a checkpoint every that many steps; resume: the checkpoint
     folder this run resumes from (the losses are then those logged after it); accumulation:
-    Trainer's gradient_accumulation_steps (the batch of 4 split into that many)."""
+    Trainer's gradient_accumulation_steps (the batch of 4 split into that many); callback:
+    whether emsa's run gets the EmsaTrainerCallback."""
     import transformers
 
     torch.manual_seed(0)
@@ -445,7 +446,7 @@ def _trainer_losses(device, tmp_path, emsa_kw=None, save_steps=None, resume=None
         output_dir=str(tmp_path), max_steps=TRAINER_STEPS,
         per_device_train_batch_size=4 // accumulation, gradient_accumulation_steps=accumulation,
         learning_rate=3e-3, weight_decay=0.1, adam_beta2=0.95, warmup_steps=5,
-        lr_scheduler_type="cosine", max_grad_norm=1.0, logging_steps=1, report_to=[],
+        lr_scheduler_type="cosine", max_grad_norm=max_grad_norm, logging_steps=1, report_to=[],
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         use_cpu=device == "cpu", seed=0, dataloader_num_workers=0, disable_tqdm=True,
         optim="adamw_torch")
@@ -462,7 +463,7 @@ def _trainer_losses(device, tmp_path, emsa_kw=None, save_steps=None, resume=None
                          **emsa_kw)
         from emsa.hf import EmsaTrainerCallback
 
-        kw = dict(optimizers=(opt, None), callbacks=[EmsaTrainerCallback()])
+        kw = dict(optimizers=(opt, None), callbacks=[EmsaTrainerCallback()] if callback else [])
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data, **kw)
     with warnings.catch_warnings():
         # emsa's warning that clipping was asked of consumed gradients: the recipe avoids it.
@@ -553,3 +554,19 @@ def test_trainer_refuses_an_accumulation_that_disagrees_with_emsas(tmp_path):
     kw = dict(mode_kwargs("cpu", "backward"), accumulate=3)
     with pytest.raises(ValueError, match="gradient_accumulation_steps is 2"):
         _trainer_losses("cpu", tmp_path, kw, accumulation=2)
+
+
+@requires_hf
+@requires_api
+@requires_emsa_hf
+@pytest.mark.parametrize("clip,accumulation", [(1.0, 1), (0.0, 2)])
+def test_trainer_without_the_callback_is_refused_in_backward(clip, accumulation, tmp_path):
+    """In backward without EmsaTrainerCallback, Trainer's clipping (its default 1.0) would find
+    no gradients and its accumulation would let emsa update in every backward: the first step()
+    raises and says what to do. Neither asked, the run trains."""
+    kw = mode_kwargs("cpu", "backward")
+    with pytest.raises(RuntimeError, match="without emsa.hf.EmsaTrainerCallback"):
+        _trainer_losses("cpu", tmp_path / "refused", kw, accumulation=accumulation,
+                        callback=False, max_grad_norm=clip)
+    losses, _ = _trainer_losses("cpu", tmp_path / "plain", kw, callback=False, max_grad_norm=0.0)
+    assert len(losses) == TRAINER_STEPS
