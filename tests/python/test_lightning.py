@@ -55,7 +55,8 @@ def _fit(make_optimizer, device, callbacks=(), clip=CLIP, algorithm="norm", max_
          ckpt_path=None, accumulate=1):
     model = _MLP(make_optimizer)
     trainer = L.Trainer(
-        max_steps=max_steps, gradient_clip_val=clip, accumulate_grad_batches=accumulate, gradient_clip_algorithm=algorithm,
+        max_steps=max_steps, gradient_clip_val=clip, gradient_clip_algorithm=algorithm,
+        accumulate_grad_batches=accumulate,
         accelerator="gpu" if device == "cuda" else "cpu", devices=1, deterministic=True,
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=list(callbacks))
