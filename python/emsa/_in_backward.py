@@ -221,9 +221,10 @@ class InBackwardPasses:
             frame = frame.f_back
         else:
             return
+        from .hf import EmsaTrainerCallback  # transformers is loaded: its Trainer called
+
         handler = getattr(trainer, "callback_handler", None)
-        if any(type(c).__name__ == "EmsaTrainerCallback"
-               for c in getattr(handler, "callbacks", [])):
+        if any(isinstance(c, EmsaTrainerCallback) for c in getattr(handler, "callbacks", [])):
             return
         args = trainer.args
         steps = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
