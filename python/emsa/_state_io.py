@@ -21,6 +21,30 @@ __all__ = ["check_state_dict", "copy_state", "state_keys"]
 _MAX_STEP = 2**53
 
 
+class StateEntries(dict):
+    """One parameter's entry of opt.state: emsa's own tensors (views into its arenas). Assigning
+    a tensor to a key that holds one writes the values into emsa's tensor (converted to its
+    device and dtype) instead of replacing it. A replaced tensor would go unread, since the
+    engine updates its arena. Lightning, for one, assigns every state tensor moved to the
+    model's device after setup and after loading a checkpoint, which would have put a copy of
+    the host tier's state on the GPU and left emsa's state out of the next checkpoint."""
+
+    def __setitem__(self, key, value) -> None:
+        held = self.get(key)
+        if not (isinstance(held, torch.Tensor) and isinstance(value, torch.Tensor)):
+            super().__setitem__(key, value)
+            return
+        if value is held:
+            return
+        if tuple(value.shape) != tuple(held.shape):
+            raise ValueError(
+                f"emsa: opt.state[...][{key!r}] is emsa's own memory of shape "
+                f"{tuple(held.shape)}: a tensor assigned to it is copied in, and this one has "
+                f"shape {tuple(value.shape)}")
+        with torch.no_grad():
+            held.copy_(value)
+
+
 def state_keys(kind: str) -> set[str]:
     """The state_dict keys of one parameter's state for the optimizer kind ("adamw", ...)."""
     return {"step", "exp_avg"} if kind == "lion" else {"step", "exp_avg", "exp_avg_sq"}

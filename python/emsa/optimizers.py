@@ -267,7 +267,8 @@ class _EmsaOptimizer(InBackwardPasses, Optimizer):
         backend = backend_cls(shards.engine_slots, plan, self._kind, self._state_dtype,
                               len(self.param_groups), in_backward=self._in_backward)
         for i, s in enumerate(slots):
-            self.state[s.param] = _dtensor.wrap_state(backend.state(i), s.param)
+            self.state[s.param] = _state_io.StateEntries(
+                _dtensor.wrap_state(backend.state(i), s.param))
         self._shards = shards
         _dtensor.forward_waits(backend, shards)
         self.__dict__.setdefault("_setup_times", {}).update(getattr(backend, "setup_times", {}))
@@ -517,7 +518,10 @@ class _EmsaOptimizer(InBackwardPasses, Optimizer):
         if backend is not None:
             backend.sync_state()
             self._warn_skipped(backend.finished_skips(), stacklevel=3)
-        return super().state_dict()
+        sd = super().state_dict()
+        # Plain dicts, as torch.optim's: torch.load(weights_only=True) reads no emsa class.
+        sd["state"] = {k: dict(v) for k, v in sd["state"].items()}
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Accepts emsa's or torch.optim's state_dict (same layout) and copies it into emsa's

@@ -163,3 +163,41 @@ def test_load_before_first_step_and_into_bf16_state():
         assert got.dtype == torch.bfloat16
         assert torch.equal(got, opt.state[p]["exp_avg"].to(torch.bfloat16))
         assert ours.state[q]["step"].item() == 10
+
+
+@pytest.mark.numerics
+def test_assigning_a_state_tensor_writes_into_emsas_and_state_dict_stays_plain(tmp_path):
+    """opt.state[p][key] = t copies t into emsa's own tensor (the engine's memory), as Lightning
+    does when it moves optimizer state to the model's device: the next steps use the values
+    assigned, as torch's with the same assignment do. A wrong shape is refused, nothing changed;
+    state_dict() is plain dicts, which torch.load(weights_only=True) reads."""
+    torch.manual_seed(0)
+    ours = torch.nn.Linear(8, 4)
+    ref = torch.nn.Linear(8, 4)
+    ref.load_state_dict(ours.state_dict())
+    opt = emsa.AdamW(ours.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x = torch.randn(16, 8)
+    for m, o in ((ours, opt), (ref, ref_opt)):
+        m(x).square().mean().backward()
+        o.step()
+        o.zero_grad()
+    held = opt.state[ours.weight]["exp_avg"]
+    new = torch.full_like(held, 0.5, dtype=torch.float64)  # converted to emsa's dtype
+    opt.state[ours.weight]["exp_avg"] = new
+    ref_opt.state[ref.weight]["exp_avg"] = new.float()
+    assert opt.state[ours.weight]["exp_avg"] is held and torch.equal(held, new.float())
+    with pytest.raises(ValueError, match="shape"):
+        opt.state[ours.weight]["exp_avg_sq"] = torch.zeros(3)
+    assert opt.state[ours.weight]["exp_avg_sq"].shape == ours.weight.shape
+    for m, o in ((ours, opt), (ref, ref_opt)):
+        m(x).square().mean().backward()
+        o.step()
+        o.zero_grad()
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+    path = tmp_path / "opt.pt"
+    torch.save(opt.state_dict(), path)
+    loaded = torch.load(path, weights_only=True)
+    assert all(type(v) is dict for v in loaded["state"].values())
+    ref_opt.load_state_dict(loaded)  # torch's AdamW takes it
