@@ -311,3 +311,27 @@ def test_host_tier_forward_waits_for_its_uploads_under_torch_compile(compiled, m
             assert len(warned) == (1 if compiled and step == 0 else 0), messages
     finally:
         handle.remove()
+
+
+def test_fsdp_upload_waits_traced_by_torch_compile_wait_for_every_upload(monkeypatch):
+    """FSDP2's per-unit waits (emsa._dtensor._UploadWaits), traced by torch.compile: no
+    per-unit lookup (FSDP's internals are not traceable), one eager wait for every pending
+    upload through the tier (HostTier.wait_all_compiled, which also waits on the host when
+    sharded, since FSDP's all-gathers read on streams of their own)."""
+    from emsa import _dtensor, _host_tier
+
+    class Tier:
+        def __init__(self):
+            self.pending, self.calls = {1, 2}, 0
+
+        def wait_all_compiled(self):
+            self.calls += 1
+            self.pending.clear()
+
+    tier = Tier()
+    waits = _dtensor._UploadWaits(tier, {})
+    monkeypatch.setattr(_host_tier, "_compiling", lambda: True)
+    monkeypatch.setattr(_dtensor, "_fsdp_state", lambda m: pytest.fail("looked up FSDP state"))
+    waits(torch.nn.Linear(2, 2), ())
+    waits(torch.nn.Linear(2, 2), ())  # nothing pending any more: nothing to do
+    assert tier.calls == 1 and not tier.pending
