@@ -22,7 +22,7 @@ import weakref
 
 import torch
 
-from . import _distributed
+from . import _distributed, _recipes
 
 __all__ = ["InBackwardPasses"]
 
@@ -304,7 +304,6 @@ def _lightning_request(closure) -> tuple[float | None, str, int | None]:
         return None, "", None  # manual optimization: Lightning neither clips nor accumulates
     trainer = getattr(module, "_trainer", None)
     clip = getattr(trainer, "gradient_clip_val", None)
-    algorithm = getattr(trainer, "gradient_clip_algorithm", None) or "norm"
-    algorithm = str(getattr(algorithm, "value", algorithm)).lower()  # an enum, or its value
+    algorithm = _recipes.clip_algorithm(trainer)
     accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
     return (float(clip) if clip else None), algorithm, accumulate

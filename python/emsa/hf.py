@@ -46,6 +46,8 @@ import warnings
 
 from transformers import TrainerCallback
 
+from . import _recipes
+
 __all__ = ["EmsaTrainerCallback"]
 
 
@@ -75,26 +77,11 @@ class EmsaTrainerCallback(TrainerCallback):
             return
         self._opt = opt
         steps = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
-        if opt._in_backward and opt._accumulate != steps:
-            if opt._accumulate != 1:
-                raise ValueError(
-                    f"EmsaTrainerCallback: the emsa optimizer accumulates {opt._accumulate} "
-                    f"backward passes (accumulate=), Trainer's gradient_accumulation_steps is "
-                    f"{steps}. Trainer zeroes the gradients after each optimizer step, so they "
-                    "must agree: pass gradient_accumulation_steps=N to Trainer (the callback "
-                    "hands it to emsa) and leave emsa's accumulate at 1")
-            # Trainer runs `steps` backwards per optimizer step: emsa updates on the last.
-            self._restore_accumulate, opt._accumulate = opt._accumulate, steps
+        self._restore_accumulate = _recipes.hand_accumulation(
+            opt, steps, "EmsaTrainerCallback", "gradient_accumulation_steps")
         wanted = float(args.max_grad_norm or 0.0)
         if wanted > 0:
-            if opt.max_grad_norm is None:
-                opt.max_grad_norm = wanted
-            elif opt.max_grad_norm != wanted:
-                warnings.warn(
-                    f"EmsaTrainerCallback: the emsa optimizer clips at max_grad_norm="
-                    f"{opt.max_grad_norm}, Trainer's args.max_grad_norm is {wanted}; emsa's "
-                    "threshold is kept and Trainer's clipping is turned off", RuntimeWarning,
-                    stacklevel=2)
+            _recipes.hand_clipping(opt, wanted, "EmsaTrainerCallback", "args.max_grad_norm")
             self._restore = args.max_grad_norm
             args.max_grad_norm = 0.0
         scaler = getattr(optimizer, "scaler", None)

@@ -39,6 +39,8 @@ try:
 except ImportError:  # the standalone package
     from pytorch_lightning import Callback
 
+from . import _recipes
+
 __all__ = ["EmsaLightningCallback"]
 
 
@@ -71,21 +73,13 @@ class EmsaLightningCallback(Callback):
             return
         steps = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
         for opt in opts:
-            if opt._in_backward and opt._accumulate != steps:
-                if opt._accumulate != 1:
-                    raise ValueError(
-                        f"EmsaLightningCallback: the emsa optimizer accumulates "
-                        f"{opt._accumulate} backward passes (accumulate=), the Trainer's "
-                        f"accumulate_grad_batches is {steps}: they must agree. Pass "
-                        "accumulate_grad_batches=N to the Trainer (the callback hands it to "
-                        "emsa) and leave emsa's accumulate at 1")
-                # Lightning runs `steps` backwards per optimizer step: emsa updates on the last.
-                self._accumulate.append((opt, opt._accumulate))
-                opt._accumulate = steps
+            previous = _recipes.hand_accumulation(opt, steps, "EmsaLightningCallback",
+                                                  "accumulate_grad_batches")
+            if previous is not None:
+                self._accumulate.append((opt, previous))
         wanted = float(trainer.gradient_clip_val or 0.0)
         if wanted > 0:
-            algorithm = getattr(trainer, "gradient_clip_algorithm", None) or "norm"
-            algorithm = str(getattr(algorithm, "value", algorithm)).lower()
+            algorithm = _recipes.clip_algorithm(trainer)
             if algorithm != "norm":
                 if any(opt._in_backward for opt in opts):
                     raise ValueError(
@@ -95,14 +89,7 @@ class EmsaLightningCallback(Callback):
                         "norm only: use gradient_clip_algorithm='norm', or step_in_backward=False")
                 return  # step() mode: Lightning clips by value on .grad, exactly
             for opt in opts:
-                if opt.max_grad_norm is None:
-                    opt.max_grad_norm = wanted
-                elif opt.max_grad_norm != wanted:
-                    warnings.warn(
-                        f"EmsaLightningCallback: the emsa optimizer clips at max_grad_norm="
-                        f"{opt.max_grad_norm}, the Trainer's gradient_clip_val is {wanted}; "
-                        "emsa's threshold is kept and Lightning's clipping is turned off",
-                        RuntimeWarning, stacklevel=2)
+                _recipes.hand_clipping(opt, wanted, "EmsaLightningCallback", "gradient_clip_val")
             self._restore = trainer.gradient_clip_val
             trainer.gradient_clip_val = None
         scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
