@@ -207,24 +207,8 @@ class InBackwardPasses:
         done by then; later ones would repeat it). Found by the Trainer in the calling frames,
         looked for once."""
         self._trainer_checked = True
-        transformers = sys.modules.get("transformers")
-        trainer_cls = getattr(transformers, "Trainer", None)
-        if not isinstance(trainer_cls, type):
-            return
-        frame = sys._getframe(1)
-        for _ in range(16):
-            if frame is None:
-                return
-            trainer = frame.f_locals.get("self")
-            if isinstance(trainer, trainer_cls):
-                break
-            frame = frame.f_back
-        else:
-            return
-        from .hf import EmsaTrainerCallback  # transformers is loaded: its Trainer called
-
-        handler = getattr(trainer, "callback_handler", None)
-        if any(isinstance(c, EmsaTrainerCallback) for c in getattr(handler, "callbacks", [])):
+        trainer = _recipes.calling_trainer(sys._getframe(1))
+        if trainer is None:
             return
         args = trainer.args
         steps = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
@@ -246,7 +230,7 @@ class InBackwardPasses:
         them itself. Also refuses a Trainer that accumulates batches emsa does not, found only
         here, at the step after them (a Lightning callback sees it first: EmsaLightningCallback
         hands the count to emsa)."""
-        clip, algorithm, accumulate = _lightning_request(closure)
+        clip, algorithm, accumulate = _recipes.lightning_request(closure)
         if accumulate is not None and accumulate != self._accumulate:
             raise RuntimeError(
                 f"emsa.{type(self).__name__}(step_in_backward=True): Lightning accumulates "
@@ -285,25 +269,3 @@ class InBackwardPasses:
             h.remove()
         self._hooks = []
 
-
-def _lightning_request(closure) -> tuple[float | None, str, int | None]:
-    """(threshold, algorithm) of the clipping Lightning runs after `closure`, and the number of
-    batches it accumulates per optimizer step. The threshold is None when Lightning does not
-    clip; all are None when the closure is not Lightning's. Lightning's precision plugin hands
-    optimizer.step() functools.partial(plugin._wrap_closure, module, optimizer, closure), and
-    the module's trainer holds gradient_clip_val, gradient_clip_algorithm and
-    accumulate_grad_batches."""
-    func = getattr(closure, "func", None)
-    plugin = getattr(func, "__self__", None)
-    if plugin is None or not type(plugin).__module__.startswith(("lightning.",
-                                                                  "pytorch_lightning.")):
-        return None, "", None
-    args = getattr(closure, "args", ())
-    module = args[0] if args else None
-    if not getattr(module, "automatic_optimization", False):
-        return None, "", None  # manual optimization: Lightning neither clips nor accumulates
-    trainer = getattr(module, "_trainer", None)
-    clip = getattr(trainer, "gradient_clip_val", None)
-    algorithm = _recipes.clip_algorithm(trainer)
-    accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
-    return (float(clip) if clip else None), algorithm, accumulate

@@ -1,8 +1,11 @@
-"""What the trainer callbacks (emsa.hf, emsa.lightning) hand an emsa optimizer: the trainer's
-gradient accumulation and its clipping threshold. Neither imports a trainer library here."""
+"""The trainers emsa works under (Hugging Face's, Lightning's): what their callbacks (emsa.hf,
+emsa.lightning) hand an emsa optimizer (gradient accumulation, the clipping threshold), and
+what an in-backward optimizer reads of a trainer stepping it without one (calling_trainer,
+lightning_request). No trainer library is imported here."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 
@@ -40,3 +43,49 @@ def clip_algorithm(trainer) -> str:
     its value; unset means "norm")."""
     algorithm = getattr(trainer, "gradient_clip_algorithm", None) or "norm"
     return str(getattr(algorithm, "value", algorithm)).lower()
+
+
+def calling_trainer(frame):
+    """The Hugging Face Trainer among the 16 frames from `frame` up (its method called the
+    optimizer), unless it runs emsa.hf.EmsaTrainerCallback; else None."""
+    trainer_cls = getattr(sys.modules.get("transformers"), "Trainer", None)
+    if not isinstance(trainer_cls, type):
+        return None
+    for _ in range(16):
+        if frame is None:
+            return None
+        trainer = frame.f_locals.get("self")
+        if isinstance(trainer, trainer_cls):
+            break
+        frame = frame.f_back
+    else:
+        return None
+    from .hf import EmsaTrainerCallback  # transformers is loaded: its Trainer called
+
+    handler = getattr(trainer, "callback_handler", None)
+    if any(isinstance(c, EmsaTrainerCallback) for c in getattr(handler, "callbacks", [])):
+        return None
+    return trainer
+
+
+def lightning_request(closure) -> tuple[float | None, str, int | None]:
+    """(threshold, algorithm) of the clipping Lightning runs after `closure`, and the number of
+    batches it accumulates per optimizer step. The threshold is None when Lightning does not
+    clip; all are None when the closure is not Lightning's. Lightning's precision plugin hands
+    optimizer.step() functools.partial(plugin._wrap_closure, module, optimizer, closure), and
+    the module's trainer holds gradient_clip_val, gradient_clip_algorithm and
+    accumulate_grad_batches."""
+    func = getattr(closure, "func", None)
+    plugin = getattr(func, "__self__", None)
+    if plugin is None or not type(plugin).__module__.startswith(("lightning.",
+                                                                  "pytorch_lightning.")):
+        return None, "", None
+    args = getattr(closure, "args", ())
+    module = args[0] if args else None
+    if not getattr(module, "automatic_optimization", False):
+        return None, "", None  # manual optimization: Lightning neither clips nor accumulates
+    trainer = getattr(module, "_trainer", None)
+    clip = getattr(trainer, "gradient_clip_val", None)
+    algorithm = clip_algorithm(trainer)
+    accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+    return (float(clip) if clip else None), algorithm, accumulate
