@@ -14,6 +14,7 @@ backend's docstring asks for host-tier parameters.
 """
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -226,8 +227,9 @@ def test_compiled_model_reads_its_uploaded_parameters(compiled, profile):
     """The model under torch.compile: torch.compile(model) (its wrapper's hooks run eagerly) or
     model.compile() (the tracer runs the host tier's forward hook). Its forward must read each
     parameter only after its upload. The host tier runs in backward, steps back to back, and
-    must be bitwise equal to the device-tier twin compiled alike. The slower wait is reported
-    once."""
+    must be bitwise equal to the device-tier twin compiled alike. Where the tracer runs the
+    hook (torch versions differ: some run global module hooks eagerly, at a graph break), the
+    slower wait is reported, once."""
     ref = race_model()
     ours, twin = copy.deepcopy(ref), copy.deepcopy(ref)
 
@@ -241,8 +243,13 @@ def test_compiled_model_reads_its_uploaded_parameters(compiled, profile):
     twin_opt = twin_optimizer(twin, True)
     run_ours, run_twin = compile_(ours), compile_(twin)
     data = batches(8)
-    with pytest.warns(RuntimeWarning, match="emsa: the model's forward runs under torch.compile"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         ours_losses = [train_step(run_ours, opt, b) for b in data]
+    said = [w for w in caught if "emsa: the model's forward runs under torch.compile"
+            in str(w.message)]
+    assert len(said) == int(opt._backend.host._compiled_warned) <= 1, \
+        f"the compiled forward's slower wait is reported once, when taken: {said}"
     twin_losses = [train_step(run_twin, twin_opt, b) for b in data]
     opt.synchronize()
     assert_tiers(opt, "host")
