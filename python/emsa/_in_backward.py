@@ -22,7 +22,7 @@ import weakref
 
 import torch
 
-from . import _distributed, _recipes
+from . import _distributed, _hand_clipping, _recipes
 
 __all__ = ["InBackwardPasses"]
 
@@ -43,6 +43,8 @@ class InBackwardPasses:
         self._names = [s.name for s in slots]
         self._fired: set[int] = set()
         self._passes = 0
+        self._consumed = False
+        _hand_clipping.watch(self)  # torch's clipping by hand after a pass: refused or answered
         self._updating = False
         self._bucket_members = self._backend.bucket_slots()
         self._bucket_of = {i: b for b, members in enumerate(self._bucket_members)
@@ -102,6 +104,7 @@ class InBackwardPasses:
             with torch.no_grad():
                 backend.begin_pass(self._shards.groups(groups))
         self._waiting = [len(m) for m in self._bucket_members]
+        self._consumed = False  # set when a pass has updated from and released the gradients
         self._pass_token += 1
         token, ref = self._pass_token, weakref.ref(self)
 
@@ -147,6 +150,7 @@ class InBackwardPasses:
         with torch.no_grad():
             backend.end_pass()
         self._shards.release()
+        self._consumed = True  # clipping them by hand now would act on nothing (_hand_clipping)
         skips = backend.finished_skips()  # deferred engines: those known by now
         if not backend.deferred:
             self._last_skipped = bool(skips)
@@ -199,15 +203,15 @@ class InBackwardPasses:
             found.device: found.clone()}
         found.zero_()
 
-    def _refuse_trainer_settings(self) -> None:
-        """step() with step_in_backward, the first time: a Hugging Face Trainer calling it
-        without emsa.hf.EmsaTrainerCallback clips after backward (args.max_grad_norm, 1.0 by
-        default), which finds the gradients this mode consumed gone, and accumulates batches
-        that emsa updated from one by one. Refused, with what to do (the first pass's update is
+    def _refuse_trainer_settings(self, frame=None) -> None:
+        """step() with step_in_backward, the first time (or a clipping call by hand before it,
+        from `frame`): a Hugging Face Trainer calling it without emsa.hf.EmsaTrainerCallback
+        clips after backward (args.max_grad_norm, 1.0 by default), which finds the gradients
+        this mode consumed gone, and accumulates batches that emsa updated from one by one. Refused, with what to do (the first pass's update is
         done by then; later ones would repeat it). Found by the Trainer in the calling frames,
         looked for once."""
         self._trainer_checked = True
-        trainer = _recipes.calling_trainer(sys._getframe(1))
+        trainer = _recipes.calling_trainer(frame or sys._getframe(1))
         if trainer is None:
             return
         args = trainer.args
@@ -268,4 +272,5 @@ class InBackwardPasses:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._consumed = False
 

@@ -59,8 +59,12 @@ options of emsa's own:
                      summed per bucket as its gradients become final, and host-tier copies
                      still overlap backward).
                      Clipping by hand after backward cannot work (the gradients are gone):
-                     use max_grad_norm=; emsa warns where it can see it being tried
-                     (scaler.unscale_(opt)), and refuses the step of a Hugging Face or
+                     use max_grad_norm=. torch.nn.utils.clip_grad_norm_ / clip_grad_value_
+                     called on gradients a pass consumed are refused, unless the call asks
+                     for emsa's own max_grad_norm (it then returns emsa's norm and warns
+                     once) or only the norm (max_norm=inf: emsa's, or nan with a warning
+                     when emsa does not clip; emsa._hand_clipping); emsa warns at
+                     scaler.unscale_(opt), and refuses the step of a Hugging Face or
                      Lightning Trainer that would clip, or accumulate batches emsa does not,
                      without emsa.hf.EmsaTrainerCallback / emsa.lightning.EmsaLightningCallback
                      (they hand both settings to emsa);

@@ -1,6 +1,7 @@
 """max_grad_norm: emsa clips inside its update as torch.nn.utils.clip_grad_norm_ does before
 torch.optim's step, in step() mode and with step_in_backward (CPU engine)."""
 
+import importlib.util
 import math
 import warnings
 
@@ -234,3 +235,138 @@ def test_trainer_callback_moves_clipping_into_emsa(tmp_path):
         EmsaTrainerCallback().on_train_begin(args, state, control,
                                              optimizer=torch.optim.SGD(mlp().parameters()))
     assert args.max_grad_norm == 0.7
+
+
+# ---- clipping by hand after an in-backward pass (emsa._hand_clipping) --------------------------
+
+def in_backward_opt(model, **kw):
+    return emsa.AdamW(list(model.parameters()), lr=1e-2, weight_decay=0.1,
+                      profile=str(CPU_PROFILE), step_in_backward=True, **kw)
+
+
+@pytest.mark.parametrize("call", ["clip_grad_norm_", "clip_grad.clip_grad_norm_",
+                                  "clip_grad_value_"])
+def test_clipping_by_hand_after_the_pass_is_refused(call):
+    """Without emsa's max_grad_norm, torch's clipping after an in-backward pass would clip
+    nothing and return 0: refused with what to do. Before any pass, and on parameters the pass
+    did not consume, torch's function runs unchanged."""
+    model = mlp()
+    opt = in_backward_opt(model)
+    space, _, name = call.rpartition(".")
+    fn = getattr(torch.nn.utils.clip_grad if space else torch.nn.utils, name)
+    limit = 0.1 if "norm" in name else 0.01
+    if "norm" in name:  # no pass yet: torch's, over no gradients (its value_ fails on none)
+        assert float(fn(model.parameters(), limit)) == 0.0
+    x, y = data(1)[0]
+    loss_of(model, x, y).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="max_grad_norm=" if "norm" in name else "global norm"):
+        fn(model.parameters(), limit)
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q)
+    other = mlp(seed=3)  # not this optimizer's: torch's function clips its gradients
+    loss_of(other, x, y).backward()
+    grads = [p.grad.clone() for p in other.parameters()]
+    result = fn(other.parameters(), limit)
+    twin = mlp(seed=3)
+    for p, g in zip(twin.parameters(), grads):
+        p.grad = g.clone()
+    expected = getattr(torch.nn.utils.clip_grad, name)._emsa_original(twin.parameters(), limit)
+    if "norm" in name:
+        assert float(result) == float(expected) > limit
+    for p, q in zip(other.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert not torch.equal(other[0].weight.grad, grads[0]), "the other model's call clipped"
+
+
+def test_clipping_by_hand_at_emsas_threshold_returns_its_norm():
+    """With max_grad_norm = the call's max_norm, emsa clipped in backward: the call (a loop
+    written for torch.optim) warns once and returns emsa's norm, and the run equals torch's
+    clip_grad_norm_ + AdamW."""
+    batches = data(STEPS)
+    ref, _, ref_norms = torch_run("adamw", batches)
+    model = mlp()
+    opt = in_backward_opt(model, max_grad_norm=MAX_NORM)
+    norms = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches:
+            loss_of(model, x, y).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+            opt.step()
+            opt.zero_grad()
+    said = [w for w in caught if "finds no gradients" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__
+    assert_like_torch(ref, model, ref_norms, norms, opt)
+    with pytest.raises(RuntimeError, match="norm_type=1.0"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type=1.0)
+
+
+def test_clipping_by_hand_between_accumulated_backwards_runs_torchs():
+    """accumulate=2: the first backward leaves its gradients in .grad (emsa updates after the
+    second), so torch's clipping acts on them as usual; after the second it is refused."""
+    model = mlp()
+    opt = in_backward_opt(model, accumulate=2)
+    (x, y), (x2, y2) = data(2)
+    loss_of(model, x, y).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    assert float(norm) > 1e-3
+    assert not torch.equal(model[0].weight.grad, grads[0])
+    loss_of(model, x2, y2).backward()
+    with pytest.raises(RuntimeError, match="would clip nothing"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    opt.remove_hooks()
+    loss_of(model, x, y).backward()  # no longer in backward: torch's call as usual
+    assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)) > 1e-3
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="needs accelerate")
+def test_accelerate_clipping_after_the_pass_is_refused_or_answered():
+    """Accelerate's clip_grad_norm_ (torch's, looked up at each call) after an in-backward
+    pass: refused without emsa's clipping, emsa's norm with it."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    x, y = data(1)[0]
+    for clip in (None, MAX_NORM):
+        model = mlp()
+        opt = in_backward_opt(model, max_grad_norm=clip)
+        model, opt = accelerator.prepare(model, opt)
+        accelerator.backward(loss_of(model, x, y))
+        if clip is None:
+            with pytest.raises(RuntimeError, match="would clip nothing"):
+                accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+        else:
+            with pytest.warns(RuntimeWarning, match="finds no gradients"):
+                norm = accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+            twin = mlp()
+            loss_of(twin, x, y).backward()
+            torchs = torch.linalg.vector_norm(torch.cat([p.grad.flatten()
+                                                         for p in twin.parameters()]))
+            assert float(norm) == opt.optimizer.last_grad_norm
+            assert_close(float(norm), float(torchs), rtol=1e-6, atol=0)
+
+
+def test_norm_only_call_after_the_pass_returns_emsas_norm_or_nan():
+    """clip_grad_norm_(..., inf) (the norm alone, as Trainer logs it) after an in-backward
+    pass: emsa's norm of that pass, silently, when emsa clips (it equals torch's norm of the
+    same gradients); nan with one warning when it does not (torch's call would say 0)."""
+    x, y = data(1)[0]
+    twin = mlp()
+    loss_of(twin, x, y).backward()
+    torchs = float(torch.linalg.vector_norm(torch.cat([p.grad.flatten()
+                                                       for p in twin.parameters()])))
+    model = mlp()
+    opt = in_backward_opt(model, max_grad_norm=MAX_NORM)
+    loss_of(model, x, y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    assert norm.dtype == torch.float32 and float(norm) == opt.last_grad_norm
+    assert_close(float(norm), torchs, rtol=1e-6, atol=0)
+    model = mlp()
+    opt = in_backward_opt(model)
+    loss_of(model, x, y).backward()
+    with pytest.warns(RuntimeWarning, match="computes their norm only when it clips"):
+        assert math.isnan(float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)))
