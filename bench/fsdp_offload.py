@@ -30,6 +30,11 @@ The configurations (--configs):
            from emsa.probe on the sharded model (--no-probe: from the first backward alone)
   plain    emsa as above on the same model without FSDP (offload_e2e.py's (e)): what FSDP2's
            wrapping costs emsa; not part of the bar
+  device   fully_shard without offloading, torch.optim.AdamW(fused=True) with its state on the
+           device: FSDP2 at world size 1 with nothing offloaded; not part of the bar
+  floor    fully_shard without offloading and no optimizer (step() does nothing, zero_grad()
+           drops the gradients): FSDP2's own forward and backward, the least any optimizer
+           under it can take; not part of the bar
 
 Each (configuration, shape) runs in its own subprocess (a fresh CUDA context, process group and
 pinned memory). Per run: --warmup untimed steps, then --steps timed ones; a step is forward +
@@ -73,7 +78,9 @@ import offload_e2e as e2e  # noqa: E402  (the model, batches, timing and FSDP ba
 BAR = 2.5
 CONFIGS = {"offload": "FSDP2 CPUOffloadPolicy + torch AdamW",
            "emsa": "FSDP2 + emsa.AdamW(tier='host')",
-           "plain": "emsa.AdamW(tier='host'), no FSDP"}
+           "plain": "emsa.AdamW(tier='host'), no FSDP",
+           "device": "FSDP2 + torch AdamW fused, on device",
+           "floor": "FSDP2 forward+backward, no optimizer"}
 UNITS = ("ends", "layers")
 PARTS = ("forward_s", "backward_s", "opt_step_s")
 
@@ -201,8 +208,35 @@ def _run_emsa(args, shape, batches, device, fsdp: bool) -> dict:
     return out
 
 
+class _NoStep:
+    """The floor configuration's optimizer: no update; zero_grad drops the gradients."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def step(self):
+        pass
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=True)
+
+
+def run_fsdp_on_device(args, shape, batches, device, update: bool = True) -> dict:
+    with e2e.one_rank_group(device):
+        model = shard(e2e.make_llama(shape, device), device, args.units)
+        opt = (torch.optim.AdamW(model.parameters(), **e2e.HYPER, fused=True) if update
+               else _NoStep(model))
+        out = train(model, opt, batches, device, args.warmup, args.autocast)
+        out.update(e2e.peak_bytes(device), params=e2e.numel(model))
+        out["peak_device_bytes"] = out["torch_peak_bytes"]
+        del model, opt
+        return out
+
+
 RUNS = {"offload": run_offload, "emsa": run_emsa,
-        "plain": lambda *a: run_emsa(*a, fsdp=False)}
+        "plain": lambda *a: run_emsa(*a, fsdp=False),
+        "device": run_fsdp_on_device,
+        "floor": lambda *a: run_fsdp_on_device(*a, update=False)}
 
 
 def child(spec: dict) -> None:
