@@ -20,10 +20,10 @@ names parameters whose gradients its last pass consumed:
     do. Nothing has changed by then but the update the pass already made.
   - a Hugging Face Trainer making the call without emsa.hf.EmsaTrainerCallback, while it
     clips or accumulates: refused as its optimizer.step() would be, with what to do.
-Calls naming no such parameter run the original function unchanged. Not seen: a name bound
-before emsa was imported (`from torch.nn.utils import clip_grad_norm_` at the top of a script
-that imports emsa later), and Accelerate when it is first imported after the last in-backward
-optimizer was built.
+Calls naming no such parameter run the original function unchanged. Accelerate imported after
+the optimizer was built is put under the guard at the end of the next pass. Not seen: a name
+bound before emsa was imported (`from torch.nn.utils import clip_grad_norm_` at the top of a
+script that imports emsa later).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 
-__all__ = ["watch"]
+__all__ = ["watch", "install"]
 
 _watching: "weakref.WeakSet" = weakref.WeakSet()  # live in-backward emsa optimizers
 _NAMESPACES = (torch.nn.utils, torch.nn.utils.clip_grad)
@@ -45,7 +45,7 @@ _NAMESPACES = (torch.nn.utils, torch.nn.utils.clip_grad)
 
 def watch(opt) -> None:
     """Puts an in-backward optimizer under the guard (installed on first use)."""
-    _install()
+    install()
     _watching.add(opt)
 
 
@@ -169,13 +169,23 @@ def _emsa_norm(opt, consumed: list, max_norm: float, norm_type: float,
     return torch.tensor(norm, dtype=torch.float32, device=consumed[0].device)
 
 
-def _install() -> None:
-    targets = [(space, name, wrap) for space in _NAMESPACES
-               for name, wrap in (("clip_grad_norm_", _norm_call),
-                                  ("clip_grad_value_", _value_call))]
-    accelerator = getattr(sys.modules.get("accelerate"), "Accelerator", None)
-    if isinstance(accelerator, type):
-        targets.append((accelerator, "clip_grad_norm_", _accelerate_call))
+_installed = {"torch": False, "accelerate": False}
+
+
+def install() -> None:
+    """Wraps the clipping functions not wrapped yet: torch's on first use, Accelerate's once it
+    is imported. Cheap when both are done (each pass's end calls it)."""
+    targets = []
+    if not _installed["torch"]:
+        _installed["torch"] = True
+        targets += [(space, name, wrap) for space in _NAMESPACES
+                    for name, wrap in (("clip_grad_norm_", _norm_call),
+                                       ("clip_grad_value_", _value_call))]
+    if not _installed["accelerate"]:
+        accelerator = getattr(sys.modules.get("accelerate"), "Accelerator", None)
+        if isinstance(accelerator, type):
+            _installed["accelerate"] = True
+            targets.append((accelerator, "clip_grad_norm_", _accelerate_call))
     for space, name, wrap in targets:
         current = getattr(space, name, None)
         if current is None or hasattr(current, "_emsa_original"):

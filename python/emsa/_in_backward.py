@@ -151,6 +151,7 @@ class InBackwardPasses:
             backend.end_pass()
         self._shards.release()
         self._consumed = True  # clipping them by hand now would act on nothing (_hand_clipping)
+        _hand_clipping.install()  # Accelerate imported since: its clip_grad_norm_ too
         skips = backend.finished_skips()  # deferred engines: those known by now
         if not backend.deferred:
             self._last_skipped = bool(skips)

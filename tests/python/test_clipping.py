@@ -3,6 +3,8 @@ torch.optim's step, in step() mode and with step_in_backward (CPU engine)."""
 
 import importlib.util
 import math
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 from torch.testing import assert_close
 
 import emsa
-from conftest import CPU_PROFILE
+from conftest import CPU_PROFILE, subprocess_env
 from models import LionReference
 
 STEPS = 10
@@ -370,3 +372,28 @@ def test_norm_only_call_after_the_pass_returns_emsas_norm_or_nan():
     loss_of(model, x, y).backward()
     with pytest.warns(RuntimeWarning, match="computes their norm only when it clips"):
         assert math.isnan(float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)))
+
+
+ACCELERATE_LATER = """
+import sys
+import torch, emsa
+assert "accelerate" not in sys.modules
+model = torch.nn.Linear(4, 2)
+opt = emsa.AdamW(model.parameters(), profile=sys.argv[1], step_in_backward=True)
+from accelerate import Accelerator  # after the optimizer: its guard is not in place yet
+model(torch.ones(3, 4)).sum().backward()  # the pass's end puts Accelerate under the guard
+try:
+    Accelerator(cpu=True).clip_grad_norm_(model.parameters(), 1.0)
+except RuntimeError as e:
+    print("refused:", "would clip nothing" in str(e))
+else:
+    print("not refused")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="needs accelerate")
+def test_accelerate_imported_after_the_optimizer_is_guarded_from_the_next_pass():
+    r = subprocess.run([sys.executable, "-c", ACCELERATE_LATER, str(CPU_PROFILE)],
+                       env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "refused: True", r.stdout + r.stderr
