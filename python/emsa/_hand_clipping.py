@@ -93,6 +93,11 @@ def _norm_only(opt, consumed: list) -> torch.Tensor:
             "released them, and computes their norm only when it clips (max_grad_norm=). The "
             "call returns nan"), stacklevel=4)
         norm = math.nan
+    return _as_tensor(norm, consumed)
+
+
+def _as_tensor(norm: float, consumed: list) -> torch.Tensor:
+    """A norm as torch's clip_grad_norm_ returns it: 0-d float32 on the parameters' device."""
     return torch.tensor(norm, dtype=torch.float32, device=consumed[0].device)
 
 
@@ -166,7 +171,7 @@ def _emsa_norm(opt, consumed: list, max_norm: float, norm_type: float,
         f"gradients: {name} clipped them at the same max_grad_norm inside backward. The call "
         "returns emsa's norm of that pass (reading it waits for the GPU); remove it and read "
         "opt.last_grad_norm when you log"), stacklevel=4)
-    return torch.tensor(norm, dtype=torch.float32, device=consumed[0].device)
+    return _as_tensor(norm, consumed)
 
 
 _installed = {"torch": False, "accelerate": False}
