@@ -201,7 +201,7 @@ def _run_emsa(args, shape, batches, device, fsdp: bool) -> dict:
                host_params=sum(p["tier"] == "L2" for p in plan.json["params"] if p["trainable"]),
                trainable_params=sum(1 for p in plan.json["params"] if p["trainable"]),
                buckets=len(plan.json.get("buckets", [])))
-    out["peak_device_bytes"] = out["torch_peak_bytes"] + plan.device_arena_bytes
+    out.update(e2e.emsa_peak(opt, out["torch_peak_bytes"]))
     out["measured"] = e2e.engine_stats(opt, args.steps)
     out["host_trace"] = e2e.host_trace(opt)
     del model, opt, record, plan

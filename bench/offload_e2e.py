@@ -467,12 +467,21 @@ def _run_emsa(args, shape, batches, device, profile, mode: str, opt_kw: dict) ->
                plan_budget_bytes=plan.json.get("budget_bytes"),
                min_budget_bytes=plan.json.get("min_budget_bytes"),
                plan_table=str(plan).splitlines()[-14:])
-    out["peak_device_bytes"] = out["torch_peak_bytes"] + plan.device_arena_bytes
+    out.update(emsa_peak(opt, out["torch_peak_bytes"]))
     out["measured"] = engine_stats(opt, args.steps)
     out["host_trace"] = host_trace(opt)
     out.update(recipe_counters(opt))
     del model, opt, record, plan
     return out
+
+
+def emsa_peak(opt, torch_peak: int) -> dict:
+    """The peak with emsa's device memory beside torch's allocator: the plan's arena and the
+    host tier's staging for its GPU-updated buckets (their slots)."""
+    host = getattr(getattr(opt, "_backend", None), "host", None)
+    staging = getattr(host, "staging_bytes", 0)
+    return dict(host_tier_staging_bytes=staging,
+                peak_device_bytes=torch_peak + opt.plan.device_arena_bytes + staging)
 
 
 def host_bandwidth(summary: dict) -> float:

@@ -413,6 +413,7 @@ _TABLE = {
     "emsa_host_tier_synchronize": (_S, [_P]),
     "emsa_host_tier_copies_enqueued": (ctypes.c_int64, [_P]),
     "emsa_host_tier_update_stream": (ctypes.c_void_p, [_P]),
+    "emsa_host_tier_stream_staging_bytes": (ctypes.c_int64, [_P, ctypes.c_int32, ctypes.c_int64]),
     "emsa_host_tier_bucket_copies_enqueued": (ctypes.c_int32, [_P, ctypes.c_size_t]),
     "emsa_host_tier_trace": (
         _S, [_P, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double),

@@ -150,6 +150,11 @@ class HostTier:
         except BaseException:
             self.close()
             raise
+        # Device memory the tier holds beside the plan's arenas: the GPU-updated buckets'
+        # staging slots, as libemsa sizes them for these options (0 without such buckets).
+        gpu = [t for t in tensors if t.device_update]
+        self.staging_bytes = 0 if not gpu else int(lib.emsa_host_tier_stream_staging_bytes(
+            ctypes.byref(options), gpu[0].update.state_dtype, max(t.update.numel for t in gpu)))
         # Buckets updated on the GPU: their gradients are read on update_stream.
         on_gpu = {int(t.bucket) for t in tensors if t.device_update}
         self.on_gpu = [b in on_gpu for b in range(len(buckets))]
