@@ -126,6 +126,9 @@ typedef struct emsa_plan_options {
   /* share of the host tier's fp32 parameters the GPU updates, moments streamed through it
    * (PlanOptions.device_update_share): -1 (default) balanced by the planner, or 0..1 */
   double device_update_share;
+  /* 1: every step's updates wait for all of its gradients (max_grad_norm, the non-finite check,
+   * a loss scale: PlanOptions.gated_steps); default 0 */
+  int32_t gated_steps;
 } emsa_plan_options;
 
 EMSA_API void emsa_plan_options_init(emsa_plan_options* options);

@@ -222,6 +222,7 @@ class PlanOptions(ctypes.Structure):
         ("bucket_bytes", ctypes.c_uint64),
         ("release_grads", ctypes.c_int32),
         ("device_update_share", ctypes.c_double),
+        ("gated_steps", ctypes.c_int32),
     ]
 
 

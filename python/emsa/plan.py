@@ -156,14 +156,17 @@ def _create(probe_text: str, profile_text: str | None, options: PlanOptions) -> 
 def make_plan(record, profile: Any = None, *, optimizer: str = "adamw",
               state_dtype: torch.dtype = torch.float32, budget: int | str | None = None,
               allow_host_tier: bool = True, force_all_host: bool = False,
-              release_grads: bool = False, device_update_share: float = -1.0) -> Plan:
+              release_grads: bool = False, device_update_share: float = -1.0,
+              gated_steps: bool = False) -> Plan:
     """Plans a ProbeRecord (or its JSON text) against a profile (dict, JSON text, path; None:
     the record's embedded profile, else this machine measured). budget: bytes or "20GiB".
     device_update_share: of the host tier's fp32 parameters, the share the GPU updates with
     their moments streamed through it (-1: chosen by the planner, the shortest predicted step
-    that does not stall; 0: the CPU updates all)."""
+    that does not stall; 0: the CPU updates all). gated_steps: every step's updates wait for
+    all of its gradients (clipping, the non-finite check, a loss scale); with release_grads the
+    prediction counts that wait and the share is chosen for it."""
     options = _plan_options(optimizer, state_dtype, budget, allow_host_tier, force_all_host,
-                            release_grads, device_update_share)
+                            release_grads, device_update_share, gated_steps)
     return _create(_record_text(record), profile_json(profile), options)
 
 
@@ -191,7 +194,7 @@ def _record_text(record) -> str:
 def _plan_options(optimizer: str = "adamw", state_dtype: torch.dtype = torch.float32,
                   budget: int | str | None = None, allow_host_tier: bool = True,
                   force_all_host: bool = False, release_grads: bool = False,
-                  device_update_share: float = -1.0) -> PlanOptions:
+                  device_update_share: float = -1.0, gated_steps: bool = False) -> PlanOptions:
     if optimizer not in _capi.OPTIMIZER:
         raise ValueError(f"optimizer={optimizer!r}; use one of {sorted(_capi.OPTIMIZER)}")
     if state_dtype not in STATE_DTYPES:
@@ -205,6 +208,7 @@ def _plan_options(optimizer: str = "adamw", state_dtype: torch.dtype = torch.flo
     options.force_all_host = int(force_all_host)
     options.release_grads = int(release_grads)
     options.device_update_share = float(device_update_share)
+    options.gated_steps = int(gated_steps)
     if budget is not None:
         options.budget_bytes = parse_bytes(budget)
     return options

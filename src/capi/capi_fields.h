@@ -43,6 +43,7 @@ struct Fields<emsa_plan_options> {
     fn(c.bucket_bytes, cpp.bucket_bytes);
     fn(c.release_grads, cpp.release_grads);
     fn(c.device_update_share, cpp.device_update_share);
+    fn(c.gated_steps, cpp.gated_steps);
   }
 };
 

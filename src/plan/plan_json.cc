@@ -23,6 +23,7 @@ Value OptionsJson(const PlanOptions& o) {
   v.Set("force_all_host", o.force_all_host);
   v.Set("bucket_bytes", o.bucket_bytes);
   v.Set("release_grads", o.release_grads);
+  v.Set("gated_steps", o.gated_steps);
   v.Set("device_module_alignment", o.device_module_alignment);
   v.Set("device_tensor_alignment", o.device_tensor_alignment);
   v.Set("host_tensor_alignment", o.host_tensor_alignment);

@@ -279,9 +279,14 @@ struct Slowdowns {
 // the next forward needs first (the highest index), else waits for the next landing; uploads
 // follow in CPU order. The GPU path (the streamer): each submitted bucket's moments up, then its
 // kernel (the moments going back down trail by a staging slot and hold nothing up).
+// Gated steps in backward (options.gated_steps): the verdict comes when backward ends (at the
+// period), so neither path updates before it; the gradients still go down as they become final,
+// and the streamer has copied the first runs' moments up into its staging slots by then.
 std::vector<double> FinishTimes(const Plan& plan, const StepWork& w, const Slowdowns& slow) {
   const PlanOptions& options = plan.options;
   const double period = plan.prediction.period, stretch = plan.prediction.load_slowdown;
+  const bool gated = options.gated_steps && options.release_grads;
+  const double release = gated ? period : 0.0;
   const size_t nb = plan.buckets.size();
   auto submitted = [&](size_t b) {
     return options.release_grads ? plan.buckets[b].ready_time * stretch : period;
@@ -304,7 +309,7 @@ std::vector<double> FinishTimes(const Plan& plan, const StepWork& w, const Slowd
   }
   for (size_t b : host) {
     d2h_free = std::max(submitted(b), d2h_free) + w.buckets[b].d2h * slow.cpu_link;
-    landed[b] = d2h_free;
+    landed[b] = std::max(d2h_free, release);
   }
   // The CPU path: each landed bucket updated, then uploaded.
   Drain(nb, host, landed, [&](size_t b, double t) {
@@ -313,9 +318,31 @@ std::vector<double> FinishTimes(const Plan& plan, const StepWork& w, const Slowd
     finish[b] = h2d_free;
     return t;
   });
-  for (size_t b : gpu) at[b] = submitted(b);
+  std::vector<double> up(nb, 0.0);
+  double gpu_up = 0.0;
+  for (size_t b : gpu) {
+    at[b] = std::max(submitted(b), release);
+    up[b] = w.buckets[b].h2d * slow.gpu_link;
+    gpu_up += up[b];
+  }
+  if (gated && w.gpu_link > 0) {
+    // Before the release the streamer copies moments up, in submission order as the buckets
+    // come, until its staging slots (each holds a run's moments) are full or backward ends.
+    double room = gpu_up * std::min(1.0, static_cast<double>(plan.prediction.stream_staging_bytes) /
+                                             w.gpu_link);
+    double t = 0.0;
+    for (size_t b : gpu) {
+      const double start = std::max(t, submitted(b));
+      if (room <= 0 || start >= release) break;
+      const double early = std::min({up[b], room, release - start});
+      up[b] -= early;
+      room -= early;
+      t = start + early;
+      if (up[b] > 0) break;
+    }
+  }
   Drain(nb, gpu, at, [&](size_t b, double t) {
-    t += w.buckets[b].h2d * slow.gpu_link;
+    t += up[b];
     finish[b] = t + w.buckets[b].hbm;
     return t;
   });
@@ -375,8 +402,11 @@ void PlanHostPaths(const ProbeRecord& record, const Bandwidths& bw, bool gpu_pre
   // kShareGain shorter and predicts no stall: the engines' rates under each other's load are the
   // model's least certain part, so work moves to the GPU path only as far as the links keep up
   // with the period.
+  // A gated step stalls at every share (no update starts before backward ends): there the grid
+  // keeps the shortest predicted step.
   constexpr int kGrid = 20;
   constexpr double kShareGain = 0.01, kNoStall = 0.01;
+  const bool gated = plan->options.gated_steps && plan->options.release_grads;
   const double balanced = plan->prediction.step_time;
   double best = balanced, best_share = asked;
   for (int k = 0; k <= kGrid; ++k) {
@@ -384,7 +414,7 @@ void PlanHostPaths(const ProbeRecord& record, const Bandwidths& bw, bool gpu_pre
     ChooseDeviceUpdates(record, bw, gpu_present, share, plan);
     Predict(record, bw, base_device_bytes, plan);
     const Prediction& p = plan->prediction;
-    if (p.stall_time <= kNoStall * p.period && p.step_time < best) {
+    if ((gated || p.stall_time <= kNoStall * p.period) && p.step_time < best) {
       best = plan->prediction.step_time;
       best_share = share;
     }

@@ -67,6 +67,8 @@ constexpr const char* kUsage =
     "  --verbose, --table     add one row per parameter and the module ranges\n"
     "  --step-in-backward     plan for updates in backward (emsa.AdamW(step_in_backward=True)):\n"
     "                         each gradient is freed once its update has it\n"
+    "  --gated                the updates wait for every gradient of the step: clipping\n"
+    "                         (max_grad_norm=), the non-finite check or a GradScaler\n"
     "\n"
     "model options (with --model):\n"
     "  --model NAME|PATH      a preset (emsa plan --list), or a Hugging Face config.json or\n"
@@ -227,6 +229,8 @@ std::string ParsePlanArgs(Args* args, PlanArgs* out) {
       out->options.force_all_host = true;
     } else if (arg == "--step-in-backward") {
       out->step_in_backward = true;
+    } else if (arg == "--gated") {
+      out->options.gated_steps = true;
     } else if (arg == "--keep-grads") {
       out->keep_grads = true;
       out->model_only.push_back(arg);
@@ -429,6 +433,8 @@ std::string OptimizerLine(const PlanOptions& o) {
          " state, " +
          (o.release_grads ? "step in backward (each gradient freed once its update has it)"
                           : "step() after backward (every gradient held at once)") +
+         (o.gated_steps ? ", updates after every gradient (clipping, non-finite check, scaler)"
+                        : "") +
          "\n";
 }
 

@@ -721,6 +721,35 @@ TEST(PlanSchedule, TimelineMatchesHandComputation) {
               1e-12);
 }
 
+// Gated steps in backward (clipping, the non-finite check, a loss scale): the gradients go down as
+// they become final, but the CPU starts only at the end of backward (P = 0.03), on what has
+// landed by then: b (landed at 0.015 + down), then a (landed at 0.03 + down, before b's update
+// is done). a, needed at P, is done at P + 2 cpu + up; b, needed at P + 0.005, at P + cpu + up.
+// Without release_grads every update waits for backward's end anyway: gated or not, the same.
+TEST(PlanSchedule, GatedStepsUpdateOnlyAfterBackward) {
+  const ProbeRecord r = TwoParams();
+  const DeviceProfile profile = Gpu();
+  PlanOptions o;
+  o.device_update_share = 0;
+  o.force_all_host = true;
+  o.bucket_bytes = 4000000;  // one param per bucket
+  o.release_grads = true;
+  const Plan ungated = MustPlan(r, profile, o);
+  o.gated_steps = true;
+  const Plan gated = MustPlan(r, profile, o);
+  const double down = 4e6 / 10e9, cpu = 32e6 / 20e9, up = 4e6 / 10e9;
+  EXPECT_NEAR(ungated.prediction.stall_time, down + cpu + up, 1e-12);
+  EXPECT_NEAR(gated.prediction.stall_time, 2 * cpu + up, 1e-12);
+  EXPECT_NEAR(gated.prediction.step_time, 0.03 + 2 * cpu + up, 1e-12);
+  EXPECT_NE(PlanToJson(gated).find("\"gated_steps\": true"), std::string::npos);
+
+  o.release_grads = false;
+  const Plan at_step_gated = MustPlan(r, profile, o);
+  o.gated_steps = false;
+  const Plan at_step = MustPlan(r, profile, o);
+  EXPECT_DOUBLE_EQ(at_step_gated.prediction.step_time, at_step.prediction.step_time);
+}
+
 // The probe's forward + backward under the host tier's load (period_under_load) stretches a
 // host-tier plan's period by the load's share of it, and every probe time with it; plans without
 // a host tier, and records without the measurement or with a faster one, keep the probe's P.
@@ -1032,6 +1061,32 @@ TEST(PlanDeviceUpdate, UnderLoadTheShareWithTheShortestPredictedStepIsKept) {
         (stalls && fixed.prediction.step_time < slow_links.prediction.step_time);
   }
   EXPECT_TRUE(a_stalling_share_was_shorter);
+}
+
+// Gated steps with the GPU path: no share avoids the wait for backward's end, so the planner keeps
+// the share of the grid 0, 0.05, ..., 1 with the shortest predicted step, stalling or not (or the
+// balanced share, where none is more than 1% shorter); at
+// every share the gated step is predicted no shorter than the ungated one, and longer where the
+// host tier has work left at backward's end. The streamer's prefetch (its staging slots' worth of
+// moments up during backward) is counted: one more slot never predicts a longer step.
+TEST(PlanDeviceUpdate, GatedStepsKeepTheShortestPredictedShare) {
+  const ProbeRecord r = Decoder(false, DType::kFloat32, 8);
+  const DeviceProfile profile = LinksAndHost(50e9, 150e9);
+  PlanOptions o = AllHostInBackward();
+  o.gated_steps = true;
+  const Plan chosen = MustPlan(r, profile, o);
+  for (int k = 0; k <= 20; ++k) {
+    o.device_update_share = k / 20.0;
+    o.gated_steps = true;
+    const Plan gated = MustPlan(r, profile, o);
+    EXPECT_LE(chosen.prediction.step_time, gated.prediction.step_time * 1.01)
+        << "share " << k / 20.0;
+    o.gated_steps = false;
+    const Plan ungated = MustPlan(r, profile, o);
+    EXPECT_GE(gated.prediction.step_time, ungated.prediction.step_time * (1 - 1e-12))
+        << "share " << k / 20.0;
+    EXPECT_GT(gated.prediction.stall_time, 0.0) << "share " << k / 20.0;
+  }
 }
 
 // ---- options and input ----------------------------------------------------------------------

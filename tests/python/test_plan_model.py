@@ -171,3 +171,25 @@ def test_eager_attention_adds_the_saved_scores():
     scores = 5 * 32 * 2048 * 1 * 2048
     assert json.loads(eager)["peak_device_bytes"] - fused["peak_device_bytes"] == scores
     assert "eager attention (scores saved)" in summary
+
+
+def test_gated_steps_wait_for_the_end_of_backward():
+    """A plan for passes that wait for every gradient (clipping, the non-finite check, a loss
+    scale): the host tier updates nothing before backward ends, so its predicted step is longer
+    than the ungated plan's at the same share, and the plan says what it assumed; the CLI's
+    --gated plans the same."""
+    from emsa.plan import make_plan
+    probe = model_probe("tinyllama-1.1b", seq_len=1024, param_dtype="fp32")[0]
+    h200 = device_preset("h200")
+    kw = dict(force_all_host=True, release_grads=True, device_update_share=0.5)
+    ungated, gated = (make_plan(probe, h200, gated_steps=g, **kw) for g in (False, True))
+    assert gated.json["options"]["gated_steps"] is True
+    assert ungated.json["options"]["gated_steps"] is False
+    assert gated.json["prediction"]["step_time"] > ungated.json["prediction"]["step_time"]
+    assert gated.json["prediction"]["stall_time"] > 0
+    args = ["--model", "tinyllama-1.1b", "--seq", "1024", "--param-dtype", "fp32", "--all-host"]
+    r = emsa_cli(*args, "--gated")
+    assert r.returncode == 0, r.stderr
+    assert "updates after every gradient" in r.stdout
+    step = lambda text: float(re.search(r"step\s+([\d.]+) ms", text).group(1))  # noqa: E731
+    assert step(r.stdout) > step(emsa_cli(*args).stdout)
