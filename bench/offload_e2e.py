@@ -538,7 +538,7 @@ def engine_stats(opt, timed: int) -> dict | None:
         return None
     rows = stats()[-timed:]
     out = {}
-    for key in sorted({k for r in rows for k in r if k.endswith("_s") or k == "prefetched_runs"}):
+    for key in sorted({k for r in rows for k in r if k.endswith("_s")}):
         values = [r[key] for r in rows if r.get(key) is not None]
         if values:
             out[key] = statistics.median(values)

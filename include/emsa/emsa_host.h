@@ -153,28 +153,24 @@ typedef struct emsa_host_tier_options {
   /* 1: every step emsa_host_tier_begin_step starts is gated (waits for emsa_host_tier_release);
    * 0 (default): ungated. emsa_host_tier_begin_step_gated chooses per step instead */
   int32_t gated;
-  /* gated steps under pacing: staging slots beyond stream_slots that the moments of submitted
-   * runs fill before the release (default 0; HostTierOptions.prefetch_slots) */
-  int32_t prefetch_slots;
 } emsa_host_tier_options;
 
 /* One step's measurements: busy seconds per engine (sums over buckets). */
 typedef struct emsa_host_tier_step_stats {
-  uint32_t struct_size;    /* sizeof(emsa_host_tier_step_stats) */
-  int64_t step;            /* 1-based count of emsa_host_tier_begin_step calls */
-  double d2h_s;            /* gradient copies (CUDA events) */
-  double cpu_s;            /* CPU updates */
-  double h2d_s;            /* parameter copies (CUDA events) */
-  double wait_s;           /* host time emsa_host_tier_wait blocked: an upload was not enqueued */
-  int64_t buckets;         /* buckets submitted in the step */
-  int32_t complete;        /* 1: every submitted bucket's copies have finished and been timed */
-  double grad_wait_s;      /* the tier's worker blocked until gradients were final or had landed */
-  double worker_s;         /* the worker from taking each bucket to enqueueing its upload */
-  int64_t device_buckets;  /* device-updated buckets submitted in the step */
-  double stream_up_s;      /* their moments' copies up, summed (HostTierStepStats.stream_up_s) */
-  int32_t gated;           /* 1: the step waited for a release */
-  int32_t skipped;         /* 1: its release said found_inf; nothing was updated */
-  int64_t prefetched_runs; /* gated: runs whose moments went up before the release */
+  uint32_t struct_size;   /* sizeof(emsa_host_tier_step_stats) */
+  int64_t step;           /* 1-based count of emsa_host_tier_begin_step calls */
+  double d2h_s;           /* gradient copies (CUDA events) */
+  double cpu_s;           /* CPU updates */
+  double h2d_s;           /* parameter copies (CUDA events) */
+  double wait_s;          /* host time emsa_host_tier_wait blocked: an upload was not enqueued */
+  int64_t buckets;        /* buckets submitted in the step */
+  int32_t complete;       /* 1: every submitted bucket's copies have finished and been timed */
+  double grad_wait_s;     /* the tier's worker blocked until gradients were final or had landed */
+  double worker_s;        /* the worker from taking each bucket to enqueueing its upload */
+  int64_t device_buckets; /* device-updated buckets submitted in the step */
+  double stream_up_s;     /* their moments' copies up, summed (HostTierStepStats.stream_up_s) */
+  int32_t gated;          /* 1: the step waited for a release */
+  int32_t skipped;        /* 1: its release said found_inf; nothing was updated */
 } emsa_host_tier_step_stats;
 
 EMSA_API void emsa_host_tier_tensor_init(emsa_host_tier_tensor* tensor);

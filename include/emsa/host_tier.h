@@ -146,13 +146,6 @@ struct HostTierOptions {
   // keeps each bucket's gradients until BucketCopiesEnqueued, as for paced copies.
   int64_t stream_piece_elements = kHostTierStreamPieceElements;
   int stream_slots = kHostTierStreamSlots;
-  // Gated steps under pacing (see the top of this file): until the release, the streamer copies
-  // submitted runs' moments up into free slots (their kernels wait for the verdict), so that
-  // less is left for the link once backward has ended. prefetch_slots more slots, as large as
-  // the others, hold such runs beyond stream_slots; the runs in flight after the release, and in
-  // ungated steps, stay at most stream_slots. The planner sizes it (Plan's
-  // prediction.prefetch_slots) by what the link can carry during backward and the budget allows.
-  int prefetch_slots = 0;
   // The stream the device-updated buckets' kernels run on (they read Submit's gradients): the
   // caller's, which must outlive the tier, or null for one the tier makes and destroys with
   // itself. A framework that keeps gradients alive by recording their use on a stream (torch's
@@ -188,9 +181,6 @@ struct HostTierStepStats {
   // own enqueues time only runs whose copies are done when their slot comes round again.
   int64_t device_buckets = 0;
   double stream_up_s = 0.0;
-  // Gated steps under pacing: runs whose moments went up before the release (one per slot, of
-  // stream_slots + prefetch_slots).
-  int64_t prefetched_runs = 0;
   bool gated = false;    // the step waited for a release
   bool skipped = false;  // its release said found_inf: nothing was updated
 };
@@ -288,8 +278,7 @@ class HostTier {
   size_t bucket_size(size_t bucket) const;
   // The stream the device-updated buckets' kernels run on (null when there are none).
   cudaStream_t update_stream() const;
-  // Device memory the tier holds for device-updated tensors (their staging: stream_slots +
-  // prefetch_slots slots) under `options`,
+  // Device memory the tier holds for device-updated tensors (their staging) under `options`,
   // moments of `state_dtype`, the largest device-updated tensor `largest` elements (a slot holds
   // no more than one tensor's run: min(stream_piece_elements, largest) per moment).
   static int64_t StreamStagingBytes(const HostTierOptions& options, DType state_dtype,

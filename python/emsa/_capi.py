@@ -188,7 +188,6 @@ class HostTierOptions(ctypes.Structure):
         ("stream_slots", ctypes.c_int32),
         ("device_update_stream", ctypes.c_void_p),
         ("gated", ctypes.c_int32),
-        ("prefetch_slots", ctypes.c_int32),
     ]
 
 
@@ -208,7 +207,6 @@ class HostTierStepStats(ctypes.Structure):
         ("stream_up_s", ctypes.c_double),
         ("gated", ctypes.c_int32),
         ("skipped", ctypes.c_int32),
-        ("prefetched_runs", ctypes.c_int64),
     ]
 
 

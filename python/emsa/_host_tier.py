@@ -133,7 +133,6 @@ class HostTier:
         for field, value in (("paced_copies", _tuning.host_pace()),
                              ("device_delta", _tuning.host_delta()),
                              ("stream_slots", _tuning.host_stream_slots()),
-                             ("prefetch_slots", _tuning.host_prefetch_slots()),
                              ("stream_piece_elements", _tuning.host_stream_piece())):
             if value is not None:
                 setattr(options, field, int(value))
@@ -334,8 +333,7 @@ class HostTier:
                 out.append({"step": s.step, "d2h_s": s.d2h_s, "cpu_s": s.cpu_s,
                             "h2d_s": s.h2d_s, "wait_s": s.wait_s, "buckets": s.buckets,
                             "grad_wait_s": s.grad_wait_s, "worker_s": s.worker_s,
-                            "device_buckets": s.device_buckets, "stream_up_s": s.stream_up_s,
-                            "prefetched_runs": s.prefetched_runs})
+                            "device_buckets": s.device_buckets, "stream_up_s": s.stream_up_s})
                 self.read = s.step
             if n.value < 64:
                 return out

@@ -11,8 +11,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["KNOBS", "library_path", "host_threads", "host_device_share", "host_pace",
-           "host_delta", "host_stream_slots", "host_prefetch_slots", "host_stream_piece",
-           "cuda_bulk_copy", "commit"]
+           "host_delta", "host_stream_slots", "host_stream_piece", "cuda_bulk_copy", "commit"]
 
 # name -> (default as documented, meaning)
 KNOBS = {
@@ -29,9 +28,6 @@ KNOBS = {
                                  "(unset: HostTierOptions' default)"),
     "EMSA_HOST_STREAM_SLOTS": ("unset", "device staging slots of the GPU-updated host-tier "
                                         "path (unset: HostTierOptions' default)"),
-    "EMSA_HOST_PREFETCH_SLOTS": ("unset", "staging slots beyond those of the GPU-updated path "
-                                          "that a gated step fills before its release (unset: "
-                                          "HostTierOptions' default)"),
     "EMSA_HOST_STREAM_PIECE": ("unset", "elements per staging slot and moment of that path "
                                         "(unset: HostTierOptions' default)"),
     "EMSA_CUDA_BULK_COPY": ("1", "1: fp32 device updates move tiles by bulk copies on sm_90+; "
@@ -100,10 +96,6 @@ def host_delta() -> bool | None:
 
 def host_stream_slots() -> int | None:
     return _int("EMSA_HOST_STREAM_SLOTS", 1, "device staging slots")
-
-
-def host_prefetch_slots() -> int | None:
-    return _int("EMSA_HOST_PREFETCH_SLOTS", 0, "staging slots a gated step prefetches into")
 
 
 def host_stream_piece() -> int | None:

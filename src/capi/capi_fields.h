@@ -153,7 +153,6 @@ struct Fields<emsa_host_tier_options> {
     fn(c.stream_slots, cpp.stream_slots);
     fn(c.device_update_stream, cpp.device_update_stream);
     fn(c.gated, cpp.gated);
-    fn(c.prefetch_slots, cpp.prefetch_slots);
   }
 };
 

@@ -197,7 +197,6 @@ int64_t emsa_host_tier_stream_staging_bytes(const emsa_host_tier_options* option
   o.optimizer = *kind;
   o.stream_piece_elements = options->stream_piece_elements;
   o.stream_slots = options->stream_slots;
-  o.prefetch_slots = options->prefetch_slots;
   return emsa::HostTier::StreamStagingBytes(o, *dtype, largest);
 }
 
@@ -247,7 +246,6 @@ emsa_status emsa_host_tier_stats(const emsa_host_tier* tier, int64_t first,
       out[i].worker_s = got[i].worker_s;
       out[i].device_buckets = got[i].device_buckets;
       out[i].stream_up_s = got[i].stream_up_s;
-      out[i].prefetched_runs = got[i].prefetched_runs;
       out[i].gated = got[i].gated ? 1 : 0;
       out[i].skipped = got[i].skipped ? 1 : 0;
     }

@@ -23,7 +23,7 @@ namespace emsa {
 int64_t HostTier::StreamStagingBytes(const HostTierOptions& options, DType state_dtype,
                                      int64_t largest) {
   return HostTierStreamStagingBytes(options.optimizer, state_dtype, options.stream_piece_elements,
-                                    options.stream_slots + options.prefetch_slots, largest);
+                                    options.stream_slots, largest);
 }
 
 namespace {
@@ -46,11 +46,6 @@ Status ValidateOptions(const HostTierOptions& options) {
         "options.stream_piece_elements is " + std::to_string(options.stream_piece_elements) +
         " and options.stream_slots " + std::to_string(options.stream_slots) +
         "; use at least 64 elements and 1 slot (defaults 8 Mi and 3)");
-  }
-  if (options.prefetch_slots < 0) {
-    return Status::InvalidArgument("options.prefetch_slots is " +
-                                   std::to_string(options.prefetch_slots) +
-                                   "; use 0 (no slots beyond stream_slots) or more");
   }
   if (options.device_delta && options.delta_staging_elements < 64) {
     return Status::InvalidArgument("options.delta_staging_elements is " +

@@ -73,7 +73,7 @@ Status DeviceUpdatePath::MakeSlots(DType state_dtype, int64_t largest) {
   const size_t moment = static_cast<size_t>(std::min(options_.stream_piece_elements, largest)) *
                         DTypeSize(state_dtype);
   const bool two = StateCount(options_.optimizer) == 2;
-  slots_.resize(static_cast<size_t>(options_.stream_slots + options_.prefetch_slots));
+  slots_.resize(static_cast<size_t>(options_.stream_slots));
   char* at = static_cast<char*>(staging_);
   for (Slot& slot : slots_) {
     slot.exp_avg = at;
@@ -125,29 +125,20 @@ void DeviceUpdatePath::TimeSlot(Slot& slot) {
 // down. Recording an event only moves what later waits on it refer to, and every wait below is
 // enqueued after the record it is meant for, so the slots' events can be reused in turn.
 Status DeviceUpdatePath::EnqueueRun(size_t index, size_t r, int64_t s, const RunVerdict& v) {
-  Prefetched run;
-  EMSA_RETURN_IF_ERROR(EnqueueUp(index, r, s, &run));
-  return EnqueueDown(run, v);
-}
-
-Status DeviceUpdatePath::EnqueueUp(size_t index, size_t r, int64_t s, Prefetched* taken) {
   TierBucket& b = buckets_[index];
   Runs& runs = runs_[index];
   const Span& run = runs.spans[r];
   const TensorUpdate& u = b.updates[run.tensor];
-  taken->index = index;
-  taken->r = r;
-  taken->slot = next_slot_;
-  taken->first = !runs.started;
   Slot& slot = slots_[next_slot_];
   next_slot_ = (next_slot_ + 1) % slots_.size();
   const size_t state = DTypeSize(u.state_dtype);
   const size_t bytes = static_cast<size_t>(run.count) * state;
   const size_t at = static_cast<size_t>(run.first) * state;
+  const bool first = !runs.started;
   runs.started = true;
   TimeSlot(slot);  // what it last carried, before its events move on
   EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(up_, slot.free.get(), 0));
-  if (taken->first && b.uploaded > 0) {  // written_back was recorded by its last update
+  if (first && b.uploaded > 0) {  // written_back was recorded by its last update
     EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(up_, runs.written_back.get(), 0));
   }
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.up_start.get(), up_));
@@ -161,20 +152,8 @@ Status DeviceUpdatePath::EnqueueUp(size_t index, size_t r, int64_t s, Prefetched
                                               cudaMemcpyHostToDevice, up_));
   }
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.in_done.get(), up_));
-  return Status::Ok();
-}
-
-Status DeviceUpdatePath::EnqueueDown(const Prefetched& taken, const RunVerdict& v) {
-  TierBucket& b = buckets_[taken.index];
-  Runs& runs = runs_[taken.index];
-  const Span& run = runs.spans[taken.r];
-  const TensorUpdate& u = b.updates[run.tensor];
-  Slot& slot = slots_[taken.slot];
-  const size_t state = DTypeSize(u.state_dtype);
-  const size_t bytes = static_cast<size_t>(run.count) * state;
-  const size_t at = static_cast<size_t>(run.first) * state;
   EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(kernels_, slot.in_done.get(), 0));
-  if (taken.first) EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(kernels_, b.ready.get(), 0));
+  if (first) EMSA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(kernels_, b.ready.get(), 0));
   cuda::StreamRun k;
   k.param = static_cast<float*>(b.device_params[run.tensor]) + run.first;
   k.grad = static_cast<const float*>(runs.grads[run.tensor]) + run.first;
@@ -332,85 +311,23 @@ size_t DeviceUpdatePath::PickBucket() const {
   return ready != kNone ? ready : oldest;
 }
 
-size_t DeviceUpdatePath::PickPrefetch() const {
-  if (prefetched_.size() >= slots_.size()) return kNone;  // the next slot holds one already
-  size_t best = kNone;
-  for (size_t c : waiting_) {
-    if ((best == kNone || c > best) && NextPresent(c, runs_[c].next) < runs_[c].spans.size()) {
-      best = c;
-    }
-  }
-  return best;
-}
-
-void DeviceUpdatePath::DrainPrefetched(std::unique_lock<std::mutex>& lock) {
-  const RunVerdict v = VerdictLocked();
-  for (const Prefetched& run : prefetched_) {
-    Runs& runs = runs_[run.index];
-    const size_t n = runs.spans.size();
-    const bool last = NextPresent(run.index, run.r + 1) == n;
-    Status st = shared_.error;
-    if (st.ok() && !v.skip) {
-      lock.unlock();
-      st = EnqueueDown(run, v);
-      if (st.ok() && last) st = FinishRuns(run.index);
-      lock.lock();
-    }
-    shared_.Fail(st);
-    // Its bucket's other runs (none left when last; else after a failure or a skip the loop
-    // below marks the bucket done, as it does any other).
-    if (!last) continue;
-    waiting_.erase(std::find(waiting_.begin(), waiting_.end(), run.index));
-    MarkDone(run.index, buckets_[run.index].submitted);
-    --shared_.pending;
-  }
-  prefetched_.clear();
-  shared_.cv.notify_all();
-}
-
 // The streamer: enqueues the device-updated buckets' runs with at most one run per staging
 // slot in flight, so that what comes next is chosen when a slot frees up: during backward the
 // buckets as their gradients become final, after it what the next forward needs first (as the
-// worker chooses for the CPU). In a gated step it prefetches into the free slots until the
-// release (PickPrefetch) and then enqueues those runs' kernels first. A failed bucket is marked
-// done so no Wait blocks on it.
+// worker chooses for the CPU). In a gated step it takes nothing before the release. A failed
+// bucket is marked done so no Wait blocks on it.
 void DeviceUpdatePath::Stream() {
   Status set = CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice (host tier streamer)");
   std::unique_lock<std::mutex> lock(shared_.mu);
   shared_.Fail(set);
-  prefetched_.reserve(slots_.size());
   for (;;) {
     shared_.cv.wait(lock, [&] {
-      return shared_.stop || (!waiting_.empty() && (shared_.verdict.open() || !shared_.error.ok() ||
-                                                    PickPrefetch() != kNone));
+      return shared_.stop || (!waiting_.empty() && (shared_.verdict.open() || !shared_.error.ok()));
     });
     if (waiting_.empty()) return;  // stop, and nothing left (the tier releases before stop)
-    if (!shared_.verdict.open() && shared_.error.ok()) {  // a gated step's prefetch
-      const size_t index = PickPrefetch();
-      Runs& runs = runs_[index];
-      const size_t r = NextPresent(index, runs.next);
-      Prefetched taken;
-      lock.unlock();
-      const Status st = EnqueueUp(index, r, buckets_[index].submitted, &taken);
-      lock.lock();
-      shared_.Fail(st);
-      if (st.ok()) {
-        prefetched_.push_back(taken);
-        runs.next = r + 1;
-        ++shared_.stats.Of(shared_.step).prefetched_runs;
-      }
-      continue;
-    }
-    if (!prefetched_.empty()) {
-      DrainPrefetched(lock);
-      continue;
-    }
     Status st = shared_.error;
-    // At most stream_slots runs in flight: the kernel of the run that many back is done (with
-    // no prefetch slots that is the next slot's own last one) before the next is chosen.
-    const size_t depth = static_cast<size_t>(options_.stream_slots);
-    const Slot& slot = slots_[(next_slot_ + slots_.size() - depth) % slots_.size()];
-    if (st.ok() && slot.used) {  // that kernel is done: choose now, not earlier
+    const Slot& slot = slots_[next_slot_];
+    if (st.ok() && slot.used) {  // the slot's last kernel is done: choose now, not earlier
       lock.unlock();
       st = CudaStatus(cudaEventSynchronize(slot.updated.get()), "cudaEventSynchronize (slot)");
       lock.lock();

@@ -9,17 +9,13 @@
 // mutex. CUDA builds only.
 //
 // Gated steps: a run's kernel must wait for the release on the GPU, and a stream can only wait
-// for an event recorded before the wait is enqueued, so no run's kernel of a gated step is
-// enqueued before the release: Submit defers them (returns at once) and the release enqueues
-// them, or the streamer, which never blocks for a release (it waits on the tier's condition
-// variable, which the release notifies), picks them up after it. Its moments' copies up need no
-// verdict, so until the release the streamer prefetches them: submitted runs, the next forward's
-// first, one per staging slot (stream_slots + prefetch_slots of them; the slots' last copies
-// down were enqueued in an earlier step), whose kernels and copies down it enqueues first once
-// the step is released. Released from device memory, the kernels read the verdict from the
-// path's own copy of the step header (made on the release's stream after the previous step's
-// kernels have read theirs); released as values, the multiplier travels as a launch argument and
-// a skipped step's runs are not enqueued at all.
+// for an event recorded before the wait is enqueued, so no run of a gated step is enqueued
+// before the release: Submit defers them (returns at once) and the release enqueues them, or
+// the streamer, which never blocks for a release (it waits on the tier's condition variable,
+// which the release notifies), picks them up after it. Released from device memory, the
+// kernels read the verdict from the path's own copy of the step header (made on the release's
+// stream after the previous step's kernels have read theirs); released as values, the multiplier
+// travels as a launch argument and a skipped step's runs are not enqueued at all.
 #pragma once
 
 #include "common/cuda_util.h"
@@ -96,14 +92,6 @@ class DeviceUpdatePath {
     int64_t step = 0;     // the step of the last run through it
   };
 
-  // A run whose moments' copies up were enqueued before its step's release (EnqueueUp), in the
-  // order taken: its kernel and copies down (EnqueueDown) wait for the release.
-  struct Prefetched {
-    size_t index = 0, r = 0;  // bucket, run
-    size_t slot = 0;
-    bool first = false;  // the bucket's first run this step: the kernel waits for its gradients
-  };
-
   // What a run's kernel applies: the multiplier, as an argument or (header) read on the device
   // with found_inf; skip: enqueue nothing (a step skipped by value).
   struct RunVerdict {
@@ -119,10 +107,6 @@ class DeviceUpdatePath {
   // The first span from r whose tensor is present this step (spans.size(): none).
   size_t NextPresent(size_t index, size_t r) const;
   Status EnqueueRun(size_t index, size_t r, int64_t s, const RunVerdict& v);
-  // EnqueueRun's two halves: the moments up into the next slot (needs no verdict), then the
-  // kernel and the moments down.
-  Status EnqueueUp(size_t index, size_t r, int64_t s, Prefetched* taken);
-  Status EnqueueDown(const Prefetched& run, const RunVerdict& v);
   // After a bucket's last run: its done and written-back events.
   Status FinishRuns(size_t index);
   // Every present run of bucket `index`, then FinishRuns (nothing when v.skip).
@@ -130,13 +114,6 @@ class DeviceUpdatePath {
   // Under mu: bucket `index` is done for step s (Wait may return).
   void MarkDone(size_t index, int64_t s);
   size_t PickBucket() const;
-  // Under mu, before a gated step's release: the submitted bucket whose next run to prefetch
-  // is first (the highest index, as after the release), or none (a slot is not free, or every
-  // submitted run is taken).
-  size_t PickPrefetch() const;
-  // Streamer, under mu (released through `lock` while enqueuing): the prefetched runs' kernels
-  // and copies down, in the order taken; a bucket whose last run was among them is done.
-  void DrainPrefetched(std::unique_lock<std::mutex>& lock);
   void Stream();
 
   HostTierOptions options_;
@@ -152,7 +129,6 @@ class DeviceUpdatePath {
   cudaStream_t up_ = nullptr, kernels_ = nullptr, down_ = nullptr;
   bool own_kernels_ = true;      // kernels_ was made here (not options.device_update_stream)
   std::vector<size_t> waiting_;  // submitted buckets with runs left, for the streamer (under mu)
-  std::vector<Prefetched> prefetched_;  // streamer only: this gated step's, until its release
   std::thread streamer_;
 };
 

@@ -547,7 +547,7 @@ static void test_host_tier(void) {
   CHECK(emsa_host_tier_create(up, &t, 1, 1, 1, NULL, NULL, &o, &tier) == EMSA_INVALID_ARGUMENT);
   CHECK(strstr(emsa_last_error(), "pace_piece_elements is 10") != NULL && tier == NULL);
   emsa_host_tier_options_init(&o);
-  CHECK(o.stream_piece_elements == 8 << 20 && o.stream_slots == 3 && o.prefetch_slots == 0);
+  CHECK(o.stream_piece_elements == 8 << 20 && o.stream_slots == 3);
   /* AdamW, fp32 moments: 3 slots x 8 Mi elements x 2 moments x 4 bytes */
   CHECK(emsa_host_tier_stream_staging_bytes(&o, EMSA_DTYPE_FLOAT32, 1 << 30) ==
         3LL * (8 << 20) * 8);

@@ -6,12 +6,10 @@
 
 #include <gtest/gtest.h>
 
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "common/cuda_util.h"
@@ -82,9 +80,6 @@ TEST(HostTierValidation, NamesTheBadField) {
   o.stream_slots = 0;
   ExpectError(create(), StatusCode::kInvalidArgument, "stream_slots 0");
   o.stream_slots = 3;
-  o.prefetch_slots = -1;
-  ExpectError(create(), StatusCode::kInvalidArgument, "prefetch_slots is -1");
-  o.prefetch_slots = 0;
   t.device_update = true;
   t.update.param_dtype = DType::kBFloat16;
   t.update.master = buf.data();
@@ -356,20 +351,6 @@ class HostTierPipeline : public ::testing::Test {
     ASSERT_OK(ref_updater_->Step(u.data(), u.size(), o));
   }
 
-  // The streamer prefetches on its own thread: before releasing step s, wait (up to 10 s, not a
-  // measurement) until it has taken `want` runs' copies up, so the test sees the path every
-  // time.
-  void WaitForPrefetches(int64_t s, int64_t want) {
-    for (int i = 0; i < 10000; ++i) {
-      HostTierStepStats st;
-      ASSERT_EQ(tier_->Stats(s, &st, 1), 1u);
-      if (st.prefetched_runs >= want) return;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    FAIL() << "step " << s << ": fewer than " << want
-           << " device-updated runs were prefetched before the release";
-  }
-
   // Under device_delta: the fp32 tensors' host copies still hold their initial values.
   void ExpectHostParamsUntouched() {
     for (size_t i = 0; i < cases_.size(); ++i) {
@@ -464,9 +445,6 @@ void HostTierPipeline::RunGatedSteps(const HostTierOptions& options, bool device
       // device-updated ones only after the release.
       EXPECT_EQ(tier_->BucketCopiesEnqueued(b), !(device_buckets && b != 1)) << "bucket " << b;
     }
-    // Every slot fills before the release (bucket 0 alone has more runs than slots).
-    const int64_t slots = options.stream_slots + options.prefetch_slots;
-    if (device_buckets && options.paced()) WaitForPrefetches(4 + s, slots);
     if (by_values) {
       ASSERT_OK(tier_->ReleaseValues(multipliers[s - 1], skip));
     } else {
@@ -490,15 +468,6 @@ void HostTierPipeline::RunGatedSteps(const HostTierOptions& options, bool device
     ASSERT_EQ(tier_->Stats(4 + s, &st, 1), 1u);
     EXPECT_TRUE(st.gated);
     EXPECT_EQ(st.skipped, skip);
-    // The streamer takes the submitted device-updated runs' copies up before the release, one
-    // per staging slot (prefetch slots included) and no more; without it (or without such
-    // buckets) nothing goes up before it.
-    const bool streamer = device_buckets && options.paced();
-    if (streamer) {
-      EXPECT_EQ(st.prefetched_runs, slots) << "step " << 4 + s;
-    } else {
-      EXPECT_EQ(st.prefetched_runs, 0) << "step " << 4 + s;
-    }
   }
   for (size_t b = 0; b < 3; ++b) EXPECT_TRUE(tier_->BucketCopiesEnqueued(b)) << b;
 }
@@ -517,27 +486,12 @@ TEST_F(HostTierPipeline, GatedPacedStepsCopyWholeAndMatchBitwise) {
   RunGatedSteps(options, false, false, true);
 }
 
-// Device-updated buckets under a gate, streamer (paced) path: their moments' copies up are
-// prefetched before the release, their kernels are enqueued only after it, wait for it on the
-// GPU and read the verdict from the tier's copy of the header (a step after a skipped one must
-// not see the skip: it prefetched as well); absent tensors in step 3.
+// Device-updated buckets under a gate, streamer (paced) path: their runs are enqueued only after
+// the release, their kernels wait for it on the GPU and read the verdict from the tier's copy of
+// the header (a step after a skipped one must not see the skip); absent tensors in step 3.
 TEST_F(HostTierPipeline, GatedDeviceUpdatedBucketsWaitForTheRelease) {
   HostTierOptions options;
   options.stream_piece_elements = 1000;
-  options.submit_in_backward = true;
-  options.paced_copies = 2;
-  options.pace_piece_elements = 5000;
-  options.device_update_stream = update_;
-  RunGatedSteps(options, true, false, true);
-}
-
-// The same with prefetch slots beyond the one in flight: four runs' moments go up before the
-// release, and the streamer keeps one run in flight after it.
-TEST_F(HostTierPipeline, GatedDeviceUpdatedBucketsPrefetchIntoExtraSlots) {
-  HostTierOptions options;
-  options.stream_piece_elements = 1000;
-  options.stream_slots = 1;
-  options.prefetch_slots = 3;
   options.submit_in_backward = true;
   options.paced_copies = 2;
   options.pace_piece_elements = 5000;
