@@ -55,10 +55,10 @@ struct PlanOptions {
   // optimizer's step_in_backward): the peak then holds only those in flight, about two buckets.
   bool release_grads = false;
   // Every step's updates wait for a verdict that needs all of its gradients: clipping by the
-  // global norm, the non-finite check, a loss scale (HostTierOptions::gated). With
-  // release_grads the host tier's gradient copies and the GPU path's moments still go up and
-  // down during backward, but no update starts before backward ends; the prediction counts that
-  // wait and the GPU path's share (device_update_share -1) is chosen for it.
+  // global norm, the non-finite check, a loss scale (HostTierOptions::gated). With release_grads
+  // the host tier's gradient copies still go down during backward, but no update starts before
+  // backward ends: the prediction counts that wait (the GPU path's share, device_update_share
+  // -1, is chosen as for ungated steps).
   bool gated_steps = false;
   uint64_t device_module_alignment = 2ull << 20;  // modules with >= this much state start here
   uint64_t device_tensor_alignment = 256;         // every device view starts at a multiple

@@ -281,7 +281,6 @@ class _EmsaOptimizer(InBackwardPasses, Optimizer):
         self._host_memory = host_memory(backend)
         self._plan, self._backend, self._record = plan, backend, planned
         self._planned_release = self._releases_grads()
-        self._planned_gated = self._gated_in_backward()
         self._frozen, self._slots = frozen, slots
         self._sizes = [len(g["params"]) for g in self.param_groups]
         held = [[] for _ in self.param_groups]
@@ -349,19 +348,8 @@ class _EmsaOptimizer(InBackwardPasses, Optimizer):
 
     def _warn_gated_after_plan(self) -> None:
         backend = getattr(self, "_backend", None)
-        if backend is None or backend.name != "cuda":  # the CPU engine plans no device memory
-            return
-        if (getattr(self, "_planned_gated", None) not in (None, self._gated_in_backward())
-                and any(getattr(backend, "host_on_gpu", ()))):
-            # Correct either way; the split between the CPU and the GPU path is a speed choice.
-            warnings.warn(
-                "emsa: the host tier's split between its CPU and GPU paths was chosen for "
-                f"passes that {'wait' if self._planned_gated else 'do not wait'} for every "
-                "gradient, and clipping, the non-finite check or a loss scale now changes that: "
-                "the steps stay exact, but their predicted time no longer holds and may be "
-                "slower than a plan made for them. Pass max_grad_norm= / grad_scaler= / "
-                "skip_nonfinite= at construction.", RuntimeWarning, stacklevel=3)
-        if not getattr(self, "_planned_release", False) or self._releases_grads():
+        if (backend is None or backend.name != "cuda"  # the CPU engine plans no device memory
+                or not getattr(self, "_planned_release", False) or self._releases_grads()):
             return
         warnings.warn(
             "emsa: this optimizer planned its device memory assuming gradients are freed during "

@@ -280,8 +280,8 @@ struct Slowdowns {
 // follow in CPU order. The GPU path (the streamer): each submitted bucket's moments up, then its
 // kernel (the moments going back down trail by a staging slot and hold nothing up).
 // Gated steps in backward (options.gated_steps): the verdict comes when backward ends (at the
-// period), so neither path updates before it; the gradients still go down as they become final,
-// and the streamer has copied the first runs' moments up into its staging slots by then.
+// period), so neither path starts before it (the streamer's moments go up only then); the
+// gradients still go down as they become final.
 std::vector<double> FinishTimes(const Plan& plan, const StepWork& w, const Slowdowns& slow) {
   const PlanOptions& options = plan.options;
   const double period = plan.prediction.period, stretch = plan.prediction.load_slowdown;
@@ -318,31 +318,9 @@ std::vector<double> FinishTimes(const Plan& plan, const StepWork& w, const Slowd
     finish[b] = h2d_free;
     return t;
   });
-  std::vector<double> up(nb, 0.0);
-  double gpu_up = 0.0;
-  for (size_t b : gpu) {
-    at[b] = std::max(submitted(b), release);
-    up[b] = w.buckets[b].h2d * slow.gpu_link;
-    gpu_up += up[b];
-  }
-  if (gated && w.gpu_link > 0) {
-    // Before the release the streamer copies moments up, in submission order as the buckets
-    // come, until its staging slots (each holds a run's moments) are full or backward ends.
-    double room = gpu_up * std::min(1.0, static_cast<double>(plan.prediction.stream_staging_bytes) /
-                                             w.gpu_link);
-    double t = 0.0;
-    for (size_t b : gpu) {
-      const double start = std::max(t, submitted(b));
-      if (room <= 0 || start >= release) break;
-      const double early = std::min({up[b], room, release - start});
-      up[b] -= early;
-      room -= early;
-      t = start + early;
-      if (up[b] > 0) break;
-    }
-  }
+  for (size_t b : gpu) at[b] = std::max(submitted(b), release);
   Drain(nb, gpu, at, [&](size_t b, double t) {
-    t += up[b];
+    t += w.buckets[b].h2d * slow.gpu_link;
     finish[b] = t + w.buckets[b].hbm;
     return t;
   });
@@ -402,11 +380,17 @@ void PlanHostPaths(const ProbeRecord& record, const Bandwidths& bw, bool gpu_pre
   // kShareGain shorter and predicts no stall: the engines' rates under each other's load are the
   // model's least certain part, so work moves to the GPU path only as far as the links keep up
   // with the period.
-  // A gated step stalls at every share (no update starts before backward ends): there the grid
-  // keeps the shortest predicted step.
+  // Gated steps keep the share chosen for ungated ones, predicted as gated: choosing among the
+  // gated predictions instead measured no faster (docs/decisions.md).
+  if (plan->options.gated_steps) {
+    plan->options.gated_steps = false;
+    PlanHostPaths(record, bw, gpu_present, base_device_bytes, plan);
+    plan->options.gated_steps = true;
+    Predict(record, bw, base_device_bytes, plan);
+    return;
+  }
   constexpr int kGrid = 20;
   constexpr double kShareGain = 0.01, kNoStall = 0.01;
-  const bool gated = plan->options.gated_steps && plan->options.release_grads;
   const double balanced = plan->prediction.step_time;
   double best = balanced, best_share = asked;
   for (int k = 0; k <= kGrid; ++k) {
@@ -414,7 +398,7 @@ void PlanHostPaths(const ProbeRecord& record, const Bandwidths& bw, bool gpu_pre
     ChooseDeviceUpdates(record, bw, gpu_present, share, plan);
     Predict(record, bw, base_device_bytes, plan);
     const Prediction& p = plan->prediction;
-    if ((gated || p.stall_time <= kNoStall * p.period) && p.step_time < best) {
+    if (p.stall_time <= kNoStall * p.period && p.step_time < best) {
       best = plan->prediction.step_time;
       best_share = share;
     }

@@ -41,7 +41,8 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
 // ChooseDeviceUpdates with options.device_update_share, then Predict. With the share at -1
 // (the planner's choice), the shares 0, 0.05, ..., 1 are predicted too, and the one with the
 // shortest step of those that predict no stall (at most 1% of the period) is kept where it beats
-// the balanced share's by more than 1%.
+// the balanced share's by more than 1%. Gated steps (options.gated_steps) keep the share chosen
+// for ungated ones and are predicted as gated.
 void PlanHostPaths(const ProbeRecord& record, const Bandwidths& bw, bool gpu_present,
                    uint64_t base_device_bytes, Plan* plan);
 
