@@ -164,7 +164,7 @@ def make_plan(record, profile: Any = None, *, optimizer: str = "adamw",
     their moments streamed through it (-1: chosen by the planner, the shortest predicted step
     that does not stall; 0: the CPU updates all). gated_steps: every step's updates wait for
     all of its gradients (clipping, the non-finite check, a loss scale); with release_grads the
-    prediction counts that wait and the share is chosen for it."""
+    prediction counts that wait (the share is chosen as for ungated steps)."""
     options = _plan_options(optimizer, state_dtype, budget, allow_host_tier, force_all_host,
                             release_grads, device_update_share, gated_steps)
     return _create(_record_text(record), profile_json(profile), options)

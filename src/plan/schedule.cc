@@ -370,6 +370,15 @@ void Predict(const ProbeRecord& record, const Bandwidths& bw, uint64_t base_devi
 
 void PlanHostPaths(const ProbeRecord& record, const Bandwidths& bw, bool gpu_present,
                    uint64_t base_device_bytes, Plan* plan) {
+  // Gated steps keep the share chosen for ungated ones, predicted as gated: choosing among the
+  // gated predictions instead measured no faster (docs/decisions.md).
+  if (plan->options.gated_steps) {
+    plan->options.gated_steps = false;
+    PlanHostPaths(record, bw, gpu_present, base_device_bytes, plan);
+    plan->options.gated_steps = true;
+    Predict(record, bw, base_device_bytes, plan);
+    return;
+  }
   const double asked = plan->options.device_update_share;
   ChooseDeviceUpdates(record, bw, gpu_present, asked, plan);
   Predict(record, bw, base_device_bytes, plan);
@@ -380,15 +389,6 @@ void PlanHostPaths(const ProbeRecord& record, const Bandwidths& bw, bool gpu_pre
   // kShareGain shorter and predicts no stall: the engines' rates under each other's load are the
   // model's least certain part, so work moves to the GPU path only as far as the links keep up
   // with the period.
-  // Gated steps keep the share chosen for ungated ones, predicted as gated: choosing among the
-  // gated predictions instead measured no faster (docs/decisions.md).
-  if (plan->options.gated_steps) {
-    plan->options.gated_steps = false;
-    PlanHostPaths(record, bw, gpu_present, base_device_bytes, plan);
-    plan->options.gated_steps = true;
-    Predict(record, bw, base_device_bytes, plan);
-    return;
-  }
   constexpr int kGrid = 20;
   constexpr double kShareGain = 0.01, kNoStall = 0.01;
   const double balanced = plan->prediction.step_time;
