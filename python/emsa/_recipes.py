@@ -46,17 +46,23 @@ def clip_algorithm(trainer) -> str:
 
 
 def calling_trainer(frame):
-    """The Hugging Face Trainer among the 16 frames from `frame` up (its method called the
-    optimizer), unless it runs emsa.hf.EmsaTrainerCallback; else None."""
+    """The Hugging Face Trainer among the 16 frames from `frame` up (a method of Trainer itself
+    called the optimizer), unless it runs emsa.hf.EmsaTrainerCallback; else None.
+
+    Only the locals of a frame running Trainer's own code are read: up to Python 3.12, reading
+    a function frame's f_locals stores a snapshot of its locals in the frame until it returns,
+    so reading the caller's frames kept an optimizer the caller had dropped (`del opt`) alive,
+    its gradient hooks still updating the parameters in every backward."""
     trainer_cls = getattr(sys.modules.get("transformers"), "Trainer", None)
     if not isinstance(trainer_cls, type):
         return None
     for _ in range(16):
         if frame is None:
             return None
-        trainer = frame.f_locals.get("self")
-        if isinstance(trainer, trainer_cls):
-            break
+        if _trainer_code(trainer_cls, frame.f_code):
+            trainer = frame.f_locals.get("self")
+            if isinstance(trainer, trainer_cls):
+                break
         frame = frame.f_back
     else:
         return None
@@ -66,6 +72,13 @@ def calling_trainer(frame):
     if any(isinstance(c, EmsaTrainerCallback) for c in getattr(handler, "callbacks", [])):
         return None
     return trainer
+
+
+def _trainer_code(trainer_cls: type, code) -> bool:
+    """Whether `code` is the code of a method Trainer itself defines (its training loop calls
+    the optimizer's step)."""
+    method = getattr(trainer_cls, code.co_name, None)
+    return getattr(method, "__code__", None) is code
 
 
 def lightning_request(closure) -> tuple[float | None, str, int | None]:

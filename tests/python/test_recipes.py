@@ -29,6 +29,9 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import copy  # noqa: E402
 import importlib.util  # noqa: E402
 import inspect  # noqa: E402
+import sys  # noqa: E402
+import types  # noqa: E402
+import weakref  # noqa: E402
 import warnings  # noqa: E402
 
 import pytest  # noqa: E402
@@ -555,6 +558,41 @@ def test_trainer_refuses_an_accumulation_that_disagrees_with_emsas(tmp_path):
     kw = dict(mode_kwargs("cpu", "backward"), accumulate=3)
     with pytest.raises(ValueError, match="gradient_accumulation_steps is 2"):
         _trainer_losses("cpu", tmp_path, kw, accumulation=2)
+
+
+def test_a_dropped_in_backward_optimizer_stops_updating(monkeypatch):
+    """With transformers loaded (any script training its models), an in-backward optimizer
+    dropped inside the function that made it is freed at once, and a backward after that
+    changes no parameter. The first step()'s look for a calling Trainer read every calling
+    frame's f_locals, which up to Python 3.12 stores a snapshot of the frame's locals in the
+    frame: the dropped optimizer lived on in it, its hooks still updating in every backward
+    (a torch optimizer put in its place then doubled the steps)."""
+    fake = types.ModuleType("transformers")
+    fake.Trainer = type("Trainer", (), {})
+    monkeypatch.setitem(sys.modules, "transformers", fake)
+
+    def train_then_drop():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 1))
+        x = torch.randn(8, 16)
+        opt = emsa.AdamW(model.parameters(), lr=1e-2, step_in_backward=True,
+                         profile=CPU_PROFILE)
+        for _ in range(2):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        gone = weakref.ref(opt)
+        del opt
+        alive = gone() is not None
+        before = [p.detach().clone() for p in model.parameters()]
+        model(x).square().mean().backward()
+        changed = [i for i, (p, b) in enumerate(zip(model.parameters(), before))
+                   if not torch.equal(p.detach(), b)]
+        return alive, changed
+
+    alive, changed = train_then_drop()
+    assert not alive
+    assert changed == []
 
 
 @requires_hf
