@@ -78,7 +78,13 @@ def _trainer_code(trainer_cls: type, code) -> bool:
     """Whether `code` is the code of a method Trainer itself defines (its training loop calls
     the optimizer's step)."""
     method = getattr(trainer_cls, code.co_name, None)
-    return getattr(method, "__code__", None) is code
+    for _ in range(8):  # through decorators that keep __wrapped__ (functools.wraps)
+        if method is None:
+            return False
+        if getattr(method, "__code__", None) is code:
+            return True
+        method = getattr(method, "__wrapped__", None)
+    return False
 
 
 def lightning_request(closure) -> tuple[float | None, str, int | None]:

@@ -27,6 +27,7 @@ import os
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import copy  # noqa: E402
+import functools  # noqa: E402
 import importlib.util  # noqa: E402
 import inspect  # noqa: E402
 import sys  # noqa: E402
@@ -593,6 +594,34 @@ def test_a_dropped_in_backward_optimizer_stops_updating(monkeypatch):
     alive, changed = train_then_drop()
     assert not alive
     assert changed == []
+
+
+def test_a_trainer_method_behind_a_decorator_is_still_found(monkeypatch):
+    """The Trainer is found by its methods' code, also behind a decorator that keeps
+    __wrapped__: a Trainer that clips, stepping an in-backward optimizer without the callback,
+    is refused as before."""
+    def logged(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return wrapper
+
+    class Trainer:
+        args = types.SimpleNamespace(max_grad_norm=1.0, gradient_accumulation_steps=1)
+
+        @logged
+        def loop(self, opt):
+            opt.step()
+
+    fake = types.ModuleType("transformers")
+    fake.Trainer = Trainer
+    fake.TrainerCallback = type("TrainerCallback", (), {})
+    monkeypatch.setitem(sys.modules, "transformers", fake)
+    model = torch.nn.Linear(4, 1)
+    opt = emsa.AdamW(model.parameters(), lr=1e-2, step_in_backward=True, profile=CPU_PROFILE)
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="without emsa.hf.EmsaTrainerCallback"):
+        Trainer().loop(opt)
 
 
 @requires_hf
