@@ -5,6 +5,7 @@ lightning_request). No trainer library is imported here."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 
@@ -78,13 +79,11 @@ def _trainer_code(trainer_cls: type, code) -> bool:
     """Whether `code` is the code of a method Trainer itself defines (its training loop calls
     the optimizer's step)."""
     method = getattr(trainer_cls, code.co_name, None)
-    for _ in range(8):  # through decorators that keep __wrapped__ (functools.wraps)
-        if method is None:
-            return False
-        if getattr(method, "__code__", None) is code:
-            return True
-        method = getattr(method, "__wrapped__", None)
-    return False
+    try:  # the function a decorator keeping __wrapped__ (functools.wraps) runs
+        method = inspect.unwrap(method)
+    except ValueError:  # a __wrapped__ loop: no function at its end
+        return False
+    return getattr(method, "__code__", None) is code
 
 
 def lightning_request(closure) -> tuple[float | None, str, int | None]:
