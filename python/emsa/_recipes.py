@@ -53,8 +53,12 @@ def calling_trainer(frame):
     Only the locals of a frame running Trainer's own code are read: up to Python 3.12, reading
     a function frame's f_locals stores a snapshot of its locals in the frame until it returns,
     so reading the caller's frames kept an optimizer the caller had dropped (`del opt`) alive,
-    its gradient hooks still updating the parameters in every backward."""
-    trainer_cls = getattr(sys.modules.get("transformers"), "Trainer", None)
+    its gradient hooks still updating the parameters in every backward.
+
+    Trainer is looked up in transformers.trainer only when that module is loaded: no Trainer
+    can run before it is, and transformers' own lazy `transformers.Trainer` would import it (with
+    what it imports) inside the first step()."""
+    trainer_cls = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
     if not isinstance(trainer_cls, type):
         return None
     for _ in range(16):

@@ -568,9 +568,9 @@ def test_a_dropped_in_backward_optimizer_stops_updating(monkeypatch):
     frame's f_locals, which up to Python 3.12 stores a snapshot of the frame's locals in the
     frame: the dropped optimizer lived on in it, its hooks still updating in every backward
     (a torch optimizer put in its place then doubled the steps)."""
-    fake = types.ModuleType("transformers")
+    fake = types.ModuleType("transformers.trainer")
     fake.Trainer = type("Trainer", (), {})
-    monkeypatch.setitem(sys.modules, "transformers", fake)
+    monkeypatch.setitem(sys.modules, "transformers.trainer", fake)
 
     def train_then_drop():
         torch.manual_seed(0)
@@ -596,6 +596,28 @@ def test_a_dropped_in_backward_optimizer_stops_updating(monkeypatch):
     assert changed == []
 
 
+def test_the_first_step_does_not_import_transformers_trainer(monkeypatch):
+    """transformers loads `transformers.Trainer` lazily, with everything its module imports: an
+    in-backward optimizer's first step() looks for a calling Trainer only in a loaded
+    transformers.trainer, so a script that merely builds transformers models pays no import
+    inside its first step (the lookup of transformers.Trainer did)."""
+    asked = []
+    lazy = types.ModuleType("transformers")
+
+    def lazy_getattr(name):
+        asked.append(name)
+        raise AttributeError(name)
+
+    lazy.__getattr__ = lazy_getattr
+    monkeypatch.setitem(sys.modules, "transformers", lazy)
+    monkeypatch.delitem(sys.modules, "transformers.trainer", raising=False)
+    model = torch.nn.Linear(4, 1)
+    opt = emsa.AdamW(model.parameters(), lr=1e-2, step_in_backward=True, profile=CPU_PROFILE)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    assert asked == []
+
+
 def test_a_trainer_method_behind_a_decorator_is_still_found(monkeypatch):
     """The Trainer is found by its methods' code, also behind a decorator that keeps
     __wrapped__: a Trainer that clips, stepping an in-backward optimizer without the callback,
@@ -617,6 +639,7 @@ def test_a_trainer_method_behind_a_decorator_is_still_found(monkeypatch):
     fake.Trainer = Trainer
     fake.TrainerCallback = type("TrainerCallback", (), {})
     monkeypatch.setitem(sys.modules, "transformers", fake)
+    monkeypatch.setitem(sys.modules, "transformers.trainer", fake)
     model = torch.nn.Linear(4, 1)
     opt = emsa.AdamW(model.parameters(), lr=1e-2, step_in_backward=True, profile=CPU_PROFILE)
     model(torch.randn(2, 4)).sum().backward()
