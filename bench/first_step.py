@@ -80,11 +80,14 @@ def timed_steps(model, opt, ids, ctx, device, count: int) -> list[dict]:
         sync(device)
         t2 = time.perf_counter()
         opt.step()
+        t_step = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         sync(device)
         t3 = time.perf_counter()
+        # step_call_s: opt.step() itself; the rest of the step's tail is the wait for the GPU
+        # (with step_in_backward, the host tier's last uploads).
         out.append(dict(step_s=t3 - t0, forward_s=t1 - t0, backward_s=t2 - t1,
-                        loss=float(loss.detach())))
+                        step_call_s=t_step - t2, loss=float(loss.detach())))
     return out
 
 
