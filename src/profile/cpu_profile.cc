@@ -34,12 +34,8 @@ constexpr uint64_t kMiB = uint64_t{1} << 20;
 // host's, not the slice they get. Bigger only costs time: the first touch of fresh pages
 // dominates the measurement, and on a VM it is several times slower than on metal.
 constexpr uint64_t kMinScratchBytes = 256 * kMiB;
-constexpr uint64_t kScratchBytesPerThread = 32 * kMiB;
-// Passes per measurement: at least kLeastPasses, then more (up to kMostPasses) until the two
-// fastest agree within kAgreement; the best is kept.
-constexpr int kLeastPasses = 3;
-constexpr int kMostPasses = 6;
-constexpr double kAgreement = 0.02;
+constexpr uint64_t kScratchBytesPerThread = 128 * kMiB;
+constexpr int kRepetitions = 6;
 constexpr int64_t kClaimFloats = 64 * 1024;  // the streaming pass's unit of work
 
 std::string CpuModel() {
@@ -106,21 +102,14 @@ struct HostBandwidths {
 // slower passes are the ones disturbed by other processes.
 template <typename Pass>
 double BestBytesPerSecond(double bytes_per_pass, Pass&& pass) {
-  double best = 0.0, second = 0.0;  // seconds of the two fastest passes so far
-  for (int rep = 0; rep < kMostPasses; ++rep) {
+  double best_seconds = 0.0;
+  for (int rep = 0; rep < kRepetitions; ++rep) {
     const auto start = std::chrono::steady_clock::now();
     if (!pass()) return 0.0;
-    const double took =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (rep == 0 || took < best) {
-      second = best;
-      best = took;
-    } else if (rep == 1 || took < second) {
-      second = took;
-    }
-    if (rep + 1 >= kLeastPasses && second <= best * (1.0 + kAgreement)) break;
+    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+    if (rep == 0 || took.count() < best_seconds) best_seconds = took.count();
   }
-  return best > 0.0 ? bytes_per_pass / best : 0.0;
+  return best_seconds > 0.0 ? bytes_per_pass / best_seconds : 0.0;
 }
 
 Result<HostBandwidths> MeasureHostBandwidths(int threads) {

@@ -29,8 +29,8 @@ namespace emsa {
 namespace {
 
 constexpr uint64_t kMiB = uint64_t{1} << 20;
-constexpr uint64_t kHbmCopyBytes = 512 * kMiB;  // per buffer; the copy moves twice this
-constexpr uint64_t kPcieCopyBytes = 128 * kMiB;
+constexpr uint64_t kHbmCopyBytes = 1024 * kMiB;  // per buffer; the copy moves twice this
+constexpr uint64_t kPcieCopyBytes = 256 * kMiB;
 constexpr int kTimedCopies = 5;
 
 // Owners for the measurement's resources, so that every early return frees what was taken.
@@ -116,7 +116,7 @@ Result<UpdateAndCopies> UpdateWhileCopying(int threads, cudaStream_t stream, dou
   o.threads = HostTierThreads(threads);
   Result<std::unique_ptr<CpuUpdater>> updater = CpuUpdater::Create(o);
   if (!updater.ok()) return updater.status();
-  constexpr int64_t n = int64_t{32} << 20;  // parameters: 512 MiB of four fp32 arrays
+  constexpr int64_t n = int64_t{64} << 20;  // parameters: 1 GiB of four fp32 arrays
   const profile_internal::HostFloats data =
       profile_internal::TouchedHostFloats((*updater)->pool(), 4 * n, 1 << 16);
   if (data == nullptr) {
@@ -132,7 +132,7 @@ Result<UpdateAndCopies> UpdateWhileCopying(int threads, cudaStream_t stream, dou
   Event start, done;
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start.event));
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&done.event));
-  constexpr int kPairs = 24;      // 128 MiB each way per pair
+  constexpr int kPairs = 24;      // 256 MiB each way per pair: a tenth of a second or more
   constexpr int kMaxPasses = 64;  // tens of milliseconds each
   EMSA_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.event, stream));
   for (int i = 0; i < kPairs; ++i) {
