@@ -11,6 +11,9 @@ Each case runs in its own process, in the order a new user meets it:
       parameters on the GPU, activation checkpointing), batch 1 x 1024: from the constructor's
       call, emsa.AdamW(tier="host", step_in_backward=True, budget="24GiB") with no probe, to the
       end of the first step; then the steady step.
+  torch1b  (only with --only) the 1b model trained with torch's fused AdamW alone, as its
+      process's first GPU work: the first step a user pays without emsa, the reference for the
+      probe in a machine's first process (which pays the same first-use costs in its warm-up).
 A step is forward, backward (emsa updates in backward), step(), zero_grad(), then a device
 synchronize; each step's forward and backward are timed too (a synchronize after each), so a
 slow first step shows where its time goes. opt._setup_times (set-up phases), opt._host_memory
@@ -141,6 +144,21 @@ def case_1b(device, dry: bool) -> dict:
     return out
 
 
+def case_torch1b(device, dry: bool) -> dict:
+    shape = (DRY_SHAPES if dry else SHAPES)["1b"]
+    batch, seq = (DRY_BATCH if dry else BATCH)["1b"]
+    t0 = time.perf_counter()
+    model = make_llama(shape, device)
+    ids = torch.randint(0, shape["vocab_size"], (batch, seq), device=device)
+    sync(device)
+    out = dict(model_s=time.perf_counter() - t0, batch=[batch, seq])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16)
+    steps = timed_steps(model, opt, ids, ctx, device, 6)
+    out.update(steps=steps, first_step_s=steps[0]["step_s"], steady_step_s=steady(steps))
+    return out
+
+
 def case_7b(device, dry: bool) -> dict:
     import emsa
 
@@ -170,7 +188,8 @@ def child(args) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     try:
-        result = dict(ok=True, **{"1b": case_1b, "7b": case_7b}[args.case](device, args.dry_run))
+        cases = {"1b": case_1b, "7b": case_7b, "torch1b": case_torch1b}
+        result = dict(ok=True, **cases[args.case](device, args.dry_run))
     except Exception as e:  # noqa: BLE001  the parent reports it in the table
         result = dict(ok=False, error=f"{type(e).__name__}: {e}",
                       traceback=traceback.format_exc())
@@ -262,6 +281,14 @@ def print_table(results: dict, dry: bool) -> None:
             print(f"{case} first step: forward {first['forward_s']:.3f} s, backward (with the "
                   f"update) {first['backward_s']:.3f} s, total {first['step_s']:.3f} s; steps: "
                   + " ".join(f"{s['step_s']:.3f}" for s in r["steps"]))
+    t = results.get("torch1b", {})
+    if t.get("ok"):
+        first = t["steps"][0]
+        print(f"torch1b (torch alone, its process's first GPU work): first step "
+              f"{first['step_s']:.3f} s (forward {first['forward_s']:.3f}, backward "
+              f"{first['backward_s']:.3f}), steady {t['steady_step_s']:.3f} s")
+    if not any(k in results for k in ("1b", "7b")):
+        return  # --only torch1b: no emsa case, no bars
     rows = bars(results)
     if dry:
         rows = [(w, m, b, "n/a (dry run)") for w, m, b, _ in rows]
@@ -275,7 +302,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="tiny models on the CPU")
-    ap.add_argument("--only", choices=["1b", "7b"], help="one case")
+    ap.add_argument("--only", choices=["1b", "7b", "torch1b"], help="one case")
     ap.add_argument("--out", default="", help="JSON path (default bench/results/first_step-"
                     "<date>.json; a dry run's goes to the temporary folder)")
     ap.add_argument("--case", help=argparse.SUPPRESS)
@@ -291,8 +318,9 @@ def main():
     for case in [args.only] if args.only else ["1b", "7b"]:
         print(f"running {case} ...", file=sys.stderr, flush=True)
         results[case] = run_case(case, args.dry_run)
-    results["bars"] = [dict(zip(("what", "measured", "bar", "verdict"), r))
-                       for r in bars(results)]
+    results["bars"] = ([dict(zip(("what", "measured", "bar", "verdict"), r))
+                        for r in bars(results)]
+                       if any(k in results for k in ("1b", "7b")) else [])
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     # A dry run's figures are no result: its JSON goes to the temporary folder.
     folder = Path(tempfile.gettempdir()) if args.dry_run else REPO / "bench" / "results"
