@@ -111,15 +111,26 @@ def steady(steps: list[dict]) -> float:
     return statistics.median(s["step_s"] for s in rest)
 
 
-def case_1b(device, dry: bool) -> dict:
-    import emsa
-
+def model_1b(device, dry: bool):
+    """The 1b case's Llama, its batch of token ids and its bf16 autocast context."""
     shape = (DRY_SHAPES if dry else SHAPES)["1b"]
     batch, seq = (DRY_BATCH if dry else BATCH)["1b"]
     model = make_llama(shape, device)
     ids = torch.randint(0, shape["vocab_size"], (batch, seq), device=device)
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16)
-    out = dict(params=sum(p.numel() for p in model.parameters()), batch=[batch, seq])
+    return model, ids, torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def torch_steps(model, ids, ctx, device, count: int) -> list[dict]:
+    """count timed steps of torch's AdamW (fused on a GPU): the reference."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    return timed_steps(model, opt, ids, ctx, device, count)
+
+
+def case_1b(device, dry: bool) -> dict:
+    import emsa
+
+    model, ids, ctx = model_1b(device, dry)
+    out = dict(params=sum(p.numel() for p in model.parameters()), batch=list(ids.shape))
     sync(device)
     t0 = time.perf_counter()
     with ctx:
@@ -136,25 +147,18 @@ def case_1b(device, dry: bool) -> dict:
                steady_step_s=steady(steps))
     del opt, record
     model.zero_grad(set_to_none=True)
-    torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-5,
-                                  fused=device.type == "cuda")
-    ref = timed_steps(model, torch_opt, ids, ctx, device, 5)
+    ref = torch_steps(model, ids, ctx, device, 5)
     out["torch_step_s"] = statistics.median(s["step_s"] for s in ref[2:])
     out["torch_steps"] = ref
     return out
 
 
 def case_torch1b(device, dry: bool) -> dict:
-    shape = (DRY_SHAPES if dry else SHAPES)["1b"]
-    batch, seq = (DRY_BATCH if dry else BATCH)["1b"]
     t0 = time.perf_counter()
-    model = make_llama(shape, device)
-    ids = torch.randint(0, shape["vocab_size"], (batch, seq), device=device)
+    model, ids, ctx = model_1b(device, dry)
     sync(device)
-    out = dict(model_s=time.perf_counter() - t0, batch=[batch, seq])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16)
-    steps = timed_steps(model, opt, ids, ctx, device, 6)
+    out = dict(model_s=time.perf_counter() - t0, batch=list(ids.shape))
+    steps = torch_steps(model, ids, ctx, device, 6)
     out.update(steps=steps, first_step_s=steps[0]["step_s"], steady_step_s=steady(steps))
     return out
 
@@ -224,6 +228,8 @@ def bars(results: dict) -> list[tuple[str, str, str, str]]:
         shown = "-" if value is None else f"{value:.3f} s"
         rows.append((what, shown, text, verdict))
 
+    if not any(case in results for case in ("1b", "7b")):
+        return rows  # --only torch1b: no emsa case, no bars
     a, b = results.get("1b", {}), results.get("7b", {})
     if a.get("ok"):
         row("1b probe", a["probe_s"], a["torch_step_s"] + 1.0,
@@ -287,9 +293,9 @@ def print_table(results: dict, dry: bool) -> None:
         print(f"torch1b (torch alone, its process's first GPU work): first step "
               f"{first['step_s']:.3f} s (forward {first['forward_s']:.3f}, backward "
               f"{first['backward_s']:.3f}), steady {t['steady_step_s']:.3f} s")
-    if not any(k in results for k in ("1b", "7b")):
-        return  # --only torch1b: no emsa case, no bars
     rows = bars(results)
+    if not rows:
+        return
     if dry:
         rows = [(w, m, b, "n/a (dry run)") for w, m, b, _ in rows]
     widths = [max(len(r[i]) for r in rows + [("what", "measured", "bar", "verdict")])
@@ -318,9 +324,8 @@ def main():
     for case in [args.only] if args.only else ["1b", "7b"]:
         print(f"running {case} ...", file=sys.stderr, flush=True)
         results[case] = run_case(case, args.dry_run)
-    results["bars"] = ([dict(zip(("what", "measured", "bar", "verdict"), r))
-                        for r in bars(results)]
-                       if any(k in results for k in ("1b", "7b")) else [])
+    results["bars"] = [dict(zip(("what", "measured", "bar", "verdict"), r))
+                       for r in bars(results)]
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     # A dry run's figures are no result: its JSON goes to the temporary folder.
     folder = Path(tempfile.gettempdir()) if args.dry_run else REPO / "bench" / "results"
