@@ -264,6 +264,44 @@ EMSA_API emsa_status emsa_cpu_grad_stats(emsa_cpu_updater* updater,
                                          const emsa_tensor_update* tensors, size_t count,
                                          double* sum_sq_out, int64_t* nonfinite_out);
 
+/* A gated step: one that needs every gradient's statistics before any update (clipping by the
+ * global norm, the non-finite check, a loss scale). The verdict is the one the CUDA step header
+ * gives (src/kernels/step_verdict.h): any non-finite gradient element, sum or loss scale skips
+ * the whole step; else norm = sqrt(sum_sq) / loss_scale, clip_coef = min(1, max_norm /
+ * (norm + 1e-6)) (torch.nn.utils.clip_grad_norm_), and every gradient is multiplied by
+ * clip_coef / loss_scale inside the update. */
+typedef struct emsa_step_gate {
+  uint32_t struct_size;    /* sizeof(emsa_step_gate) */
+  float max_norm;          /* clip threshold; 0: no clipping (default) */
+  float loss_scale;        /* the gradients' scale (a GradScaler's): divided out; default 1 */
+  int32_t stats_given;     /* 1: sum_sq and nonfinite_count below are the step's (summed over
+                            * the ranks that each hold part of the gradients); 0 (default): the
+                            * updater scans this batch's gradients */
+  double sum_sq;           /* with stats_given: the sum of squares of every gradient */
+  int64_t nonfinite_count; /* with stats_given: their non-finite elements */
+} emsa_step_gate;
+
+typedef struct emsa_step_verdict {
+  uint32_t struct_size;           /* sizeof(emsa_step_verdict) */
+  int32_t skipped;                /* 1: nothing was written */
+  int64_t nonfinite_count;        /* non-finite gradient elements (of the whole step) */
+  int64_t first_nonfinite_tensor; /* index in this batch of the first, when skipped; else -1 */
+  double sum_sq;                  /* of the (scaled) gradients */
+  double grad_norm;               /* unscaled, rounded to float; as torch's clip_grad_norm_ */
+  float clip_coef;                /* 1 when not clipped */
+  float grad_multiplier;          /* what every gradient element was multiplied by */
+} emsa_step_verdict;
+
+EMSA_API void emsa_step_gate_init(emsa_step_gate* gate);
+EMSA_API void emsa_step_verdict_init(emsa_step_verdict* verdict);
+/* emsa_cpu_step of a gated step: the statistics (unless given), the verdict, then the update
+ * with the verdict's multiplier (options->grad_multiplier and check_finite are not read), or
+ * nothing when skipped. One call; allocates nothing. */
+EMSA_API emsa_status emsa_cpu_step_gated(emsa_cpu_updater* updater,
+                                         const emsa_tensor_update* tensors, size_t count,
+                                         const emsa_step_options* options,
+                                         const emsa_step_gate* gate, emsa_step_verdict* verdict);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -1,5 +1,8 @@
 // capi_cpu.cc — the C ABI's host arena, CPU updater and CPU step.
+#include <cmath>
+
 #include "capi/capi_internal.h"
+#include "kernels/step_verdict.h"
 
 using namespace emsa::capi;  // NOLINT(google-build-using-namespace)
 
@@ -204,32 +207,87 @@ emsa_status emsa_cpu_grad_stats(emsa_cpu_updater* updater, const emsa_tensor_upd
 
 namespace {
 
-// The finite check over a whole batch, chunk by chunk, before any update: the non-finite count
-// and the first tensor holding one go into *result, which is marked skipped if there are any.
-emsa::Status ScanFinite(emsa::CpuUpdater& updater, const emsa_tensor_update* tensors, size_t count,
-                        emsa::StepReport* result) {
-  int64_t bad = 0, first_bad = -1;
-  emsa::Status s =
-      ForEachChunk(tensors, count, [&](const emsa::TensorUpdate* u, size_t n, size_t base) {
-        double sq = 0.0;
-        int64_t nf = 0;
-        EMSA_RETURN_IF_ERROR(updater.GradStats(u, n, &sq, &nf));
-        if (nf > 0 && first_bad < 0) {
-          for (size_t i = 0; i < n && first_bad < 0; ++i) {
-            double sqi = 0.0;
-            int64_t nfi = 0;
-            EMSA_RETURN_IF_ERROR(updater.GradStats(u + i, 1, &sqi, &nfi));
-            if (nfi > 0) first_bad = static_cast<int64_t>(base + i);
-          }
-        }
-        bad += nf;
-        return emsa::Status::Ok();
-      });
-  EMSA_RETURN_IF_ERROR(s);
-  if (bad > 0) {
-    result->skipped = true;
-    result->nonfinite_count = bad;
-    result->first_nonfinite_tensor = first_bad;
+// One pass over a whole batch's gradients, chunk by chunk, before any update: the sum of
+// squares, the non-finite count and the first tensor holding a non-finite element.
+struct BatchStats {
+  double sum_sq = 0.0;
+  int64_t nonfinite = 0;
+  int64_t first_bad = -1;
+};
+
+emsa::Status ScanBatch(emsa::CpuUpdater& updater, const emsa_tensor_update* tensors, size_t count,
+                       BatchStats* out) {
+  *out = BatchStats{};
+  return ForEachChunk(tensors, count, [&](const emsa::TensorUpdate* u, size_t n, size_t base) {
+    double sq = 0.0;
+    int64_t nf = 0;
+    EMSA_RETURN_IF_ERROR(updater.GradStats(u, n, &sq, &nf));
+    if (nf > 0 && out->first_bad < 0) {
+      for (size_t i = 0; i < n && out->first_bad < 0; ++i) {
+        double sqi = 0.0;
+        int64_t nfi = 0;
+        EMSA_RETURN_IF_ERROR(updater.GradStats(u + i, 1, &sqi, &nfi));
+        if (nfi > 0) out->first_bad = static_cast<int64_t>(base + i);
+      }
+    }
+    out->sum_sq += sq;
+    out->nonfinite += nf;
+    return emsa::Status::Ok();
+  });
+}
+
+// Every chunk of the batch validated, before anything is read or written.
+emsa::Status ValidateChunks(emsa::CpuUpdater& updater, const emsa_tensor_update* tensors,
+                            size_t count, const emsa::StepOptions& step) {
+  return ForEachChunk(tensors, count, [&](const emsa::TensorUpdate* u, size_t n, size_t base) {
+    emsa::Status st = updater.Validate(u, n, step);
+    return st.ok() || count <= kChunk ? st
+                                      : st.Annotate("tensors from index " + std::to_string(base));
+  });
+}
+
+// The update of a batch that is not skipped: every chunk validated before the first update, so
+// an invalid tensor late in the batch leaves the early ones untouched. step.check_finite, when
+// set, applies per chunk, which is the whole batch when it fits one chunk.
+emsa::Status UpdateBatch(emsa::CpuUpdater& updater, const emsa_tensor_update* tensors, size_t count,
+                         const emsa::StepOptions& step, emsa::StepReport* result) {
+  if (count > kChunk) EMSA_RETURN_IF_ERROR(ValidateChunks(updater, tensors, count, step));
+  return ForEachChunk(tensors, count, [&](const emsa::TensorUpdate* u, size_t n, size_t base) {
+    emsa::StepReport part;
+    emsa::Status st = updater.Step(u, n, step, &part);
+    if (part.skipped) {
+      result->skipped = true;
+      result->nonfinite_count += part.nonfinite_count;
+      if (result->first_nonfinite_tensor < 0) {
+        result->first_nonfinite_tensor = static_cast<int64_t>(base) + part.first_nonfinite_tensor;
+      }
+    }
+    return st;
+  });
+}
+
+// The checks every CPU step makes of its inputs, before anything is read.
+emsa::Result<emsa::StepOptions> StepInputs(const emsa_cpu_updater* updater,
+                                           const emsa_tensor_update* tensors, size_t count,
+                                           const emsa_step_options* options) {
+  if (updater == nullptr) return emsa::Status::InvalidArgument("updater is NULL");
+  if (tensors == nullptr && count > 0) return emsa::Status::InvalidArgument("tensors is NULL");
+  return ToStepOptions(options);
+}
+
+emsa::Status CheckGate(const emsa_step_gate& gate) {
+  if (!IsFlag(gate.stats_given)) {
+    return emsa::Status::InvalidArgument("gate->stats_given is " +
+                                         std::to_string(gate.stats_given) + "; use 0 or 1");
+  }
+  if (!(gate.max_norm >= 0.0f)) {
+    return emsa::Status::InvalidArgument("gate->max_norm is " + std::to_string(gate.max_norm) +
+                                         "; use a positive number, or 0 for no clipping");
+  }
+  if (gate.stats_given && gate.nonfinite_count < 0) {
+    return emsa::Status::InvalidArgument("gate->nonfinite_count is " +
+                                         std::to_string(gate.nonfinite_count) +
+                                         "; it counts elements, >= 0");
   }
   return emsa::Status::Ok();
 }
@@ -242,54 +300,107 @@ emsa_status emsa_cpu_step(emsa_cpu_updater* updater, const emsa_tensor_update* t
                           size_t count, const emsa_step_options* options,
                           emsa_step_report* report) {
   return Guard([&] {
-    if (updater == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "updater is NULL");
-    if (tensors == nullptr && count > 0) return Fail(EMSA_INVALID_ARGUMENT, "tensors is NULL");
     if (report != nullptr && report->struct_size != sizeof(emsa_step_report)) {
       return Fail(EMSA_INVALID_ARGUMENT,
                   "emsa_step_report.struct_size mismatch; call emsa_step_report_init() first");
     }
-    auto opts = ToStepOptions(options);
+    auto opts = StepInputs(updater, tensors, count, options);
     if (!opts.ok()) return Report(opts.status());
     emsa::StepOptions step = *opts;
     emsa::StepReport result;
     // Batches larger than one chunk: the finite check must see every tensor before any update,
     // so it runs over all chunks first and the chunked updates then run without it.
     if (count > kChunk && step.check_finite) {
-      emsa::Status s = ScanFinite(*updater->updater, tensors, count, &result);
+      BatchStats stats;
+      emsa::Status s = ScanBatch(*updater->updater, tensors, count, &stats);
       if (!s.ok()) return Report(s);
+      if (stats.nonfinite > 0) {
+        result.skipped = true;
+        result.nonfinite_count = stats.nonfinite;
+        result.first_nonfinite_tensor = stats.first_bad;
+      }
       step.check_finite = false;
     }
     if (!result.skipped) {
-      // Validate every chunk before the first update so an invalid tensor late in the batch
-      // leaves the early ones untouched.
-      if (count > kChunk) {
-        emsa::Status v =
-            ForEachChunk(tensors, count, [&](const emsa::TensorUpdate* u, size_t n, size_t base) {
-              emsa::Status st = updater->updater->Validate(u, n, step);
-              return st.ok() ? st : st.Annotate("tensors from index " + std::to_string(base));
-            });
-        if (!v.ok()) return Report(v);
-      }
-      emsa::Status s =
-          ForEachChunk(tensors, count, [&](const emsa::TensorUpdate* u, size_t n, size_t base) {
-            emsa::StepReport part;
-            emsa::Status st = updater->updater->Step(u, n, step, &part);
-            if (part.skipped) {
-              result.skipped = true;
-              result.nonfinite_count += part.nonfinite_count;
-              if (result.first_nonfinite_tensor < 0) {
-                result.first_nonfinite_tensor =
-                    static_cast<int64_t>(base) + part.first_nonfinite_tensor;
-              }
-            }
-            return st;
-          });
+      emsa::Status s = UpdateBatch(*updater->updater, tensors, count, step, &result);
       if (!s.ok()) return Report(s);
     }
     if (report != nullptr) {
       report->skipped = result.skipped ? 1 : 0;
       report->nonfinite_count = result.nonfinite_count;
       report->first_nonfinite_tensor = result.first_nonfinite_tensor;
+    }
+    return Report(emsa::Status::Ok());
+  });
+}
+
+void emsa_step_gate_init(emsa_step_gate* gate) {
+  if (gate == nullptr) return;
+  *gate = emsa_step_gate{};
+  gate->struct_size = sizeof(emsa_step_gate);
+  gate->loss_scale = 1.0f;
+}
+
+void emsa_step_verdict_init(emsa_step_verdict* verdict) {
+  if (verdict == nullptr) return;
+  *verdict = emsa_step_verdict{};
+  verdict->struct_size = sizeof(emsa_step_verdict);
+  verdict->first_nonfinite_tensor = -1;
+  verdict->clip_coef = 1.0f;
+  verdict->grad_multiplier = 1.0f;
+}
+
+emsa_status emsa_cpu_step_gated(emsa_cpu_updater* updater, const emsa_tensor_update* tensors,
+                                size_t count, const emsa_step_options* options,
+                                const emsa_step_gate* gate, emsa_step_verdict* verdict) {
+  return Guard([&] {
+    if (gate == nullptr) return Fail(EMSA_INVALID_ARGUMENT, "gate is NULL");
+    emsa_status size = CheckSize(gate, "emsa_step_gate", "emsa_step_gate_init");
+    if (size != EMSA_OK) return size;
+    if (verdict != nullptr) {
+      size = CheckSize(verdict, "emsa_step_verdict", "emsa_step_verdict_init");
+      if (size != EMSA_OK) return size;
+    }
+    emsa::Status checked = CheckGate(*gate);
+    if (!checked.ok()) return Report(checked);
+    auto opts = StepInputs(updater, tensors, count, options);
+    if (!opts.ok()) return Report(opts.status());
+    emsa::StepOptions step = *opts;
+    // An invalid batch fails before the scan.
+    emsa::Status valid = ValidateChunks(*updater->updater, tensors, count, step);
+    if (!valid.ok()) return Report(valid);
+    BatchStats stats;
+    if (gate->stats_given) {
+      stats.sum_sq = gate->sum_sq;
+      stats.nonfinite = gate->nonfinite_count;
+    } else {
+      emsa::Status s = ScanBatch(*updater->updater, tensors, count, &stats);
+      if (!s.ok()) return Report(s);
+    }
+    const emsa::verdict::Decision d = emsa::verdict::Decide(
+        stats.sum_sq, stats.nonfinite, emsa::verdict::UnscaleOf(gate->loss_scale), gate->max_norm);
+    if (d.skip && gate->stats_given) {
+      // The first offending tensor, where this caller's part of the batch holds one.
+      BatchStats local;
+      emsa::Status s = ScanBatch(*updater->updater, tensors, count, &local);
+      if (!s.ok()) return Report(s);
+      stats.first_bad = local.first_bad;
+    }
+    if (!d.skip) {
+      step.grad_multiplier = d.grad_multiplier;
+      step.check_finite = false;
+      emsa::StepReport result;
+      emsa::Status s = UpdateBatch(*updater->updater, tensors, count, step, &result);
+      if (!s.ok()) return Report(s);
+    }
+    if (verdict != nullptr) {
+      verdict->skipped = d.skip ? 1 : 0;
+      verdict->nonfinite_count = stats.nonfinite;
+      verdict->first_nonfinite_tensor = d.skip ? stats.first_bad : -1;
+      verdict->sum_sq = stats.sum_sq;
+      verdict->grad_norm = d.grad_norm;
+      verdict->clip_coef = d.clip_coef;
+      verdict->grad_multiplier = d.grad_multiplier;
     }
     return Report(emsa::Status::Ok());
   });

@@ -776,11 +776,97 @@ static void test_host_arena_check(void) {
   emsa_host_arena_destroy(arena);
 }
 
+/* A gated step: the statistics, the verdict (skip, norm, clip coefficient) and the update in
+ * one call, as torch's clip_grad_norm_ followed by the step. */
+static void test_cpu_step_gated(void) {
+  enum { N = 300 };
+  emsa_cpu_updater* up = NULL;
+  CHECK(emsa_cpu_updater_create(2, EMSA_SIMD_AVX512, &up) == EMSA_OK);
+  float p[N], g[N], m[N], v[N], q[N], mq[N], vq[N];
+  double sum_sq = 0.0;
+  for (int i = 0; i < N; ++i) {
+    p[i] = q[i] = 0.01f * (float)(i % 37) - 0.2f;
+    g[i] = 0.03f * (float)((i * 7) % 41) - 0.6f;
+    m[i] = v[i] = mq[i] = vq[i] = 0.0f;
+    sum_sq += (double)g[i] * g[i];
+  }
+  emsa_hyperparams h;
+  emsa_hyperparams_init(&h);
+  emsa_step_options o;
+  emsa_step_options_init(&o);
+  emsa_tensor_update t;
+  emsa_tensor_update_init(&t);
+  t.param = p;
+  t.grad = g;
+  t.exp_avg = m;
+  t.exp_avg_sq = v;
+  t.numel = N;
+  t.step = 1;
+  t.hyper = &h;
+  emsa_step_gate gate;
+  emsa_step_gate_init(&gate);
+  CHECK(gate.loss_scale == 1.0f && gate.max_norm == 0.0f);
+  gate.max_norm = 0.5f;
+  gate.loss_scale = 4.0f; /* the gradients are 4x the true ones */
+  emsa_step_verdict verdict;
+  emsa_step_verdict_init(&verdict);
+  CHECK(emsa_cpu_step_gated(up, &t, 1, &o, &gate, &verdict) == EMSA_OK);
+  const double norm = sqrt(sum_sq) / 4.0;
+  const float coef = (float)(0.5 / (norm + 1e-6));
+  CHECK(verdict.skipped == 0);
+  CHECK(fabs(verdict.grad_norm - norm) <= 1e-6 * norm);
+  CHECK(verdict.clip_coef == coef && coef < 1.0f);
+  CHECK(verdict.grad_multiplier == (float)(0.25 * (double)coef));
+  /* The same update by emsa_cpu_step with that multiplier: bitwise equal. */
+  emsa_tensor_update u = t;
+  u.param = q;
+  u.exp_avg = mq;
+  u.exp_avg_sq = vq;
+  o.grad_multiplier = verdict.grad_multiplier;
+  emsa_step_report r;
+  emsa_step_report_init(&r);
+  CHECK(emsa_cpu_step(up, &u, 1, &o, &r) == EMSA_OK);
+  CHECK(memcmp(p, q, sizeof p) == 0 && memcmp(m, mq, sizeof m) == 0);
+
+  /* A non-finite gradient skips the whole step, clipping or not; nothing is written. */
+  float before[N];
+  memcpy(before, p, sizeof p);
+  g[5] = INFINITY;
+  t.step = 2;
+  gate.loss_scale = 1.0f;
+  CHECK(emsa_cpu_step_gated(up, &t, 1, &o, &gate, &verdict) == EMSA_OK);
+  CHECK(verdict.skipped == 1 && verdict.nonfinite_count == 1);
+  CHECK(verdict.first_nonfinite_tensor == 0);
+  CHECK(memcmp(before, p, sizeof p) == 0);
+  /* Statistics given (summed over ranks elsewhere): no scan, the given ones decide. */
+  g[5] = 0.0f;
+  gate.stats_given = 1;
+  gate.sum_sq = 1e6;
+  gate.nonfinite_count = 0;
+  CHECK(emsa_cpu_step_gated(up, &t, 1, &o, &gate, &verdict) == EMSA_OK);
+  CHECK(verdict.skipped == 0 && fabs(verdict.grad_norm - 1000.0) < 1e-3);
+  /* A bad gate or loss scale: refused, or skipped for a scale no GradScaler holds. */
+  memcpy(before, p, sizeof p);
+  gate.max_norm = -1.0f;
+  CHECK(emsa_cpu_step_gated(up, &t, 1, &o, &gate, &verdict) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "max_norm") != NULL);
+  gate.max_norm = 0.0f;
+  gate.stats_given = 0;
+  gate.loss_scale = 0.0f;
+  CHECK(emsa_cpu_step_gated(up, &t, 1, &o, &gate, &verdict) == EMSA_OK);
+  CHECK(verdict.skipped == 1 && memcmp(before, p, sizeof p) == 0);
+  gate.struct_size = 4;
+  CHECK(emsa_cpu_step_gated(up, &t, 1, &o, &gate, &verdict) == EMSA_INVALID_ARGUMENT);
+  CHECK(strstr(emsa_last_error(), "emsa_step_gate_init") != NULL);
+  emsa_cpu_updater_destroy(up);
+}
+
 int main(void) {
   test_library();
   test_profile_cache();
   test_cli_run();
   test_cpu_step();
+  test_cpu_step_gated();
   test_plan_and_arena();
   test_host_arena_check();
   test_dlpack_exports();

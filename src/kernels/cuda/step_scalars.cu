@@ -7,6 +7,7 @@
 
 #include "common/cuda_util.h"
 #include "kernels/cuda/device_table.h"
+#include "kernels/step_verdict.h"
 
 namespace emsa {
 namespace cuda {
@@ -45,23 +46,16 @@ __global__ void BeginStepKernel(DeviceStepHeader* h) {
   h->clip_coef = 1.0f;
 }
 
-// torch.nn.utils.clip_grad_norm_: clip_coef = max_norm / (norm + 1e-6), clamped to 1; here in
-// double, rounded once. A non-finite gradient sets found_inf (and no clipping is computed): the
-// update then skips, rather than multiplying an inf by a coefficient of 0 into NaN.
+// The gated step's verdict from its gradient statistics: kernels/step_verdict.h, the rule the
+// CPU updater applies too. A skipped step sets found_inf; the update kernels then write
+// nothing.
 __global__ void FinishGradStatsKernel(DeviceStepHeader* h) {
-  const double unscale = h->grad_unscale;
-  const double norm = sqrt(h->sum_sq) * fabs(unscale);
-  const bool bad = h->nonfinite_count > 0 || !isfinite(h->sum_sq) || !isfinite(unscale);
-  if (bad) h->found_inf = 1;
-  float coef = 1.0f;
-  const float max_norm = h->max_norm;
-  if (!bad && max_norm > 0.0f && isfinite(max_norm)) {
-    const double c = static_cast<double>(max_norm) / (norm + 1e-6);
-    if (c < 1.0) coef = static_cast<float>(c);
-  }
-  h->grad_norm = norm;
-  h->clip_coef = coef;
-  h->grad_multiplier = static_cast<float>(unscale * static_cast<double>(coef));
+  const verdict::Decision d =
+      verdict::Decide(h->sum_sq, h->nonfinite_count, h->grad_unscale, h->max_norm);
+  if (d.skip) h->found_inf = 1;
+  h->grad_norm = d.grad_norm;
+  h->clip_coef = d.clip_coef;
+  h->grad_multiplier = d.grad_multiplier;
 }
 
 // torch adds 1 to every step before the update and, under a GradScaler that found an inf,
@@ -87,17 +81,10 @@ __global__ void AdvanceSlotsKernel(const DeviceStepHeader* h, const DeviceTensor
   }
 }
 
-// torch's GradScaler unscales by scale.double().reciprocal().float(); the same here. A scale it
-// would never hold (not finite, <= 0, or too small for a finite reciprocal) becomes NaN, which
-// BeginStep turns into a skipped step.
+// torch's GradScaler unscales by scale.double().reciprocal().float() (verdict::UnscaleOf); a
+// scale it would never hold becomes NaN, which BeginStep turns into a skipped step.
 __global__ void SetUnscaleFromKernel(DeviceStepHeader* h, const float* scale) {
-  const float s = *scale;
-  float unscale = __int_as_float(0x7fc00000);  // NaN
-  if (isfinite(s) && s > 0.0f) {
-    const float r = __double2float_rn(__ddiv_rn(1.0, static_cast<double>(s)));
-    if (isfinite(r)) unscale = r;
-  }
-  h->grad_unscale = unscale;
+  h->grad_unscale = verdict::UnscaleOf(*scale);
 }
 
 __global__ void WriteFoundInfKernel(const DeviceStepHeader* h, float* dst) {
