@@ -29,8 +29,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "python"))
-from emsa import _capi  # noqa: E402
-from emsa._capi import check, lib  # noqa: E402
+from emsa._native import structs as _capi  # noqa: E402
+from emsa._native.library import check, lib, take_string  # noqa: E402
 
 
 def llama_shapes(params_m: float, hidden: int, inter: int) -> list[tuple[int, ...]]:
@@ -144,7 +144,7 @@ def main():
     n = sum(torch.Size(s).numel() for s in shapes)
     hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
-    profile = json.loads(_capi.take_string(_measure_profile()))
+    profile = json.loads(take_string(_measure_profile()))
     host_bw = profile["cpu"]["host_mem_bandwidth"]
     host_update_bw = profile["cpu"].get("host_update_bandwidth", 0.0)
     stream_bw = stream_bandwidth(args.stream_gib << 30)

@@ -38,8 +38,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "python"))
-from emsa import _capi  # noqa: E402
-from emsa._capi import check, lib  # noqa: E402
+from emsa._native import structs as _capi  # noqa: E402
+from emsa._native.library import check, lib  # noqa: E402
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 

@@ -16,7 +16,7 @@ Each case runs in its own process, in the order a new user meets it:
       probe in a machine's first process (which pays the same first-use costs in its warm-up).
 A step is forward, backward (emsa updates in backward), step(), zero_grad(), then a device
 synchronize; each step's forward and backward are timed too (a synchronize after each), so a
-slow first step shows where its time goes. opt._setup_times (set-up phases), opt._host_memory
+slow first step shows where its time goes. opt.setup_stats() (set-up phases, host memory)
 (bytes page-locked and pageable, how the arena was pinned) and the plan's arena sizes are kept,
 and printed: each phase with its parts (host_arena: fill and pin of the locked prefix, populate:
 the pageable rest in the background, populate_wait: what the first step waited for it; bind:
@@ -98,8 +98,8 @@ def optimizer_facts(opt) -> dict:
     """Set-up phases, host memory, arena sizes, and the engine's own per-step times (GPU time,
     host-tier copy and CPU busy times, forward waits): a slow first step shows which part of
     emsa, if any, it spent in."""
-    return dict(setup_times=dict(getattr(opt, "_setup_times", {})),
-                host_memory=getattr(opt, "_host_memory", None),
+    stats = opt.setup_stats()
+    return dict(setup_times=dict(stats["times"]), host_memory=stats["host_memory"],
                 device_arena_bytes=opt.plan.device_arena_bytes,
                 host_arena_bytes=opt.plan.host_arena_bytes,
                 engine_steps=opt.step_stats())
@@ -269,7 +269,7 @@ def print_table(results: dict, dry: bool) -> None:
     for case in ("1b", "7b"):
         r = results.get(case, {})
         if r.get("ok"):
-            print(f"{case} opt._setup_times (s): {phases(r.get('setup_times', {})) or '-'}")
+            print(f"{case} opt setup times (s): {phases(r.get('setup_times', {})) or '-'}")
             mem = r.get("host_memory") or {}
             arenas = mem.get("arenas") or [{}]
             print(f"{case} host memory: {mem.get('locked_bytes', 0) / 2**30:.2f} GiB locked, "

@@ -172,7 +172,9 @@ def _run_emsa(args, shape, batches, device, fsdp: bool) -> dict:
     import emsa
 
     if args.wait_all:  # A/B: every module finds no per-unit buckets, so the first waits for all
-        emsa._dtensor._UploadWaits._buckets = lambda self, module: None
+        import emsa._distributed.dtensor
+
+        emsa._distributed.dtensor._UploadWaits._buckets = lambda self, module: None
     out: dict = dict(step_in_backward=args.step_in_backward, wait_all=args.wait_all)
     model = e2e.make_llama(shape, device)
     if fsdp:

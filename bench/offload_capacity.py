@@ -189,7 +189,7 @@ def model_record(shape: dict, args):
     from it), so the run uses the planner's own split of the state under the budget: the
     configuration whose predicted peak `emsa plan --model ... --gpu-mem` prints."""
     import emsa
-    from emsa._model import model_probe
+    from emsa._native.models import model_probe
 
     config = json.dumps({"model_type": "llama", "tie_word_embeddings": False,
                          "max_position_embeddings": 4096, **shape})

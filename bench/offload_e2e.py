@@ -328,12 +328,14 @@ def l2_split(plan) -> dict:
     total = sum(p["numel"] for p in trainable) or 1
     import ctypes
 
-    from emsa import _capi, _tuning
+    from emsa._native import structs as _capi
+    from emsa._native import tuning as _tuning
+    from emsa._native.library import lib
 
     delta = _tuning.host_delta()
     if delta is None:  # libemsa's default (HostTierOptions::device_delta)
         defaults = _capi.HostTierOptions()
-        _capi.lib.emsa_host_tier_options_init(ctypes.byref(defaults))
+        lib.emsa_host_tier_options_init(ctypes.byref(defaults))
         delta = defaults.device_delta == 1
     update_bytes = built_bytes = copy_bytes = gpu_numel = 0
     for p in host:
@@ -478,7 +480,7 @@ def _run_emsa(args, shape, batches, device, profile, mode: str, opt_kw: dict) ->
 def emsa_peak(opt, torch_peak: int) -> dict:
     """The peak with emsa's device memory beside torch's allocator: the plan's arena and the
     host tier's staging for its GPU-updated buckets (their slots)."""
-    host = getattr(getattr(opt, "_backend", None), "host", None)
+    host = getattr(getattr(getattr(opt, "_bound", None), "engine", None), "host", None)
     staging = getattr(host, "staging_bytes", 0)
     return dict(host_tier_staging_bytes=staging,
                 peak_device_bytes=torch_peak + opt.plan.device_arena_bytes + staging)
@@ -503,9 +505,9 @@ def host_trace(opt) -> dict | None:
     """The last step's host-tier timeline (seconds since the step began on the host): when the
     last bucket was submitted (about the end of backward), how much CPU update ran before
     that, and when the CPU first and last worked."""
-    from emsa import _dtensor
+    from emsa._distributed import dtensor as _dtensor
 
-    host = getattr(getattr(opt, "_backend", None), "host", None)
+    host = getattr(getattr(getattr(opt, "_bound", None), "engine", None), "host", None)
     if host is None:
         return None
     opt.synchronize()

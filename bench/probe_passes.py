@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import probe_common  # noqa: E402
 
 import emsa  # noqa: E402
-from emsa._capi import check, lib  # noqa: E402
+from emsa._native.library import check, lib  # noqa: E402
 
 PROBE = sys.modules["emsa.probe"]  # the module (emsa.probe is also the function)
 

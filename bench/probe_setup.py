@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import probe_common  # noqa: E402
 
 import emsa  # noqa: E402
-from emsa import _profile_cache  # noqa: E402
+from emsa._native import profile_cache as _profile_cache  # noqa: E402
 
 
 def steady_step(model, ids) -> float:

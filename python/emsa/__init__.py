@@ -5,11 +5,11 @@
     print(opt.plan)                                   # where every byte of state lives
 
 The math, planning and memory live in the C++ core (libemsa), reached through the declared
-ctypes table in emsa._capi; this package stays thin. The library is loaded at first use: a
+ctypes table in emsa._native; this package stays thin. The library is loaded at first use: a
 missing or mismatched one raises EmsaLibraryError saying what to do.
 """
 
-from ._capi import EmsaError, EmsaLibraryError
+from ._native.library import EmsaError, EmsaLibraryError
 from .optimizers import Adam, AdamW, Lion
 from .plan import InfeasibleBudgetError, Plan, make_plan, measure_profile, parse_bytes
 from .probe import default_loss, probe

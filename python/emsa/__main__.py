@@ -7,20 +7,10 @@ bad input, 3 the plan does not fit, 1 other errors) as the binary. demo and repo
 
 from __future__ import annotations
 
-import ctypes
 import sys
 
-from ._capi import EmsaLibraryError, check, lib, take_string
-
-
-def run_cli(argv: list[str]) -> tuple[int, str, str]:
-    """(exit code, stdout text, stderr text) of libemsa's `emsa ARGV...`."""
-    args = (ctypes.c_char_p * max(len(argv), 1))(*(a.encode() for a in argv))
-    code = ctypes.c_int()
-    out, err = ctypes.c_void_p(), ctypes.c_void_p()
-    check(lib.emsa_cli_run(len(argv), args, ctypes.byref(code), ctypes.byref(out),
-                           ctypes.byref(err)))
-    return code.value, take_string(out), take_string(err)
+from ._native.cli import run_cli
+from ._native.library import EmsaLibraryError
 
 
 def main(argv: list[str] | None = None) -> int:

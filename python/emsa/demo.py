@@ -30,8 +30,10 @@ from pathlib import Path
 
 import torch
 
-from . import _corpus, _tuning, report
-from ._capi import EmsaError, EmsaLibraryError
+from . import _demo_model as corpus
+from . import report
+from ._native import tuning as _tuning
+from ._native.library import EmsaError, EmsaLibraryError
 from ._demo_model import GPT, GPTConfig
 from ._progress import Progress
 
@@ -148,7 +150,7 @@ def _budget(record, device: torch.device) -> int | None:
     plan must send some state to the host tier. None elsewhere (no device limit)."""
     if device.type != "cuda":
         return None
-    from .plan import make_plan
+    from ._native.planner import make_plan
 
     tiered = make_plan(record, optimizer="adamw").json
     on_device = make_plan(record, optimizer="adamw", allow_host_tier=False).json
@@ -205,14 +207,14 @@ def _run(args, device: torch.device, out: Path) -> int:
     import emsa
 
     hyper = Hyper(lr=args.lr)
-    cfg = GPTConfig(vocab_size=len(_corpus.ALPHABET), block_size=args.block_size,
+    cfg = GPTConfig(vocab_size=len(corpus.ALPHABET), block_size=args.block_size,
                     n_layer=args.layers, n_head=args.heads, d_model=args.d_model)
     torch.manual_seed(args.seed)
     model = GPT(cfg)
     peer_model = copy.deepcopy(model)
-    tokens = _corpus.encode(_corpus.make_text(CORPUS_CHARS, seed=1234 + args.seed))
-    batches = _corpus.Batches(tokens, args.batch_size, cfg.block_size, seed=args.seed)
-    probe_x, probe_y = _corpus.Batches(tokens, args.batch_size, cfg.block_size,
+    tokens = corpus.encode(corpus.make_text(CORPUS_CHARS, seed=1234 + args.seed))
+    batches = corpus.Batches(tokens, args.batch_size, cfg.block_size, seed=args.seed)
+    probe_x, probe_y = corpus.Batches(tokens, args.batch_size, cfg.block_size,
                                        seed=args.seed + 1).next()
 
     # The peer goes to the device after the probe, so the probe sees one model's memory.

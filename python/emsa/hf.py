@@ -46,26 +46,28 @@ import warnings
 
 from transformers import TrainerCallback
 
-from . import _recipes
+from ._optimizer import EmsaOptimizer
 
 __all__ = ["EmsaTrainerCallback"]
 
 
 def _emsa_optimizer(optimizer):
     """The emsa optimizer inside Trainer's (Accelerate wraps it as .optimizer), or None."""
-    from .optimizers import _EmsaOptimizer
-
     inner = getattr(optimizer, "optimizer", optimizer)
-    return inner if isinstance(inner, _EmsaOptimizer) else None
+    return inner if isinstance(inner, EmsaOptimizer) else None
 
 
 class EmsaTrainerCallback(TrainerCallback):
     """Moves Trainer's gradient clipping (args.max_grad_norm) into the emsa optimizer; see the
     module docstring for the recipe."""
 
+    # What an in-backward optimizer looks for among a Trainer's callbacks
+    # (emsa._engine.trainer_checks.HANDS_OVER_TO_EMSA): this one hands Trainer's settings over.
+    emsa_hands_over = True
+
     def __init__(self):
         self._restore: float | None = None
-        self._restore_accumulate: int | None = None
+        self._give_back = None
         self._opt = None
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
@@ -76,26 +78,22 @@ class EmsaTrainerCallback(TrainerCallback):
                           RuntimeWarning, stacklevel=2)
             return
         self._opt = opt
-        steps = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
-        self._restore_accumulate = _recipes.hand_accumulation(
-            opt, steps, "EmsaTrainerCallback", "gradient_accumulation_steps")
         wanted = float(args.max_grad_norm or 0.0)
+        # Trainer's logged norm (accelerator.clip_grad_norm_ with max_norm=inf) calls
+        # scaler.unscale_ after backward.
+        self._give_back = opt.hand_over(
+            by="EmsaTrainerCallback",
+            accumulate=int(getattr(args, "gradient_accumulation_steps", 1) or 1),
+            accumulate_setting="gradient_accumulation_steps", max_grad_norm=wanted or None,
+            clip_setting="args.max_grad_norm", grad_scaler=getattr(optimizer, "scaler", None),
+            unscales_after_backward=True)
         if wanted > 0:
-            _recipes.hand_clipping(opt, wanted, "EmsaTrainerCallback", "args.max_grad_norm")
             self._restore = args.max_grad_norm
             args.max_grad_norm = 0.0
-        scaler = getattr(optimizer, "scaler", None)
-        if opt._in_backward and scaler is not None:
-            if opt.grad_scaler is None:
-                opt.grad_scaler = scaler
-            # Trainer's logged norm (accelerator.clip_grad_norm_ with max_norm=inf) calls
-            # scaler.unscale_ after backward; emsa warns about that because clipping there
-            # would act on nothing, but here emsa does the clipping: nothing to warn about.
-            opt._warned.add("unscale")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         opt = self._opt
-        if (opt is None or not opt._in_backward or logs is None or "grad_norm" not in logs
+        if (opt is None or not opt.step_in_backward or logs is None or "grad_norm" not in logs
                 or opt.max_grad_norm is None):
             return
         norm = opt.last_grad_norm
@@ -107,5 +105,6 @@ class EmsaTrainerCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self._restore is not None:
             args.max_grad_norm, self._restore = self._restore, None
-        if self._restore_accumulate is not None and self._opt is not None:
-            self._opt._accumulate, self._restore_accumulate = self._restore_accumulate, None
+        if self._give_back is not None:
+            self._give_back, give_back = None, self._give_back
+            give_back()

@@ -39,19 +39,18 @@ try:
 except ImportError:  # the standalone package
     from pytorch_lightning import Callback
 
-from . import _recipes
+from ._engine.trainer_checks import clip_algorithm
+from ._optimizer import EmsaOptimizer
 
 __all__ = ["EmsaLightningCallback"]
 
 
 def _emsa_optimizers(trainer) -> list:
     """The emsa optimizers among the Trainer's (Lightning may wrap them as .optimizer)."""
-    from .optimizers import _EmsaOptimizer
-
     found = []
     for opt in getattr(trainer, "optimizers", []) or []:
         inner = getattr(opt, "optimizer", opt)
-        if isinstance(inner, _EmsaOptimizer):
+        if isinstance(inner, EmsaOptimizer):
             found.append(inner)
     return found
 
@@ -62,7 +61,7 @@ class EmsaLightningCallback(Callback):
 
     def __init__(self):
         self._restore = None
-        self._accumulate = []  # (optimizer, its accumulate= before fit)
+        self._give_back = []  # each optimizer's accumulate= before fit, to give back
 
     def on_fit_start(self, trainer, pl_module):
         opts = _emsa_optimizers(trainer)
@@ -73,15 +72,13 @@ class EmsaLightningCallback(Callback):
             return
         steps = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
         for opt in opts:
-            previous = _recipes.hand_accumulation(opt, steps, "EmsaLightningCallback",
-                                                  "accumulate_grad_batches")
-            if previous is not None:
-                self._accumulate.append((opt, previous))
+            self._give_back.append(opt.hand_over(by="EmsaLightningCallback", accumulate=steps,
+                                                 accumulate_setting="accumulate_grad_batches"))
         wanted = float(trainer.gradient_clip_val or 0.0)
         if wanted > 0:
-            algorithm = _recipes.clip_algorithm(trainer)
+            algorithm = clip_algorithm(trainer)
             if algorithm != "norm":
-                if any(opt._in_backward for opt in opts):
+                if any(opt.step_in_backward for opt in opts):
                     raise ValueError(
                         f"EmsaLightningCallback: gradient_clip_algorithm={algorithm!r} clips "
                         "each gradient element after backward, which an emsa optimizer with "
@@ -89,21 +86,21 @@ class EmsaLightningCallback(Callback):
                         "norm only: use gradient_clip_algorithm='norm', or step_in_backward=False")
                 return  # step() mode: Lightning clips by value on .grad, exactly
             for opt in opts:
-                _recipes.hand_clipping(opt, wanted, "EmsaLightningCallback", "gradient_clip_val")
+                opt.hand_over(by="EmsaLightningCallback", max_grad_norm=wanted,
+                              clip_setting="gradient_clip_val")
             self._restore = trainer.gradient_clip_val
             trainer.gradient_clip_val = None
         scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
         if scaler is not None:
             for opt in opts:
-                if opt._in_backward and opt.grad_scaler is None:
-                    opt.grad_scaler = scaler
+                opt.hand_over(by="EmsaLightningCallback", grad_scaler=scaler)
 
     def on_fit_end(self, trainer, pl_module):
         if self._restore is not None:
             trainer.gradient_clip_val, self._restore = self._restore, None
-        for opt, accumulate in self._accumulate:
-            opt._accumulate = accumulate
-        self._accumulate = []
+        give_back, self._give_back = self._give_back, []
+        for undo in give_back:
+            undo()
 
     def on_exception(self, trainer, pl_module, exception):
         self.on_fit_end(trainer, pl_module)

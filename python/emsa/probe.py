@@ -1,16 +1,8 @@
-"""emsa.probe(): one eager forward and backward on the user's batch, observed through hooks.
-
-What is observed, per parameter: first use in forward (module forward pre-hooks on the module
-that directly owns it), how often that module ran (use_count), when its gradient became final
-(post-accumulate-grad hooks), and device memory at module boundaries. Eager hooks are the
-primary source because many real models do not trace; torch.fx adds a graph only where it does.
-
-What the probe leaves exactly as it found it: parameter values, every .grad (the same tensor
-objects, or None), buffers (BatchNorm running statistics included: they are snapshotted and
-written back), the CPU and CUDA RNG states, and train/eval mode (never touched). What it does
-not restore: CUDA peak-memory statistics (reset to measure the peak) and Python attributes a
-model's forward may set on itself (trace=False also keeps fx from running the forward
-symbolically).
+"""emsa.probe(): one eager forward and backward on the user's batch, observed through hooks:
+per parameter its first use in forward, its module's call count, when its gradient became
+final, and device memory at module boundaries (torch.fx adds a graph where the model traces).
+It leaves parameters, .grad, buffers, RNG states and train/eval mode exactly as it found them;
+docs/usage.md ("Probing") says what it measures and what it does not restore.
 """
 
 from __future__ import annotations
@@ -25,9 +17,13 @@ from typing import Any, Callable
 
 import torch
 
-from . import _dtensor, _profile_cache, _progress
-from ._backend import DTYPE_NAMES, check_param
-from .plan import measure_profile, profile_json, require_library
+from . import _progress
+from ._distributed import dtensor as _dtensor
+from ._engine.params import DTYPE_NAMES, check_param
+from ._native import profile_cache as _profile_cache
+from ._native.host_load import host_load
+from ._native.library import EmsaError
+from ._native.planner import measure_profile, profile_json, require_library
 from .probe_record import GraphOp, MemorySample, ParamRecord, ProbeRecord
 
 __all__ = ["probe", "default_loss"]
@@ -84,14 +80,10 @@ class _Clock:
 
     def resolve(self) -> list[float]:
         """Seconds since the first mark, for every mark."""
-        if not self.marks:
-            return []
-        if self.cuda:
+        if self.cuda and self.marks:
             torch.cuda.synchronize(self.device)
-            first = self.marks[0]
-            return [max(0.0, first.elapsed_time(e) / 1000.0) for e in self.marks]
-        first = self.marks[0]
-        return [max(0.0, t - first) for t in self.marks]
+            return [max(0.0, self.marks[0].elapsed_time(e) / 1000.0) for e in self.marks]
+        return [max(0.0, t - self.marks[0]) for t in self.marks]
 
 
 def _memory(device: torch.device) -> int:
@@ -136,34 +128,24 @@ def _preserved_state(model: torch.nn.Module, params: list[torch.Tensor]):
 def probe(model: torch.nn.Module, *example_args: Any, loss_fn: Callable[[Any], torch.Tensor]
           | None = None, profile: Any = None, trace: bool = True, warmup: bool = True,
           under_load: bool | None = None, **example_kwargs: Any) -> ProbeRecord:
-    """Runs model(*example_args, **example_kwargs), then backward of loss_fn(output) (default:
-    default_loss), without updating anything, and returns what it observed.
+    """Runs model(*example_args, **example_kwargs), then backward of loss_fn(output), without
+    updating anything, and returns what it observed (docs/usage.md, "Probing").
 
-    profile: the DeviceProfile to embed (dict, JSON text or path); None: this machine's, its
-    bandwidths from the machine's profile cache (measured, about a second with a GPU, only when
-    the cache has no good entry: the first probe on a machine, a week after the last, or after
-    `emsa profile --refresh`). trace=False skips the optional torch.fx graph.
-    warmup: on a GPU, one pass first that the hooks do not observe, so the observed one is timed
-    as training runs it (the first pass pays for cuBLAS set-up and the caching allocator's
-    cudaMalloc calls, which made a 0.95 B Llama's probed step 3-4x its real length), and after
-    the observed pass, unobserved passes timed with three events only until the median has
-    settled (SETTLED; at most ALONE_PASSES; the first pass counts when it was not slow): the
-    hooks' Python work can outlast a fast GPU's kernels, so the observed pass's forward and
-    backward are rescaled to the unobserved durations (each only shortened) with every time
-    inside them.
-    under_load: on a GPU (with warmup), forward and backward timed again while emsa makes the
-    host tier's load on purpose (its CPU update and PCIe copies both ways, emsa::HostLoad): the
-    threads launching the GPU's work slow down under it (record.period_under_load; the planner
-    uses it for plans with a host tier). None (the default) times it only when the host tier
-    may be used: when the model's optimizer state (two fp32 moments, and an fp32 master for
-    parameters of 16 bits) does not fit the device beside its measured peak with room; True
-    always (pass it when you will plan with budget= or tier="host" on a model whose state would
-    fit), False never. Adds three to nine passes, about 1 GiB of host memory and 128 MiB of
-    device memory while it runs.
+    Args:
+        model (nn.Module): the model, on the device it trains on
+        example_args, example_kwargs: one real batch, as the model's forward takes it
+        loss_fn (callable, optional): output -> scalar loss (default: default_loss)
+        profile (dict, str or path, optional): the DeviceProfile to embed (default: None:
+            this machine's, bandwidths from its profile cache, measured when it has none)
+        trace (bool, optional): add the torch.fx graph where the model traces (default: True)
+        warmup (bool, optional): on a GPU, one unobserved pass first, and unobserved passes
+            after the observed one that its times are rescaled to (default: True)
+        under_load (bool, optional): on a GPU, time forward and backward again under the host
+            tier's load (record.period_under_load); None: only when the optimizer state would
+            not fit the device beside the model's peak (default: None)
 
     record.setup_times holds the seconds of each phase ("profile", "passes", "trace",
-    "under_load"); record.profile_source where the profile came from. A probe that lasts more
-    than two seconds shows its progress on stderr (emsa._progress).
+    "under_load"); record.profile_source where the profile came from.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"emsa.probe takes an nn.Module, not {type(model).__name__}")
@@ -253,12 +235,9 @@ def _timed_pass(model, loss_fn, args, kwargs, targets, device) -> tuple[float, f
     return forward, end - forward
 
 
-# Passes timed: alone, and under the host tier's load. The training step is a median over steps,
-# so the probe's figures are medians too; passes stop once one more pass no longer moves the
-# median by more than SETTLED of it. Alone, passes agree within a few per cent, so two usually
-# settle it (the warm-up pass counts as one when it paid no first-use costs); under load one pass
-# can take twice another, so at least three are run. What is left after that is the host's own
-# drift over seconds, which more passes would not remove.
+# Passes timed alone and under the host tier's load stop once one more pass moves the median
+# (the training step is a median over steps) by no more than SETTLED of it; under load one pass
+# can take twice another, so at least LOADED_LEAST are run.
 SETTLED = 0.05
 ALONE_PASSES = 3  # at most, after the observed pass
 LOADED_PASSES = 9  # at most
@@ -313,24 +292,16 @@ def _period_under_load(run: _Passes) -> float:
     """Forward + backward seconds while emsa::HostLoad runs: the settled median of
     LOADED_LEAST..LOADED_PASSES passes (the training step under load is an average, not a best
     case)."""
-    import ctypes
-
-    from ._capi import EmsaError, check, lib
-
-    load = ctypes.c_void_p()
     device = run.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
     try:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        check(lib.emsa_host_load_start(0, 64 << 20, index, 1, 64 << 20, ctypes.byref(load)))
+        with host_load(index):
+            forward, backward = _settled_pass(run, LOADED_LEAST, LOADED_PASSES)
     except EmsaError as e:  # e.g. no room for its buffers on a full device: said, not hidden
         warnings.warn(f"emsa.probe: forward and backward not timed under the host tier's load "
                       f"({e}); plans will assume that load does not slow them "
                       f"(probe(..., under_load=False) skips this)", stacklevel=3)
         return 0.0
-    try:
-        forward, backward = _settled_pass(run, LOADED_LEAST, LOADED_PASSES)
-    finally:
-        check(lib.emsa_host_load_stop(load, None, None))
     return forward + backward
 
 
@@ -360,11 +331,8 @@ class _Observer:
     """The hooks, what they saw, and the record made from it."""
 
     def __init__(self, model, named, names_of, owners, device):
-        self.model = model
-        self.named = named
-        self.names_of = names_of
-        self.owners = owners
-        self.device = device
+        self.model, self.named, self.names_of = model, named, names_of
+        self.owners, self.device = owners, device
         self.clock = _Clock(device)
         self.module_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         self.holders = _dtensor.holder_ids(model)  # FSDP2: forwards read unsharded copies

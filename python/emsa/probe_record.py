@@ -143,7 +143,7 @@ class ProbeRecord:
 
     def check(self) -> None:
         """Raises EmsaError with the C++ parser's message (naming the field) when invalid."""
-        from .plan import check_probe_record  # the library is loaded only when asked
+        from ._native.planner import check_probe_record  # the library is loaded only when asked
 
         check_probe_record(self.to_json())
 

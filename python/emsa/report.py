@@ -1,38 +1,10 @@
 """`emsa report RUN_DIR`: a training run's plan, prediction and measurements as report.md + PNGs.
 
-A run directory holds (times in seconds, memory in bytes):
-
-  plan.json     required. The plan as emsa.Plan.text / `emsa plan --json` writes it
-                ({"format": "emsa.plan", "params": [...], "prediction": {...}, ...}).
-  steps.jsonl   required. One JSON object per line, one line per optimizer step:
-                  "step"              int, 1-based                                  required
-                  "time_s"            wall time of the whole training step            required
-                                      (but on the last of several: its end, the next
-                                      step's start, may not have come)
-                  "loss"              the step's loss                                 optional
-                  "loss_peer"         the reference optimizer's loss (torch AdamW)    optional
-                  "hbm_s", "d2h_s", "h2d_s", "cpu_s", "stall_s"
-                                      time the step spent in the device update, copies
-                                      down (gradients) and up (parameters), the host
-                                      update, and waiting before the next forward      optional
-                  "peak_device_bytes" the most device memory the step used            optional
-                  "time_peer_s"       the reference's step time                       optional
-                  "opt_s", "opt_peer_s"  optimizer.step() alone, emsa and reference   optional
-                Other keys are ignored.
-  probe.json    optional. The probe record (emsa.ProbeRecord.save): its memory samples give
-                the predicted memory timeline and its forward order orders the tier map.
-  meta.json     optional. A free-form object shown at the top ("title", "device", "date",
-                "commit", ...).
-  setup.json    optional. Where the set-up's seconds went (opt.report() writes it):
-                {"times": {phase: seconds, ...}, "total": seconds, "profile": "from cache
-                PATH, measured 2 h ago" | "measured now (why), cached at PATH" | ...,
-                "probe": {"times": {...}, "total": ..., "profile": ...}} (probe optional);
-                phases as opt._setup_times names them ("profile", "plan", "host_arena",
-                "host_arena.*", "device_arena", "bind", "first_step").
-
-report.md and its PNGs are written into the run directory. A plot whose data is missing is
-left out, and report.md says why. Exit status of main(): 0 written, 2 bad RUN_DIR or unreadable
-files, 1 other failure (e.g. matplotlib missing).
+A run directory holds plan.json and steps.jsonl (required), probe.json, meta.json and
+setup.json (optional): docs/report-format.md gives each file's fields. opt.report() and
+`emsa demo` write one (write_run); report.md and its PNGs are written into it. A plot whose
+data is missing is left out, and report.md says why. Exit status of main(): 0 written, 2 bad
+RUN_DIR or unreadable files, 1 other failure (e.g. matplotlib missing).
 """
 
 from __future__ import annotations
@@ -40,11 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import _files
+from ._run_dir import Run, RunDirError, load
 
 __all__ = ["main", "write", "write_run", "load", "Run", "RunDirError", "fmt_bytes", "tier_groups",
            "ENGINE_FIELDS"]
@@ -59,101 +31,6 @@ TIERS = {"L0": ("L0: device, L2-cache persisting", "#8172b3"),
          "L1": ("L1: device arena", "#4c72b0"),
          "L2": ("L2: pinned host arena", "#dd8452")}
 MAX_BARS = 40  # the tier map groups modules more coarsely until it has at most this many
-
-
-class RunDirError(ValueError):
-    """The run directory is missing, or a file in it is missing or malformed."""
-
-
-@dataclass
-class Run:
-    path: Path
-    plan: dict[str, Any]
-    steps: list[dict[str, Any]]
-    probe: dict[str, Any] | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-    setup: dict[str, Any] | None = None
-
-
-# ---- reading ---------------------------------------------------------------------------------
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(_files.read_text(path))
-    except json.JSONDecodeError as e:
-        raise RunDirError(f"{path}: not valid JSON ({e})") from None
-    except RecursionError:
-        raise RunDirError(f"{path}: its JSON nests too deeply") from None
-    except ValueError as e:
-        raise RunDirError(str(e)) from None
-    except OSError as e:
-        raise RunDirError(f"{path}: cannot read it ({e.strerror})") from None
-
-
-def _read_steps(path: Path) -> list[dict[str, Any]]:
-    steps = []
-    try:
-        lines = _files.read_text(path).splitlines()
-    except ValueError as e:
-        raise RunDirError(str(e)) from None
-    except OSError as e:
-        raise RunDirError(f"{path}: cannot read it ({e.strerror})") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise RunDirError(f"{path} line {n}: not valid JSON ({e})") from None
-        if not isinstance(row, dict):
-            raise RunDirError(f"{path} line {n}: expected a JSON object per step")
-        last_of_several = n == len(lines) and len(steps) > 0
-        for key in ("step",) if last_of_several and "time_s" not in row else ("step", "time_s"):
-            if not isinstance(row.get(key), (int, float)) or isinstance(row.get(key), bool):
-                raise RunDirError(f"{path} line {n}: {key!r} is missing or not a number; "
-                                  "every step needs \"step\" and \"time_s\"")
-        steps.append(row)
-    if not steps:
-        raise RunDirError(f"{path} holds no steps; a run writes one JSON object per step")
-    return steps
-
-
-def load(run_dir: str | Path) -> Run:
-    """Reads a run directory; RunDirError names the file and what is wrong with it."""
-    path = Path(run_dir)
-    if not path.exists():
-        raise RunDirError(f"run directory {path} does not exist; pass the directory that "
-                          "`emsa demo --out` or opt.report() wrote")
-    if not path.is_dir():
-        raise RunDirError(f"{path} is not a directory; pass a run directory (it holds "
-                          "plan.json and steps.jsonl)")
-    for name in ("plan.json", "steps.jsonl"):
-        if not (path / name).is_file():
-            raise RunDirError(f"{path} has no {name}: it is not a run directory (a run "
-                              "directory holds plan.json and steps.jsonl)")
-    plan = _read_json(path / "plan.json")
-    if not isinstance(plan, dict) or plan.get("format") != "emsa.plan":
-        raise RunDirError(f"{path / 'plan.json'}: not a plan (expected "
-                          '{"format": "emsa.plan", ...}, as Plan.text writes)')
-    for key, kind in (("params", list), ("prediction", dict)):
-        if not isinstance(plan.get(key), kind):
-            raise RunDirError(f"{path / 'plan.json'}: the field {key!r} is missing or not a "
-                              f"JSON {'array' if kind is list else 'object'}")
-    for i, p in enumerate(plan["params"]):
-        if not isinstance(p, dict) or not {"name", "tier"} <= set(p):
-            raise RunDirError(f"{path / 'plan.json'}: params[{i}] lacks \"name\" or \"tier\"")
-    probe = _read_json(path / "probe.json") if (path / "probe.json").is_file() else None
-    if probe is not None and (not isinstance(probe, dict) or probe.get("format") != "emsa.probe"):
-        raise RunDirError(f"{path / 'probe.json'}: not a probe record (expected "
-                          '{"format": "emsa.probe", ...})')
-    meta = _read_json(path / "meta.json") if (path / "meta.json").is_file() else {}
-    if not isinstance(meta, dict):
-        raise RunDirError(f"{path / 'meta.json'}: expected a JSON object")
-    setup = _read_json(path / "setup.json") if (path / "setup.json").is_file() else None
-    if setup is not None and not (isinstance(setup, dict)
-                                  and isinstance(setup.get("times", {}), dict)):
-        raise RunDirError(f"{path / 'setup.json'}: expected a JSON object with \"times\": "
-                          "{phase: seconds}")
-    return Run(path, plan, _read_steps(path / "steps.jsonl"), probe, meta, setup)
 
 
 # ---- units -----------------------------------------------------------------------------------

@@ -25,6 +25,10 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line(
+        "markers", "wheel: what can differ in the installed package (the packaged library is "
+        "found and loads, the console script, every module shipped, a smoke of the numerics): "
+        "with --installed only these run; the rest test the same code as the source tree")
+    config.addinivalue_line(
         "markers", "numerics: compares emsa's updates with torch.optim or a float64 reference; "
         "scripts/test requires these to fail against a build whose update does nothing")
     global INSTALLED
@@ -43,6 +47,14 @@ def pytest_configure(config):
             if candidate.exists():
                 os.environ["EMSA_LIBRARY"] = str(candidate)
                 break
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--installed"):
+        return
+    keep = [item for item in items if item.get_closest_marker("wheel")]
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep
 
 
 def pytest_unconfigure(config):

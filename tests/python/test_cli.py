@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import emsa
 from conftest import CPU_PROFILE, INSTALLED, ROOT, subprocess_env
 
@@ -21,6 +23,7 @@ def emsa_cli(*args, cwd=None):
                           capture_output=True, text=True, cwd=cwd)
 
 
+@pytest.mark.wheel
 def test_plan_prints_the_summary_and_writes_json(tmp_path):
     out = tmp_path / "plan.json"
     r = emsa_cli("plan", PROBE, "--profile", CPU_PROFILE, "--json", out)
@@ -58,6 +61,7 @@ def test_profile_without_bandwidth():
     assert profile["cpu"]["host_memory"] > 0
 
 
+@pytest.mark.wheel
 def test_version_is_the_packages():
     r = emsa_cli("--version")
     assert r.returncode == 0, r.stderr
@@ -112,6 +116,7 @@ def test_list_and_bare_folder_names(tmp_path):
     assert bare.stdout == dotted.stdout
 
 
+@pytest.mark.wheel
 def test_the_installed_package_carries_its_library():
     """With --installed (CI's wheel step): emsa and libemsa both come from site-packages."""
     if not INSTALLED:

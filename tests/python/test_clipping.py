@@ -239,7 +239,7 @@ def test_trainer_callback_moves_clipping_into_emsa(tmp_path):
     assert args.max_grad_norm == 0.7
 
 
-# ---- clipping by hand after an in-backward pass (emsa._hand_clipping) --------------------------
+# ---- clipping by hand after an in-backward pass (emsa._engine.hand_clipping) --------------------------
 
 def in_backward_opt(model, **kw):
     return emsa.AdamW(list(model.parameters()), lr=1e-2, weight_decay=0.1,

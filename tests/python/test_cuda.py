@@ -434,7 +434,7 @@ def test_emsa_round_trip_is_bitwise_and_outlives_the_optimizer():
     # The state_dict's tensors alias the arena; they stay valid after the optimizer is gone.
     exp_avg = state["state"][0]["exp_avg"]
     copy_now = exp_avg.clone()
-    backend = weakref.ref(opt._backend)
+    backend = weakref.ref(opt._bound.engine)
     del opt, state
     gc.collect()
     assert backend() is None, "the optimizer's engine outlived the optimizer (a leak)"

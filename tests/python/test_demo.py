@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from emsa import _corpus, demo
+from emsa import _demo_model as corpus
+from emsa import demo
 from emsa._demo_model import GPT, GPTConfig
 from emsa._progress import Progress
 
@@ -87,24 +88,24 @@ def test_cuda_without_a_gpu_exits_2(tmp_path, capsys):
 
 # ---- corpus ---------------------------------------------------------------------------------
 def test_corpus_is_deterministic_and_round_trips():
-    a, b = _corpus.make_text(5000, seed=3), _corpus.make_text(5000, seed=3)
+    a, b = corpus.make_text(5000, seed=3), corpus.make_text(5000, seed=3)
     assert a == b and len(a) == 5000
-    assert _corpus.make_text(5000, seed=4) != a
-    assert _corpus.decode(_corpus.encode(a)) == a
+    assert corpus.make_text(5000, seed=4) != a
+    assert corpus.decode(corpus.encode(a)) == a
     with pytest.raises(ValueError, match="'#' is not in the demo's alphabet"):
-        _corpus.encode("ab#")
+        corpus.encode("ab#")
 
 
 def test_batches_are_shifted_windows_and_repeat_per_seed():
     tokens = torch.arange(100)
-    x, y = _corpus.Batches(tokens, 3, 8, seed=1).next()
+    x, y = corpus.Batches(tokens, 3, 8, seed=1).next()
     assert x.shape == y.shape == (3, 8)
     torch.testing.assert_close(y[:, :-1], x[:, 1:])
     torch.testing.assert_close(y, x + 1)  # tokens are consecutive integers here
-    x2, _ = _corpus.Batches(tokens, 3, 8, seed=1).next()
+    x2, _ = corpus.Batches(tokens, 3, 8, seed=1).next()
     torch.testing.assert_close(x, x2)
     with pytest.raises(ValueError, match="too few"):
-        _corpus.Batches(torch.arange(5), 1, 8, seed=0)
+        corpus.Batches(torch.arange(5), 1, 8, seed=0)
 
 
 # ---- model ----------------------------------------------------------------------------------

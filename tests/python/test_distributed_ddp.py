@@ -173,7 +173,7 @@ def _ddp_in_backward_run(ctx, unused: bool, bucket_view: bool, max_norm):
     if unused:  # skipped where no rank used it, as torch skips a None gradient
         assert_close(opt.state[a.extra.weight]["step"], ref.state[b.extra.weight]["step"])
     if ctx.backend == "nccl":  # NCCL's futures complete at once: buckets update in backward
-        assert opt._ddp.early > 0, ("no bucket was updated before the end of backward: NCCL's "
+        assert opt._ddp_updates.early > 0, ("no bucket was updated before the end of backward: NCCL's "
                                     "future was not complete when the hook looked")
     return clips, opt.clip_count
 
@@ -201,7 +201,7 @@ def _zero_body(ctx):
         ref = ZeRO(eb.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
         held = sum(p.numel() for g in opt.optim.param_groups for p in g["params"])
         assert held < sum(p.numel() for p in a.parameters()) or ctx.world_size == 1
-        assert opt.optim._norm_group is opt.process_group  # the partition's norm is not global
+        assert opt.optim._dist.norm_group is opt.process_group  # the partition's norm is not global
         clips = _train(ctx, pair, (opt, ref), max_norm, range(STEPS), "ZeRO-1")
         out[max_norm] = (clips, opt.optim.clip_count)
         # The whole state on rank 0, then loaded into a fresh ZeRO + emsa on every rank.
@@ -304,7 +304,7 @@ def test_in_backward_refused_at_first_backward_when_the_group_came_later(monkeyp
     """The optimizer was built before init_process_group: its first backward refuses, before
     any parameter changes. (One process: the group of 2 is simulated.)"""
     import emsa
-    from emsa import _distributed
+    from emsa._distributed import groups as _distributed
 
     torch.manual_seed(0)
     model = Net()
@@ -317,4 +317,4 @@ def test_in_backward_refused_at_first_backward_when_the_group_came_later(monkeyp
         torch.nn.functional.mse_loss(model(x), y).backward()
     for p, q in zip(model.parameters(), before):
         assert torch.equal(p.detach(), q)
-    assert opt._hooks == []  # removed: later backwards update nothing
+    assert opt._passes.hooks == []  # removed: later backwards update nothing

@@ -152,7 +152,7 @@ def _train(ctx, cfg: dict) -> dict:
     if cfg["opt"] == "emsa":
         opt.synchronize()  # the host tier's last uploads, before reading outside a forward
     moved = [n for (n, p), q in zip(model.named_parameters(), ptrs) if _local(p).data_ptr() != q]
-    host = getattr(getattr(opt, "_backend", None), "host", None)  # emsa's CUDA host tier
+    host = getattr(getattr(getattr(opt, "_bound", None), "engine", None), "host", None)  # emsa's CUDA host tier
     return {"init": init, "params": _full_params(model), "moved": moved,
             "losses": torch.stack(losses).cpu() if losses else torch.zeros(0),
             "norms": norms, "held": sorted(held), "clip_count": getattr(opt, "clip_count", None),
@@ -183,11 +183,11 @@ def _shard_mlp(model: torch.nn.Module, mesh=None, root_keeps: bool = False) -> N
 def _unit_reads(ctx, cfg: dict) -> None:
     """Each FSDP unit's pre-forward is found to read exactly the sharded parameters of its own
     subtree (less nested units') and of the units it prefetches, and every parameter is read
-    by some unit: the host tier's per-unit forward waits (emsa._dtensor.forward_waits) leave
+    by some unit: the host tier's per-unit forward waits (emsa._distributed.dtensor.forward_waits) leave
     none unwaited."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from emsa import _dtensor
+    from emsa._distributed import dtensor as _dtensor
 
     model = _model()
     _shard_mlp(model, init_device_mesh(ctx.device.type, (ctx.world_size,)), cfg["root_keeps"])
@@ -233,11 +233,11 @@ class _FakeTier:
         self.pending.clear()
 
     def buckets_of(self, params, bucket_of):
-        from emsa._host_tier import HostTier
+        from emsa._native.host_tier import HostTier
         return HostTier.buckets_of(self, params, bucket_of)
 
     def wait_pending(self, buckets, streams):
-        from emsa._host_tier import HostTier
+        from emsa._native.host_tier import HostTier
         HostTier.wait_pending(self, buckets, streams)
 
 
@@ -252,7 +252,7 @@ def _hook_waits(ctx, cfg: dict) -> None:
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from emsa import _dtensor
+    from emsa._distributed import dtensor as _dtensor
 
     model = _model()
     _shard_mlp(model, init_device_mesh(ctx.device.type, (ctx.world_size,)), cfg["root_keeps"])
@@ -306,7 +306,7 @@ def _opaque_waits(ctx) -> None:
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from emsa import _dtensor
+    from emsa._distributed import dtensor as _dtensor
 
     model = _model()
     _shard_mlp(model, init_device_mesh(ctx.device.type, (ctx.world_size,)))
@@ -341,7 +341,7 @@ CUDA_BUCKET_BYTES = 2048  # the hidden weights each a bucket of their own
 
 
 def _small_buckets(plan_options):
-    """emsa.plan._plan_options with buckets of CUDA_BUCKET_BYTES."""
+    """emsa._native.planner._plan_options with buckets of CUDA_BUCKET_BYTES."""
     def options(*args, **kwargs):
         out = plan_options(*args, **kwargs)
         out.bucket_bytes = CUDA_BUCKET_BYTES
@@ -355,10 +355,10 @@ def _cuda_checks(ctx) -> dict[str, str]:
     variant what failed its checks ("" when nothing did), so each variant is its own test."""
     from unittest import mock
 
-    import emsa.plan
+    from emsa._native import planner
 
     refs, verdicts = {}, {}
-    small = mock.patch.object(emsa.plan, "_plan_options", _small_buckets(emsa.plan._plan_options))
+    small = mock.patch.object(planner, "_plan_options", _small_buckets(planner._plan_options))
     for name, cfg in CUDA_VARIANTS.items():
         same = {k: cfg[k] for k in ("clip", "root_keeps") if k in cfg}
         key = tuple(sorted(same.items()))

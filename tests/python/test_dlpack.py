@@ -1,4 +1,4 @@
-"""Arena views handed to torch through DLPack capsules (emsa._dlpack), on host arenas.
+"""Arena views handed to torch through DLPack capsules (emsa._native.dlpack), on host arenas.
 
 The CUDA path hands its device arena to torch the same way; here the capsule and ownership logic
 is checked where it runs everywhere: torch tensors alias emsa's memory, outlive emsa's handle,
@@ -11,8 +11,8 @@ import gc
 import pytest
 import torch
 
-from emsa import _dlpack
-from emsa._capi import EmsaError, check, lib
+from emsa._native import dlpack as _dlpack
+from emsa._native.library import EmsaError, check, lib
 
 DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 

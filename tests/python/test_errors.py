@@ -221,6 +221,7 @@ def test_not_picklable():
         pickle.dumps(opt)
 
 
+@pytest.mark.wheel
 def test_missing_library_is_a_clear_error_at_first_use():
     code = ("import torch, emsa\n"
             "for first_use in (lambda: emsa.AdamW(torch.nn.Linear(2, 2).parameters()),\n"

@@ -230,7 +230,7 @@ class _LandingTier:
     bucket b is the model's parameter b, which holds stale values while b is pending, until
     wait(b, stream) lands its upload."""
 
-    from emsa._host_tier import HostTier as _Tier
+    from emsa._native.host_tier import HostTier as _Tier
 
     wait_all_compiled = _Tier.wait_all_compiled
     wait_all = _Tier.wait_all
@@ -274,7 +274,7 @@ def test_host_tier_forward_waits_for_its_uploads_under_torch_compile(compiled, m
     own. Tested on the host tier's forward pre-hook, with a tier that lands uploads in wait()."""
     import copy
 
-    from emsa._host_tier import forward_pre_hook
+    from emsa._native.host_tier import forward_pre_hook
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16),
@@ -314,11 +314,12 @@ def test_host_tier_forward_waits_for_its_uploads_under_torch_compile(compiled, m
 
 
 def test_fsdp_upload_waits_traced_by_torch_compile_wait_for_every_upload(monkeypatch):
-    """FSDP2's per-unit waits (emsa._dtensor._UploadWaits), traced by torch.compile: no
+    """FSDP2's per-unit waits (emsa._distributed.dtensor._UploadWaits), traced by torch.compile: no
     per-unit lookup (FSDP's internals are not traceable), one eager wait for every pending
     upload through the tier (HostTier.wait_all_compiled, which also waits on the host when
     sharded, since FSDP's all-gathers read on streams of their own)."""
-    from emsa import _dtensor, _host_tier
+    from emsa._distributed import dtensor as _dtensor
+    from emsa._native import host_tier as _host_tier
 
     class Tier:
         def __init__(self):

@@ -41,7 +41,7 @@ def test_lora_state_bytes_match_torch():
     for o, m in ((opt, model), (ref, ref_model)):
         m(x).square().mean().backward()
         o.step()
-    arena = sum(a.nbytes for a in opt._backend.arenas.values())
+    arena = sum(a.nbytes for a in opt._bound.engine.arenas.values())
     torch_bytes = state_bytes(ref)
     assert abs(arena - torch_bytes) <= 0.01 * torch_bytes, (arena, torch_bytes)
     assert state_bytes(opt) == torch_bytes

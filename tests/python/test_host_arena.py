@@ -1,14 +1,14 @@
-"""The host arena from Python (emsa._arena, issue 22): the host-memory check before any
+"""The host arena from Python (emsa._native.host_arena, issue 22): the host-memory check before any
 allocation, zero-filled aligned memory, and honest accounting of what is locked and what is
-pageable, in the arena and in opt._host_memory; the set-up phases in opt._setup_times."""
+pageable, in the arena and in opt.setup_stats()["host_memory"]; the set-up phases in opt.setup_stats()["times"]."""
 
 import pytest
 import torch
 from torch import nn
 
 import emsa
-from emsa import _arena
-from emsa._capi import EmsaError
+from emsa._native import host_arena as _arena
+from emsa._native.library import EmsaError
 from conftest import requires_cuda
 
 MiB = 1 << 20
@@ -49,9 +49,9 @@ def test_cpu_optimizer_records_set_up_and_host_memory():
     opt = emsa.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(4, 16)).sum().backward()
     opt.step()
-    assert "host_arena" in opt._setup_times and "first_step" in opt._setup_times
-    assert all(v >= 0 for v in opt._setup_times.values())
-    mem = opt._host_memory
+    assert "host_arena" in opt.setup_stats()["times"] and "first_step" in opt.setup_stats()["times"]
+    assert all(v >= 0 for v in opt.setup_stats()["times"].values())
+    mem = opt.setup_stats()["host_memory"]
     assert mem["locked_bytes"] == 0 and mem["pageable_bytes"] > 0
     assert all(a["pin"] == "pageable" for a in mem["arenas"])
 
@@ -91,14 +91,14 @@ def test_host_tier_arena_locks_only_what_copies_touch(dtype):
     model(torch.randn(8, 256, device="cuda", dtype=dtype)).sum().backward()
     opt.step()
     opt.synchronize()
-    mem = opt._host_memory
+    mem = opt.setup_stats()["host_memory"]
     (arena,) = mem["arenas"]
     assert arena["pin"] == "cudaHostRegister", arena["fallback_reason"]
     locked = opt.plan.json["prediction"]["host_locked_bytes"]
     assert 0 < locked < opt.plan.host_arena_bytes
     assert mem["locked_bytes"] == locked and mem["pageable_bytes"] > 0
     i = 0  # model[0].weight's slot
-    backend = opt._backend
+    backend = opt._bound.engine.memory
     host = backend.host_arena
     assert host.locked_bytes == locked
 
@@ -123,7 +123,7 @@ def test_host_tier_arena_locks_only_what_copies_touch(dtype):
     # (host_arena.populate_wait only when the first step had to wait: not for so small a model.)
     for phase in ("host_arena", "host_arena.fill", "host_arena.pin", "host_arena.populate",
                   "bind", "bind.masters", "first_step"):
-        assert phase in opt._setup_times, phase
+        assert phase in opt.setup_stats()["times"], phase
 
 
 @requires_cuda

@@ -248,7 +248,7 @@ def test_compiled_model_reads_its_uploaded_parameters(compiled, profile):
         ours_losses = [train_step(run_ours, opt, b) for b in data]
     said = [w for w in caught if "emsa: the model's forward runs under torch.compile"
             in str(w.message)]
-    assert len(said) == int(opt._backend.host._compiled_warned) <= 1, \
+    assert len(said) == int(opt._bound.engine.host._compiled_warned) <= 1, \
         f"the compiled forward's slower wait is reported once, when taken: {said}"
     twin_losses = [train_step(run_twin, twin_opt, b) for b in data]
     opt.synchronize()

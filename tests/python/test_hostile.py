@@ -297,9 +297,9 @@ def test_python_cli_plans_many_samples_in_backward(inputs, python_baseline):
 # emsa_plan_create (through plan._create, the ctypes call itself) and emsa_model_probe.
 C_ABI_CHILD = """
 import sys
-from emsa._capi import EmsaError
-from emsa._model import model_probe
-from emsa.plan import _create, _plan_options
+from emsa._native.library import EmsaError
+from emsa._native.models import model_probe
+from emsa._native.planner import _create, _plan_options
 kind, path = sys.argv[1], sys.argv[2]
 try:
     if kind == "model":

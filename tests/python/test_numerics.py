@@ -69,6 +69,7 @@ def assert_params_close(a, b, rtol=1e-5, atol=1e-7):
         assert_close(pa, pb, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.wheel
 @pytest.mark.numerics
 @pytest.mark.parametrize("kind", ["gpt", "cnn"])
 def test_adamw_matches_torch_with_groups_and_scheduler(kind):
@@ -133,6 +134,7 @@ def test_maximize_matches_torch():
     assert_params_close(ours, ref)
 
 
+@pytest.mark.wheel
 @pytest.mark.numerics
 def test_lion_matches_reference():
     hyper = dict(lr=3e-4, betas=(0.9, 0.99))

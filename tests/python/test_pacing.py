@@ -3,7 +3,7 @@ GPU (the rule reads only the plan); the copies themselves are tested on the GPU
 (tests/cpp/host_tier_test.cc HostTierPipeline.Paced*, and test_host_tier.py with pacing on)."""
 def test_paced_copies_hold_no_more_than_a_named_budget_allows():
     """How much gradient pacing may keep waiting on the device."""
-    from emsa._cuda_backend import _pacing_hold
+    from emsa._engine.cuda import _pacing_hold
 
     class Plan:
         def __init__(self, named, resolved, peak):

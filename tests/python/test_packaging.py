@@ -1,13 +1,39 @@
 """What a user who ran `pip install .` does first: import emsa, step a parameter that has no
-gradient yet (torch.optim skips it), and the same with torch.optim.AdamW beside it."""
+gradient yet (torch.optim skips it), and the same with torch.optim.AdamW beside it; and that the
+package holds every module of the source tree. With --installed these run against the wheel."""
 
+import importlib
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 import emsa
-from conftest import subprocess_env
+from conftest import ROOT, subprocess_env
+
+pytestmark = pytest.mark.wheel
+
+
+def test_every_module_of_the_source_tree_is_in_the_package():
+    source = ROOT / "python" / "emsa"
+    names = []
+    for path in sorted(source.rglob("*.py")):
+        parts = list(path.relative_to(source.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names.append(".".join(parts))
+    missing = []
+    for name in names:
+        if name in ("emsa.hf", "emsa.lightning"):
+            continue  # they import transformers / lightning, which the wheel does not need
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            missing.append(f"{name}: {e}")
+    assert missing == []
+    assert Path(emsa.__file__).resolve().parent.name == "emsa"
 
 
 def test_the_first_line_a_user_types_runs():

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT, subprocess_env
 
-from emsa._model import device_preset, model_options, model_probe
+from emsa._native.models import device_preset, model_options, model_probe
 from emsa.plan import infeasible_message
 
 SEVEN_B_ON_24 = ["--model", "llama-2-7b", "--gpu-mem", "24GiB", "--batch", "1", "--seq", "2048",

@@ -1,4 +1,4 @@
-"""Where the set-up seconds go (opt._setup_times, record.setup_times, the report's Set-up section),
+"""Where the set-up seconds go (opt.setup_stats()["times"], record.setup_times, the report's Set-up section),
 the machine's profile cache as Python and the `emsa profile` command see it, and the progress line
 a long set-up shows. No durations are asserted: only which phases were timed, where the profile
 came from (proved by the measurement counter and the source line, never by timing) and what
@@ -16,7 +16,8 @@ import torch
 
 import emsa
 from conftest import CPU_PROFILE, requires_cuda, subprocess_env
-from emsa import _profile_cache, _progress, _setup
+from emsa import _progress
+from emsa._native import profile_cache as _profile_cache
 from models import TinyGPT, gpt_batches
 
 
@@ -142,10 +143,10 @@ def test_optimizer_times_planning_and_names_its_profile():
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     given = emsa.AdamW(model.parameters(), profile=CPU_PROFILE)
     _train(given, model)  # planned at the first step
-    assert "plan" in given._setup_times
-    assert _setup.summary(given)["profile"] == "given (profile=)"
+    assert "plan" in given.setup_stats()["times"]
+    assert given.setup_stats()["profile"] == "given (profile=)"
     measured = emsa.AdamW(model.parameters(), step_in_backward=True)
-    summary = _setup.summary(measured)
+    summary = measured.setup_stats()
     assert list(summary["times"])[:1] in (["profile"], ["plan"])
     assert summary["total"] >= summary["times"]["plan"]
     assert summary["profile"]  # where it came from, whichever way the backend planned
@@ -248,7 +249,7 @@ def test_cuda_probe_and_host_tier_constructor_take_the_profile_from_the_cache():
     assert list(record.setup_times) == ["profile", "passes", "trace"]
     assert record.period_under_load == 0.0
     opt = emsa.AdamW(model.parameters(), tier="host", step_in_backward=True)
-    summary = _setup.summary(opt)
+    summary = opt.setup_stats()
     assert list(summary["times"])[:2] == ["profile", "plan"]
     assert summary["profile"].startswith("from cache ")
     assert _profile_cache.measurement_count() == count

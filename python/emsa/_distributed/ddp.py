@@ -39,8 +39,10 @@ import torch.distributed as dist
 
 
 class DdpUpdates:
-    def __init__(self, opt, ddp):
-        slots = opt._slots
+    def __init__(self, passes, ddp):
+        """passes: the optimizer's in-backward passes (emsa._engine.passes.Passes), held
+        weakly; their own hooks are removed, DDP's buckets drive them instead."""
+        slots = passes.binding.planned.slots
         ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
         reduced = {id(p) for name, p in ddp.module.named_parameters()
                    if p.requires_grad and name not in ignored}
@@ -55,7 +57,7 @@ class DdpUpdates:
             raise ValueError("ddp=: this DDP model already has a communication hook; DDP takes "
                              "one, and emsa's averages like DDP's default: drop the other hook, "
                              "or build one emsa optimizer over all the model's parameters")
-        self.opt = weakref.ref(opt)
+        self.passes = weakref.ref(passes)
         self.group = ddp.process_group
         self.size = dist.get_world_size(self.group)
         self.params = [s.param for s in slots]
@@ -67,12 +69,12 @@ class DdpUpdates:
         self.early = 0  # buckets updated from within backward, before its end (for tests)
         device = self.params[0].device
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
-        opt.remove_hooks()  # local gradients are not final under DDP: the buckets drive
+        passes.remove_hooks()  # local gradients are not final under DDP: the buckets drive
         ddp.register_comm_hook(self, _comm_hook)
         ddp._emsa_updates = self
 
     # ---- in backward ----------------------------------------------------------------------
-    def reduced(self, opt, bucket, future) -> None:
+    def reduced(self, passes, bucket, future) -> None:
         """A bucket's all-reduce is under way (its gradients are in the bucket)."""
         if not self.in_pass:
             self.in_pass = True
@@ -80,12 +82,12 @@ class DdpUpdates:
             # queued by this callback runs after DDP's.
             engine = torch.autograd.Variable._execution_engine
             engine.queue_callback(lambda: engine.queue_callback(self._end_of_backward))
-            if not opt._pass_open:
+            if not passes.is_open:
                 try:
-                    opt._open_pass()
+                    passes.open_pass()
                 except BaseException:
                     self._reset()
-                    opt._abandon_pass()
+                    passes.abandon_pass()
                     raise
         entries = []
         for p, averaged in zip(bucket.parameters(), bucket.gradients()):
@@ -97,9 +99,9 @@ class DdpUpdates:
             else:
                 entries.append((i, averaged))
         self.pending.append((future, entries))
-        self._drain(opt, wait=False)
+        self._drain(passes, wait=False)
 
-    def _drain(self, opt, wait: bool) -> None:
+    def _drain(self, passes, wait: bool) -> None:
         """Updates from every bucket whose all-reduce is done (all of them with wait)."""
         with self._on_side():
             while self.pending:
@@ -110,36 +112,36 @@ class DdpUpdates:
                 self.early += not wait
                 future.wait()  # CUDA: the side stream waits for the all-reduce's events
                 for i, averaged in entries:
-                    self._update(opt, i, averaged)
+                    self._update(passes, i, averaged)
 
-    def _update(self, opt, i: int, grad: torch.Tensor) -> None:
+    def _update(self, passes, i: int, grad: torch.Tensor) -> None:
         p = self.params[i]
         p.grad = grad
-        opt._grad_ready(i)
+        passes.grad_ready(i)
         if p.grad is None:
             self.consumed.append(i)
 
     def _end_of_backward(self) -> None:
-        opt = self.opt()
+        passes = self.passes()
         try:
-            if opt is None or not opt._pass_open:
+            if passes is None or not passes.is_open:
                 return
             if self.side is not None:  # DDP's finalize wrote .grad on the compute stream
                 self.side.wait_stream(torch.cuda.current_stream(self.side.device))
-            self._drain(opt, wait=True)
+            self._drain(passes, wait=True)
             with self._on_side():
                 for i in self.unused:
                     g = self.params[i].grad
                     if g is not None:  # another rank used it: DDP wrote the average
-                        self._update(opt, i, g)
+                        self._update(passes, i, g)
             for i in self.consumed:
                 self.params[i].grad = None  # DDP's finalize wrote it back; already updated
             if self.side is not None:  # the next forward reads what the side stream wrote
                 torch.cuda.current_stream(self.side.device).wait_stream(self.side)
-            opt._close_pass(opt._pass_token)  # the optimizer's end of the pass (end_pass)
+            passes.close_current()  # the optimizer's end of the pass (end_pass)
         except BaseException:
-            if opt is not None:
-                opt._abandon_pass()
+            if passes is not None:
+                passes.abandon_pass()
             raise
         finally:
             self._reset()
@@ -159,7 +161,7 @@ def _comm_hook(state, bucket):  # no annotations: DDP compares them with its own
     buffer = bucket.buffer()
     buffer.div_(state.size)
     future = dist.all_reduce(buffer, group=state.group, async_op=True).get_future()
-    opt = state.opt()
-    if opt is not None:
-        state.reduced(opt, bucket, future)
+    passes = state.passes()
+    if passes is not None:
+        state.reduced(passes, bucket, future)
     return future.then(lambda f: f.value()[0])

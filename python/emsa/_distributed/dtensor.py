@@ -54,7 +54,7 @@ from dataclasses import replace
 
 import torch
 
-from . import _host_tier
+from .._native import host_tier as _host_tier
 
 
 def _dtensor_class():

@@ -1,42 +1,26 @@
-"""emsa under torch.distributed: which ranks share what, set up once per optimizer.
+"""emsa under torch.distributed: which ranks share what, decided once per optimizer.
 
 emsa builds no communication layer of its own; everything here is a torch.distributed collective
-on a group the user's setup already has.
-
-Three questions, answered at construction (configure) and at planning (agreed_plan):
-  - Whose gradients does the norm cover? `opt._norm_group` (the keyword process_group=): None
-    means this rank's gradients are the whole model's (one process, or DDP, whose gradients are
-    averaged and so identical on every rank); a group means each rank holds part of the
-    parameters (ZeroRedundancyOptimizer's partitions, FSDP2's shards), so the step's summed
-    squared norm and non-finite count are all-reduced (SUM) over it before the clip coefficient
-    and the skip verdict: every rank clips by the global norm and skips together. Built by
-    ZeroRedundancyOptimizer, emsa takes its process_group; for DTensor parameters the mesh's
-    group (emsa._dtensor.norm_group) unless one is named.
-  - Which ranks must plan alike? Replicas (DDP, or any rank set holding the same parameters)
-    must lay state out identically, or the same update could run on a device on one rank and
-    on the CPU on another and the replicas drift apart: the planned layouts are compared once
-    (agree_on_plan) and a mismatch is refused on every rank. Partitions (ZeRO, DTensor shards)
-    plan their own parameters and are not compared.
-  - Are gradients final when emsa's hooks see them? With step_in_backward=True the update runs
-    from the gradient hooks, before DDP's all-reduce: under torch.distributed with world size >
-    1 emsa refuses (at construction, or at the first backward if the process group came later)
-    unless ddp=ddp_model is given (emsa then updates from DDP's communication hook, once each
-    bucket's all-reduce is done: emsa._ddp) or ddp=False says that this rank's gradients are
-    its own (nothing reduces them).
+on a group the user's setup already has. configure() answers, at construction:
+  - whose gradients the norm covers (norm_group: None for one process or DDP replicas; the
+    group of ranks that each hold part of the parameters under ZeRO or FSDP2, over which the
+    sum of squares and the non-finite count are all-reduced before the verdict);
+  - which ranks must plan alike (replicas compare their planned layouts once: agreed_plan);
+  - whether gradients are final when emsa's hooks see them (step_in_backward under DDP needs
+    ddp=, or ddp=False for gradients that are each rank's own: check_first_pass).
+docs/usage.md ("torch.distributed") has the whole story.
 """
 
 from __future__ import annotations
 
-import collections
-import ctypes
 import json
 import sys
 import weakref
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from ._capi import DeviceStepHeader, check, lib
 
 
 def initialized() -> bool:
@@ -77,12 +61,37 @@ _DDP_UNKNOWN = (
     "their gradients; or use step_in_backward=False (DDP then works as with torch.optim).")
 
 
-def configure(opt, process_group, ddp) -> None:
+@dataclass
+class DistributedSetup:
+    """One optimizer's place in torch.distributed (see the module docstring)."""
+
+    ddp_model: Any = None  # the DistributedDataParallel model given as ddp=
+    zero: Any = None  # weakref to the ZeroRedundancyOptimizer that built the optimizer
+    norm_group: Any = None  # the ranks the norm and the non-finite count are summed over
+    replicas: Any = None  # the ranks whose plans must agree
+    gradients_local: bool = False  # ddp=False or DTensor shards: nothing reduces after hooks
+
+    def first_pass_error(self) -> str:
+        """step_in_backward: why the first update must be refused (gradients reduced after the
+        hooks used them), or "" (also asked at the first backward: the process group may be
+        newer than the optimizer)."""
+        if self.ddp_model is not None or self.gradients_local or not initialized():
+            return ""
+        n = dist.get_world_size()
+        return _DDP_UNKNOWN.format(n=n) if n > 1 else ""
+
+    def agreed_plan(self, plan):
+        """The plan after the replicas compared theirs (agree_on_plan); raises on a
+        mismatch."""
+        if self.replicas is not None:
+            agree_on_plan(plan.text, self.replicas)
+        return plan
+
+
+def configure(params: list[torch.Tensor], process_group, ddp, *, in_backward: bool,
+              accumulate: int) -> DistributedSetup:
     """Constructor, before planning: the norm group, the replicas, the refusals."""
-    opt._ddp = None  # the emsa._ddp.DdpUpdates driving in-backward updates, once attached
-    opt._ddp_model = None
-    opt._zero = None
-    params = opt._all_params()
+    setup = DistributedSetup()
     sharded = any(_is_dtensor(p) for p in params)
     zero = _zero_building() if initialized() else None
     if ddp is not None and ddp is not False:
@@ -96,28 +105,25 @@ def configure(opt, process_group, ddp) -> None:
                 "process_group= names the ranks that each hold part of the parameters (for the "
                 "global gradient norm); under DDP every rank holds all of them and its averaged "
                 "gradients, so the local norm is the global one: drop process_group=")
-        if opt._in_backward and opt._accumulate != 1:
+        if in_backward and accumulate != 1:
             raise ValueError(
-                f"accumulate={opt._accumulate} with ddp=: accumulate with ddp_model.no_sync() "
+                f"accumulate={accumulate} with ddp=: accumulate with ddp_model.no_sync() "
                 "instead (backward passes under no_sync() reduce nothing, so emsa updates "
                 "nothing and .grad accumulates; the next synchronized backward updates)")
-        opt._ddp_model = ddp
+        setup.ddp_model = ddp
     if zero is not None:
-        if opt._in_backward:
+        if in_backward:
             raise ValueError(
                 "ZeroRedundancyOptimizer steps its local optimizer after backward; "
                 "step_in_backward=True would update each rank's partition from local gradients "
                 "during backward: use step_in_backward=False under ZeroRedundancyOptimizer")
-        opt._zero = weakref.ref(zero)
+        setup.zero = weakref.ref(zero)
         if process_group is None:
             process_group = zero.process_group
     if process_group is None and sharded:
-        try:
-            from . import _dtensor
-        except ImportError:
-            _dtensor = None
-        if _dtensor is not None and hasattr(_dtensor, "norm_group"):
-            process_group = _dtensor.norm_group(params)
+        from .dtensor import norm_group
+
+        process_group = norm_group(params)
     if process_group is None and any(getattr(p, "_is_flat_param", False) for p in params):
         raise ValueError(
             "these are FullyShardedDataParallel's flat parameters: each rank holds a shard, "
@@ -127,42 +133,20 @@ def configure(opt, process_group, ddp) -> None:
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError("process_group= takes a torch.distributed ProcessGroup (e.g. "
                         f"dist.group.WORLD), not {type(process_group).__name__}")
-    opt._norm_group = process_group
+    setup.norm_group = process_group
     # Replicas hold the same parameters: their plans must agree. Partitions plan their own.
     if ddp is False or zero is not None or sharded or process_group is not None:
-        opt._replicas = None
-    elif opt._ddp_model is not None:
-        opt._replicas = opt._ddp_model.process_group
+        setup.replicas = None
+    elif setup.ddp_model is not None:
+        setup.replicas = setup.ddp_model.process_group
     else:
-        opt._replicas = dist.group.WORLD if initialized() else None
-    opt._gradients_local = ddp is False or sharded
-    if opt._in_backward and ddp is None:
-        check_first_pass(opt)
-
-
-def check_first_pass(opt) -> None:
-    """step_in_backward: refuses before any update when gradients would be reduced after the
-    hooks used them (also run at the first backward: the process group may be newer than the
-    optimizer)."""
-    if opt._ddp_model is not None or opt._gradients_local or not initialized():
-        return
-    n = dist.get_world_size()
-    if n > 1:
-        opt.remove_hooks()
-        raise RuntimeError(_DDP_UNKNOWN.format(n=n))
-
-
-def attach(opt) -> None:
-    """Constructor, after planning: ddp= in backward installs the communication hook; under
-    ZeroRedundancyOptimizer, state it assigns (its load_state_dict) is taken into emsa's."""
-    if opt._zero is not None:
-        if opt._backend is None:
-            opt._bind(None)  # ZeRO may load state before the first step: it needs a home
-        opt.state = AssignedState(opt, opt.state)
-    if opt._ddp_model is not None and opt._in_backward:
-        from ._ddp import DdpUpdates
-
-        opt._ddp = DdpUpdates(opt, opt._ddp_model)
+        setup.replicas = dist.group.WORLD if initialized() else None
+    setup.gradients_local = ddp is False or sharded
+    if in_backward and ddp is None:
+        why = setup.first_pass_error()
+        if why:
+            raise RuntimeError(why)
+    return setup
 
 
 # ---- plan agreement ------------------------------------------------------------------------
@@ -214,23 +198,20 @@ def agree_on_plan(plan_json: str, group) -> str:
     return texts[0]
 
 
-def agreed_plan(opt, plan):
-    """The plan after the replicas compared theirs (see agree_on_plan); raises on a mismatch."""
-    if opt._replicas is not None:
-        agree_on_plan(plan.text, opt._replicas)
-    return plan
-
-
 # ---- the norm and the non-finite count over a group ------------------------------------------
-def reduce_host_stats(backend, sum_sq: float, nonfinite: int) -> tuple[float, int]:
-    """CPU engine: (sum of squares, non-finite count) summed over backend.norm_group."""
-    buf = backend.__dict__.get("group_stats")
-    if buf is None:
-        buf = backend.group_stats = torch.zeros(2, dtype=torch.float64)
-    buf[0] = sum_sq
-    buf[1] = float(nonfinite)  # exact below 2**53 elements
-    dist.all_reduce(buf, group=backend.norm_group)
-    return float(buf[0]), int(buf[1])
+class HostStats:
+    """CPU engine: (sum of squares, non-finite count) summed over a group, through one float64
+    pair made once."""
+
+    def __init__(self, group):
+        self.group = group
+        self.pair = torch.zeros(2, dtype=torch.float64)
+
+    def reduce(self, sum_sq: float, nonfinite: int) -> tuple[float, int]:
+        self.pair[0] = sum_sq
+        self.pair[1] = float(nonfinite)  # exact below 2**53 elements
+        dist.all_reduce(self.pair, group=self.group)
+        return float(self.pair[0]), int(self.pair[1])
 
 
 class _DeviceMemory:
@@ -242,94 +223,34 @@ class _DeviceMemory:
 
 
 class DeviceStats:
-    """The CUDA step header's sum_sq and nonfinite_count as torch tensors on the device, and a
-    float64 pair they are summed in (one all-reduce for both)."""
+    """CUDA engine: the step header's sum_sq and nonfinite_count (at these device addresses)
+    as torch tensors on the device, summed over a group in a float64 pair (one all-reduce for
+    both), on the current stream with no host synchronization."""
 
-    def __init__(self, scalars, device: torch.device):
-        header = ctypes.c_void_p()
-        check(lib.emsa_device_scalars_header_address(scalars, ctypes.byref(header)))
+    def __init__(self, group, sum_sq_address: int, nonfinite_address: int,
+                 device: torch.device):
+        self.group = group
         with torch.cuda.device(device):
-            self.sum_sq = torch.as_tensor(
-                _DeviceMemory(header.value + DeviceStepHeader.sum_sq.offset, "<f8"),
-                device=device)
-            self.nonfinite = torch.as_tensor(
-                _DeviceMemory(header.value + DeviceStepHeader.nonfinite_count.offset, "<i8"),
-                device=device)
-        if (self.sum_sq.data_ptr(), self.nonfinite.data_ptr()) != (
-                header.value + DeviceStepHeader.sum_sq.offset,
-                header.value + DeviceStepHeader.nonfinite_count.offset):
+            self.sum_sq = torch.as_tensor(_DeviceMemory(sum_sq_address, "<f8"), device=device)
+            self.nonfinite = torch.as_tensor(_DeviceMemory(nonfinite_address, "<i8"),
+                                             device=device)
+        if (self.sum_sq.data_ptr(), self.nonfinite.data_ptr()) != (sum_sq_address,
+                                                                   nonfinite_address):
             raise RuntimeError("emsa internal error: torch copied the step header instead of "
                                "viewing it, so the norm could not be summed over the ranks; "
                                "please report it")
         self.pair = torch.zeros(2, dtype=torch.float64, device=device)
 
-    def all_reduce(self, group) -> None:
-        """On the current stream (the step's), after accumulate_stats and before finish_stats:
-        no host synchronization (NCCL's stream waits for this one and this one for it)."""
+    def all_reduce(self) -> None:
+        """After the step's statistics are accumulated and before they are finished: NCCL's
+        stream waits for this one and this one for it."""
         self.pair[:1].copy_(self.sum_sq)
         self.pair[1:].copy_(self.nonfinite)  # exact below 2**53 elements
-        dist.all_reduce(self.pair, group=group)
+        dist.all_reduce(self.pair, group=self.group)
         self.sum_sq.copy_(self.pair[:1])
         self.nonfinite.copy_(self.pair[1:])
 
-    def contribute_nothing(self, group) -> None:
+    def contribute_nothing(self) -> None:
         """A rank with no gradient this step still takes part: the others wait for it."""
         self.pair.zero_()
-        dist.all_reduce(self.pair, group=group)
-
-
-def reduce_device_stats(backend, nothing: bool = False) -> None:
-    """CUDA engine, with a norm group: between the step's last accumulate_stats and its finish,
-    on the current stream, the header's sums over the group's ranks. nothing: this rank has no
-    gradient in a gated step (it still takes part; its header is untouched)."""
-    if backend.norm_group is None or (nothing and not backend.gated()):
-        return
-    stats = backend.__dict__.get("group_stats")
-    if stats is None:
-        stats = backend.group_stats = DeviceStats(backend.scalars, backend.device)
-    if nothing:
-        stats.contribute_nothing(backend.norm_group)
-    else:
-        stats.all_reduce(backend.norm_group)
-
-
-# ---- ZeroRedundancyOptimizer: state assigned from outside -----------------------------------
-class AssignedState(collections.defaultdict):
-    """opt.state under ZeroRedundancyOptimizer. Its load_state_dict assigns opt.state[p] = {...}
-    (copies of the saved tensors) instead of calling opt.load_state_dict; emsa's engine reads only
-    its own memory, so an assigned entry is copied into emsa's state (checked first) and the
-    entry stays emsa's."""
-
-    def __init__(self, opt, items):
-        super().__init__(dict, items)
-        self._opt = weakref.ref(opt)
-
-    def __setitem__(self, p, value) -> None:
-        opt = self._opt()
-        backend = None if opt is None else opt._backend
-        i = None if backend is None else next(
-            (k for k, q in enumerate(backend.params) if q is p), None)
-        if i is None or value is backend.state(i):
-            super().__setitem__(p, value)
-            return
-        views = backend.state(i)
-        name = backend.names[i]
-        keys = set(views) - {"master"}
-        if not isinstance(value, dict) or not keys - {"step"} <= set(value) or (
-                set(value) - keys - {"master"}):
-            got = sorted(value) if isinstance(value, dict) else type(value).__name__
-            raise ValueError(f"state for {name} has keys {got}; emsa expects {sorted(keys)}: "
-                             "is it another optimizer's?")
-        for key, t in value.items():
-            if key != "step" and (not isinstance(t, torch.Tensor) or t.shape != p.shape):
-                raise ValueError(f"state for {name}: {key} does not have the parameter's shape "
-                                 f"{tuple(p.shape)}; load a state_dict saved for this model")
-        backend.sync_state()
-        with torch.no_grad():
-            for key, view in views.items():
-                if key == "step":
-                    view.fill_(float(value.get("step", 0)))
-                elif key in value:
-                    view.copy_(value[key])
-        backend.state_loaded()
-        super().__setitem__(p, views)
+        dist.all_reduce(self.pair, group=self.group)

@@ -1,174 +1,164 @@
-"""Step in backward on CUDA: the passes of CudaBackend (emsa._cuda_backend), a mixin that uses
-the engine's tables, scalars, host tier and header ring.
+"""Step in backward on CUDA: the passes of the CUDA engine (emsa._engine.cuda), a part it owns
+that drives its kernels, state and host tier.
 
-A pass is one backward() call of an updating pass. begin_pass reads the hyperparameters and the
-gating attributes; step_bucket(b) runs as each bucket's gradients become final; end_pass, from
-the autograd engine callback, finishes it. Per bucket:
-  - ungated, device tier: the bucket's table updates at once (emsa_device_table_update), each
-    present tensor stepping its own count; the gradients are consumed.
+A pass is one backward() call of an updating pass. begin reads the hyperparameters and the gate;
+bucket(b) runs as each bucket's gradients become final; end, from the autograd engine callback,
+finishes it. Per bucket:
+  - ungated, device tier: the bucket's table updates at once, each present tensor stepping its
+    own count; the gradients are consumed.
   - ungated, host tier: the bucket is submitted (copies paced to the CPU's progress).
   - gated, device tier: the bucket's sums are added to the step header and its gradients kept
-    (step_bucket returns False); end_pass finishes the statistics and updates every device-tier
-    bucket in one launch over the step table (emsa_device_finish_step).
+    (bucket returns False); end finishes the statistics and updates every device-tier bucket
+    in one launch over step()'s table.
   - gated, host tier: the bucket's sums are added, then it is submitted (its copies enqueued
     whole at once, so its device gradients are freed as they land); the host tier's updates
-    wait for the release end_pass gives after the finish.
-Buckets that never completed in the pass (a member got no gradient) are done by end_pass with
-the gradients there are, absent members skipped. A pass that never reached end_pass (its
-backward raised) is discarded at the next begin_pass: a gated one updated nothing (its host-tier
-step is released as skipped), an ungated one keeps what step_bucket updated.
+    wait for the release end gives after the finish.
+Buckets that never completed in the pass (a member got no gradient) are done by end with the
+gradients there are, absent members skipped. A pass that never reached end (its backward
+raised) is discarded at the next begin: a gated one updated nothing (its host-tier step is
+released as skipped), an ungated one keeps what bucket updated.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from ._capi import check, lib
-from ._cuda_stats import counted_mask
-from ._distributed import reduce_device_stats
+from .cuda_kernels import ptr
+from .cuda_stats import counted_mask
+from .engine import Gate
 
-
-def on(index: int):
-    """torch's and libemsa's current device set to `index` (emsa checks it on every call)."""
-    if torch.cuda.current_device() == index:
-        return contextlib.nullcontext()
-    return torch.cuda.device(index)
-
-
-def ptr(g: torch.Tensor | None) -> int | None:
-    """A gradient's address for a table; None (NULL) for an absent one."""
-    return None if g is None else g.data_ptr()
+__all__ = ["CudaPasses"]
 
 
 class Pass:
     """One in-backward pass: what it updated and, gated, what waits for its end."""
 
-    def __init__(self, gated: bool, found_inf_out: torch.Tensor | None, count: int):
-        self.gated = gated
-        self.found_inf_out = found_inf_out
-        self.stepped: set[int] = set()  # buckets done by step_bucket or end_pass
+    def __init__(self, gate: Gate, count: int):
+        self.gated = gate.gated
+        self.found_inf_out = gate.found_inf_out
+        self.stepped: set[int] = set()  # buckets done by bucket() or end()
         self.present: list[int] = []  # slots with a gradient in the pass
         self.ptrs: list[int | None] = [None] * count  # gated: device-tier gradients, as read
         self.keep: list[torch.Tensor] = []  # gated: those gradients (copies included), till end
         self.streams: set[int] = set()  # gated: the streams that summed them
 
 
-class InBackward:
-    steps_in_backward = True
+class CudaPasses:
+    def __init__(self, engine):
+        self.engine = engine  # the owner, whose parts the passes use
+        self.current: Pass | None = None
 
-    def begin_pass(self, param_groups: list[dict]) -> None:
-        self._check_groups(param_groups)
-        with on(self.index):
-            if self.pass_ is not None:
-                self._discard_pass()
-            stream = torch.cuda.current_stream(self.device)
-            self._follow(stream)
-            handle = stream.cuda_stream
-            self.step_times.tick(stream)
-            self._send_hyper(param_groups, handle)
-            gated = self.gated()
-            if self.host is not None:
-                self._claim_unwaited(stream)
-                self.host.begin_step(self.hyper, gated)
-            self.pass_ = Pass(gated, self.found_inf_out, len(self.params))  # open from here
-            if gated:
-                self._set_inputs(float(self.max_norm or 0.0), self.loss_scale, stream)
-                check(lib.emsa_device_begin_step(self.scalars, handle))
-            else:
-                # Begun and finished without statistics: multiplier 1, found_inf 0; each
-                # table's update then advances its own tensors' counts.
-                self._set_inputs(0.0, None, stream)
-                check(lib.emsa_device_step(self.scalars, self.step_array, 0, 0, handle))
-            self.calls += 1
-            self.noop_last = False
-            self.last_stream = stream
+    def begin(self, param_groups: list[dict], gate: Gate) -> None:
+        e = self.engine
+        if self.current is not None:
+            self.discard()
+        stream = torch.cuda.current_stream(e.device)
+        e.follow(stream)
+        handle = stream.cuda_stream
+        e.clock.tick(stream)
+        e.kernels.send_hyper(param_groups, handle)
+        if e.host is not None:
+            e.claim_unwaited(stream)
+            e.host.begin_step(e.kernels.hyper, gate.gated)
+        self.current = Pass(gate, len(e.planned))  # open from here
+        if gate.gated:
+            e.kernels.set_inputs(float(gate.max_norm or 0.0), gate.loss_scale, stream)
+            e.kernels.begin(handle)
+        else:
+            # Begun and finished without statistics: multiplier 1, found_inf 0; each table's
+            # update then advances its own tensors' counts.
+            e.kernels.set_inputs(0.0, None, stream)
+            e.kernels.step(0, 0, handle)
+        e.calls += 1
+        e.noop_last = False
+        e.last_stream = stream
 
-    def _discard_pass(self) -> None:
-        """The last pass never reached end_pass: a gated one applied nothing (its host-tier
-        step gets no verdict), an ungated one keeps what step_bucket updated."""
-        self.pass_ = None
-        if self.host is not None:
-            self.host.discard()
+    def discard(self) -> None:
+        """The last pass never reached end: a gated one applied nothing (its host-tier step
+        gets no verdict), an ungated one keeps what bucket() updated."""
+        self.current = None
+        if self.engine.host is not None:
+            self.engine.host.discard()
 
-    def step_bucket(self, b: int) -> bool:
-        p = self.pass_
+    def bucket(self, b: int) -> bool:
+        p = self.current
         if p is None:
             raise RuntimeError("emsa internal error: step_bucket outside a pass; please report "
                                "it")
-        with on(self.index):
-            return self._bucket_in_pass(p, b)
+        return self._bucket_in_pass(p, b)
 
     def _bucket_in_pass(self, p: Pass, b: int) -> bool:
         """Bucket b in pass p, from the gradients its members have now (None: absent); True if
         they were consumed."""
-        host, t = self.order[b]
-        members = self.buckets[b]
-        grads = self._bucket_grads(members)
+        e = self.engine
+        host, t = e.buckets.order[b]
+        members = e.buckets.all[b]
+        grads = e.bucket_grads(members)
         p.stepped.add(b)
         present = [i for i, g in zip(members, grads) if g is not None]
         if not present:
             return True
-        stream = torch.cuda.current_stream(self.device)
-        self._follow(stream)
+        stream = torch.cuda.current_stream(e.device)
+        e.follow(stream)
         handle = stream.cuda_stream
         consumed = True
+        kernels = e.kernels
         if host:
-            self._refresh_stale_masters(members)  # the tier is idle: begin_step waited for it
+            e.memory.refresh_stale(members)  # the tier is idle: begin_step waited for it
             if p.gated:
-                self._point_table(self.stats_table[t], [ptr(g) for g in grads], handle)
-                self._accumulate(self.stats_table[t], handle)
-            self.host.submit(t, grads, stream)
+                kernels.point(kernels.stats_table[t], [ptr(g) for g in grads], handle)
+                kernels.accumulate(kernels.stats_table[t], handle)
+            e.host.submit(t, grads, stream)
         elif p.gated:
-            self._point_table(t, [ptr(g) for g in grads], handle)
-            self._accumulate(t, handle)
+            kernels.point(t, [ptr(g) for g in grads], handle)
+            kernels.accumulate(t, handle)
             for i, g in zip(members, grads):
                 p.ptrs[i] = ptr(g)
             p.keep.extend(g for g in grads if g is not None)
             p.streams.add(handle)
             consumed = False
         else:
-            self._point_table(t, [ptr(g) for g in grads], handle)
-            self._refresh_stale_masters(members)
-            check(lib.emsa_device_table_update(self.tables[t], self.scalars, handle))
+            kernels.point(t, [ptr(g) for g in grads], handle)
+            e.memory.refresh_stale(members)
+            kernels.update(t, handle)
         p.present.extend(present)
         if not p.gated:  # counted now: nothing can take it back
-            self.steps[torch.tensor(present, dtype=torch.int64)] += 1.0
-        self.last_stream = stream
+            e.steps[torch.tensor(present, dtype=torch.int64)] += 1.0
+        e.last_stream = stream
         return consumed
 
-    def end_pass(self) -> None:
-        p, self.pass_ = self.pass_, None
+    def end(self) -> None:
+        p, self.current = self.current, None
         if p is None:
             return
-        with on(self.index):
-            for b in range(len(self.order)):
-                if b not in p.stepped:  # incomplete in this pass: what it has
-                    self._bucket_in_pass(p, b)
-            if p.gated:
-                self._finish_pass(p)
+        for b in range(len(self.engine.buckets.order)):
+            if b not in p.stepped:  # incomplete in this pass: what it has
+                self._bucket_in_pass(p, b)
+        if p.gated:
+            self._finish(p)
 
-    def _finish_pass(self, p: Pass) -> None:
+    def _finish(self, p: Pass) -> None:
         """The verdict of a gated pass: the finish and the device tier's one launch on the
         current stream, the host tier's release, found_inf_out, the header for the host."""
-        stream = torch.cuda.current_stream(self.device)
-        self._follow(stream)
+        e = self.engine
+        kernels = e.kernels
+        stream = torch.cuda.current_stream(e.device)
+        e.follow(stream)
         handle = stream.cuda_stream
-        ptrs = [p.ptrs[i] for i in self.step_members]
+        ptrs = [p.ptrs[i] for i in e.buckets.step_members]
         device = int(any(q is not None for q in ptrs))
         if device:
-            self._point_table(self.step_table, ptrs, handle)
-            self._refresh_stale_masters([i for i in self.step_members if p.ptrs[i] is not None])
-        reduce_device_stats(self)  # norm_group: every rank's sums, before the finish
-        check(lib.emsa_device_finish_step(self.scalars, self.step_array, device, handle))
-        self._write_found_inf(p.found_inf_out, stream)
-        if self.host is not None:
-            self.host.release(self.scalars, stream)
+            kernels.point(kernels.step_table, ptrs, handle)
+            e.memory.refresh_stale([i for i in e.buckets.step_members if p.ptrs[i] is not None])
+        kernels.reduce_stats()  # norm group: every rank's sums, before the finish
+        kernels.finish(device, handle)
+        kernels.write_found_inf(p.found_inf_out, stream)
+        if e.host is not None:
+            e.host.release(kernels.scalars, stream)
         if p.streams - {handle}:  # summed on another stream: freed only after this update too
             for g in p.keep:
                 g.record_stream(stream)
-        counted = counted_mask(p.present, len(self.params))
-        self.steps.add_(1.0 if counted is None else counted)  # taken back if skipped
-        self.headers.record(self.scalars, stream, self.calls, counted)
-        self.last_stream = stream
+        counted = counted_mask(p.present, len(e.planned))
+        e.steps.add_(1.0 if counted is None else counted)  # taken back if skipped
+        e.headers.record(kernels.scalars, stream, e.calls, counted)
+        e.last_stream = stream

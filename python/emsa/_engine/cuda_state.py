@@ -1,5 +1,5 @@
-"""The CUDA backend's state bound to its arenas: each slot's views, the host tier's hidden
-staging, the masters' values, libemsa's host-tier tensors, and the host arena's population.
+"""The CUDA engine's state memory: its arenas, each slot's views, the host tier's hidden staging,
+the masters' values, and the host arena's population.
 
 Views, at the plan's offsets: exp_avg, exp_avg_sq (not Lion) and, for a 16-bit parameter, its
 fp32 master, in the device arena (device tier) or the pinned host arena (host tier). A host-tier
@@ -8,23 +8,16 @@ parameter's update writes the rounded parameter over it, and the copy up reads i
 an fp32 parameter, its host master (the parameter the CPU updates).
 
 The host arena's two parts (the plan's host_locked_bytes): every view a copy to or from the
-device touches (gradient staging, fp32 masters, GPU-updated buckets' moments) lies
-in a page-locked prefix; the moments and masters that only CPU threads touch lie after it, in
+device touches (gradient staging, fp32 masters, GPU-updated buckets' moments) lies in a
+page-locked prefix; the moments and masters that only CPU threads touch lie after it, in
 pageable memory that libemsa populates in the background, front to back in gradient-ready
 order. Before a host-tier bucket's update reads its state, the population must have passed it
-(no page fault inside a step): _await_populated waits for that, which costs nothing once it has
-(after the first step). The host tier is refused if a view it copies lies outside the prefix:
-it copies only from pinned memory.
+(no page fault inside a step): await_populated waits for that, which costs nothing once it has.
 
-Masters are fp32(param) exactly (bf16 and fp16 widen to fp32 without rounding):
-  - a device-tier master is converted on the device;
-  - a host-tier 16-bit parameter is copied down by DMA into its pinned gradient staging (the
-    same dtype: nothing converted on the way), then widened into its master on CPU threads
-    (torch's parallel copy), which also populates the master's pageable pages;
-  - an fp32 parameter's host master is in the prefix: one DMA.
-refresh_master (a parameter written by someone else since) takes the same path, on the current
-stream, which is ordered after the last step's uploads by then (the forwards waited for them, or
-_claim_unwaited did), and before the slot's gradient is copied into the staging.
+Masters are fp32(param) exactly (bf16 and fp16 widen to fp32 without rounding): a device-tier
+master is converted on the device; a host-tier 16-bit parameter is copied down by DMA into its
+pinned gradient staging, then widened into its master on CPU threads (which also populates the
+master's pageable pages); an fp32 parameter's host master is in the prefix: one DMA.
 """
 
 from __future__ import annotations
@@ -34,34 +27,58 @@ import time
 
 import torch
 
-from . import _capi
-from ._backend import DTYPE_NAMES, state_view
-from ._capi import HostTierTensor, lib
-from ._host_tier import HostTier
+from .._native.device_arena import DeviceArena
+from .._native.host_arena import HostArena, check_fits, pinned_arena
+from .._native.library import lib
+from .._native.planner import Plan
+from .._native.structs import DTYPE, HostTierTensor
+from .params import DTYPE_NAMES, PlannedParams, state_view
+
+__all__ = ["CudaState"]
 
 
-class Binding:
-    """Mixed into CudaBackend: what binds its state, and what keeps it bound."""
+class CudaState:
+    """Allocated and filled synchronously at construction; times its phases into
+    setup_times. steps: the engine's "step" mirror (float32 per slot), viewed by each slot's
+    "step"."""
 
-    def _bind_state(self, slots, entries: list[dict], state_dtype) -> None:
-        """Every slot's views and hidden staging, then the masters' values (synchronous)."""
+    def __init__(self, planned: PlannedParams, plan: Plan, entries: list[dict], kind: str,
+                 state_dtype: torch.dtype, device: torch.device, steps: torch.Tensor,
+                 setup_times: dict[str, float]):
+        self.planned, self.kind, self.device, self.steps = planned, kind, device, steps
+        self.setup_times = setup_times
+        self.on_host = [pp["tier"] == "L2" for pp in entries]
+        self.arena: DeviceArena | None = None
+        self.host_arena: HostArena | None = None
+        if plan.host_arena_bytes:  # a host too small fails before any allocation
+            check_fits(plan.host_arena_bytes, pinned=True)
+        if plan.device_arena_bytes:
+            start = time.perf_counter()
+            self.arena = DeviceArena(plan.device_arena_bytes, device.index)
+            setup_times["device_arena"] = time.perf_counter() - start
+        if plan.host_arena_bytes:  # locked: the prefix every copy touches
+            self.host_arena = pinned_arena(
+                plan.host_arena_bytes, setup_times,
+                locked_bytes=plan.json["prediction"]["host_locked_bytes"])
         start = time.perf_counter()
-        self.hidden: list[dict] = [{} for _ in slots]  # host-tier staging and fp32 masters
+        self.hidden: list[dict] = [{} for _ in entries]  # host-tier staging and fp32 masters
         self.views = [self._bind_views(i, s, pp, state_dtype)
-                      for i, (s, pp) in enumerate(zip(slots, entries))]
-        self.masters = [i for i in range(len(slots)) if self._master(i) is not None]
+                      for i, (s, pp) in enumerate(zip(planned.engine_slots, entries))]
+        self.masters = [i for i in range(len(entries)) if self.master(i) is not None]
         # Per slot: the arena offset its host-tier state ends at (0: none), for
-        # _await_populated; None once the whole arena is resident. populated_to: known resident
+        # await_populated; None once the whole arena is resident. populated_to: known resident
         # below it (the locked prefix was populated before the arena was returned).
         arena = self.host_arena
         self.state_end: list[int] | None = None
+        self.populated_to = 0
         if arena is not None and not arena.populated:
-            self.state_end = [self._state_end(i) for i in range(len(slots))]
+            self.state_end = [self._state_end(i) for i in range(len(entries))]
             self.populated_to = arena.locked_bytes
-        self.setup_times["bind.views"] = time.perf_counter() - start
+        setup_times["bind.views"] = time.perf_counter() - start
         start = time.perf_counter()
         self._fill_masters()
-        self.setup_times["bind.masters"] = time.perf_counter() - start
+        self.versions = [p._version for p in planned.params]
+        setup_times["bind.masters"] = time.perf_counter() - start
 
     def _bind_views(self, i: int, s, pp: dict, state_dtype) -> dict:
         p = s.param
@@ -81,20 +98,20 @@ class Binding:
         return views
 
     def _state_end(self, i: int) -> int:
-        if not self.on_host[i] or self.params[i].numel() == 0:
+        if not self.on_host[i] or self.planned.params[i].numel() == 0:
             return 0
         tensors = [t for k, t in self.views[i].items() if k != "step"]
         tensors += self.hidden[i].values()
         return max(self.host_arena.offset_of(t) + t.numel() * t.element_size()
                    for t in tensors)
 
-    def _master(self, i: int) -> torch.Tensor | None:
+    def master(self, i: int) -> torch.Tensor | None:
         return self.views[i].get("master", self.hidden[i].get("master"))
 
     def _staging(self, i: int) -> torch.Tensor | None:
         """The pinned gradient staging a host-tier 16-bit parameter's master is filled through
         (None: an fp32 or device-tier master, filled directly)."""
-        if not self.on_host[i] or self.params[i].dtype == torch.float32:
+        if not self.on_host[i] or self.planned.params[i].dtype == torch.float32:
             return None
         return self.hidden[i]["grad"]
 
@@ -105,7 +122,7 @@ class Binding:
         landed = []  # (master, staging, event)
         with torch.no_grad():
             for i in self.masters:
-                p, master, staging = self.params[i], self._master(i), self._staging(i)
+                p, master, staging = self.planned.params[i], self.master(i), self._staging(i)
                 if staging is None or p.numel() == 0:
                     # Converted on the device, or an fp32 host master in pinned memory: one DMA.
                     master.copy_(p, non_blocking=True)
@@ -120,7 +137,10 @@ class Binding:
         stream.synchronize()
 
     def refresh_master(self, i: int) -> None:
-        p, master, staging = self.params[i], self._master(i), self._staging(i)
+        """Someone else wrote the parameter (emsa's raw writes leave _version alone): the
+        master follows it, on the current stream, which is ordered after the last step's
+        uploads by then, and before the slot's gradient is copied into the staging."""
+        p, master, staging = self.planned.params[i], self.master(i), self._staging(i)
         with torch.no_grad():
             if staging is None or p.numel() == 0:
                 master.copy_(p)  # on the device, or into pinned host memory: synchronous
@@ -129,15 +149,16 @@ class Binding:
                 master.copy_(staging)
         self.versions[i] = p._version
 
-    def _refresh_stale_masters(self, slots) -> None:
+    def refresh_stale(self, slots) -> None:
         """Before these slots' update: their host state resident, and the masters of parameters
         someone else wrote since refreshed (emsa's own writes leave _version)."""
-        self._await_populated(slots)
+        self.await_populated(slots)
+        params = self.planned.params
         for j in slots:
-            if self.params[j]._version != self.versions[j] and self._master(j) is not None:
+            if params[j]._version != self.versions[j] and self.master(j) is not None:
                 self.refresh_master(j)
 
-    def _await_populated(self, slots) -> None:
+    def await_populated(self, slots) -> None:
         """Waits until the host arena's background population has passed these slots' state;
         the seconds waited add up in setup_times["host_arena.populate_wait"]."""
         if self.state_end is None:
@@ -155,26 +176,15 @@ class Binding:
             times["host_arena.populate"] = self.host_arena.times.get("host_arena.populate", 0.0)
             self.state_end = None
 
-    def _make_host_tier(self, group_count: int, hold_bytes: int) -> None:
-        if not self.host_slots:
-            return
-        start = time.perf_counter()
-        tensors, params = [], []
-        for b, members in enumerate(self.host_slots):
-            for i in members:
-                tensors.append(self._host_tensor(i, b))
-                params.append(self.params[i])
-        self.host = HostTier(tensors, self.host_slots, group_count, self.kind, self.device,
-                             params, in_backward=self.in_backward, hold_bytes=hold_bytes)
-        self.setup_times["bind.host_tier"] = time.perf_counter() - start
-
-    def _host_tensor(self, i: int, b: int) -> HostTierTensor:
-        p, v, h = self.params[i], self.views[i], self.hidden[i]
+    def host_tensor(self, i: int, b: int, on_gpu: bool) -> HostTierTensor:
+        """Slot i of host-tier bucket b as libemsa's host tier takes it (on_gpu: the GPU
+        updates the bucket, its moments streamed up and back)."""
+        p, v, h = self.planned.params[i], self.views[i], self.hidden[i]
         t = HostTierTensor()
         lib.emsa_host_tier_tensor_init(ctypes.byref(t))
         u = t.update
-        u.param_dtype = u.grad_dtype = _capi.DTYPE[DTYPE_NAMES[p.dtype]]
-        u.state_dtype = _capi.DTYPE[DTYPE_NAMES[v["exp_avg"].dtype]]
+        u.param_dtype = u.grad_dtype = DTYPE[DTYPE_NAMES[p.dtype]]
+        u.state_dtype = DTYPE[DTYPE_NAMES[v["exp_avg"].dtype]]
         # The parameter the CPU updates and the upload reads: an fp32 one's master, else the
         # rounded value, written over its gradient staging (each element read first), beside
         # its master.
@@ -185,12 +195,12 @@ class Binding:
         u.exp_avg = v["exp_avg"].data_ptr()
         u.exp_avg_sq = v["exp_avg_sq"].data_ptr() if "exp_avg_sq" in v else None
         u.numel = p.numel()
-        t.group = self.groups[i]
+        t.group = self.planned.groups[i]
         t.bucket = b
         t.device_param = p.data_ptr()
-        t.device_update = int(self.host_on_gpu[b])
+        t.device_update = int(on_gpu)
         copied = [h["grad"], param] if param is not h["grad"] else [param]
-        if self.host_on_gpu[b]:  # its moments are streamed up and back
+        if on_gpu:  # its moments are streamed up and back
             copied += [v[k] for k in ("exp_avg", "exp_avg_sq") if k in v]
         self._check_locked(i, copied)
         return t
@@ -203,6 +213,10 @@ class Binding:
         for t in copied:
             if t.numel() and arena.offset_of(t) + t.numel() * t.element_size() > limit:
                 raise RuntimeError(
-                    f"emsa internal error: the host tier would copy {self.names[i]} from "
-                    f"pageable memory (offset {arena.offset_of(t)} is past the "
+                    f"emsa internal error: the host tier would copy {self.planned.names[i]} "
+                    f"from pageable memory (offset {arena.offset_of(t)} is past the "
                     f"{limit}-byte locked prefix of the host arena); please report it")
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()  # the state views keep the memory while torch holds them

@@ -16,8 +16,9 @@ import ctypes
 
 import torch
 
-from ._backend import StepResult
-from ._capi import DeviceStepHeader, check, lib
+from .._native.library import check, lib
+from .._native.structs import DeviceStepHeader
+from .engine import StepResult
 
 RING = 8  # gated steps whose headers may be in flight before step() waits for the oldest
 HEADER = ctypes.sizeof(DeviceStepHeader)

@@ -39,22 +39,22 @@ import torch.nn.utils.clip_grad
 
 __all__ = ["watch", "install"]
 
-_watching: "weakref.WeakSet" = weakref.WeakSet()  # live in-backward emsa optimizers
+_watching: "weakref.WeakSet" = weakref.WeakSet()  # live in-backward passes (emsa._engine.passes)
 _NAMESPACES = (torch.nn.utils, torch.nn.utils.clip_grad)
 
 
-def watch(opt) -> None:
-    """Puts an in-backward optimizer under the guard (installed on first use)."""
+def watch(passes) -> None:
+    """Puts an in-backward optimizer's passes under the guard (installed on first use)."""
     install()
-    _watching.add(opt)
+    _watching.add(passes)
 
 
-def _consumed_by(opt, params: list) -> list:
-    """The parameters among `params` whose gradients opt's last pass updated from and released
+def _consumed_by(passes, params: list) -> list:
+    """The parameters among `params` whose gradients the last pass updated from and released
     (identity, not id(): a freed parameter's id may be reused)."""
-    if not getattr(opt, "_consumed", False):
+    if not passes.consumed:
         return []
-    owned = {id(s.param): s.param for s in getattr(opt, "_slots", ())}
+    owned = {id(s.param): s.param for s in passes.binding.planned.slots}
     return [p for p in params if owned.get(id(p)) is p and p.grad is None]
 
 
@@ -70,12 +70,13 @@ def _answer(params: list, max_norm, norm_type, error_if_nonfinite: bool = False)
     emsa.hf.EmsaTrainerCallback is refused as its optimizer.step() would be; max_norm=inf (the
     norm only, as Trainer asks for it to log) returns emsa's norm, or nan with a warning when
     emsa computes none (no max_grad_norm)."""
-    for opt in list(_watching):
-        consumed = _consumed_by(opt, params)
-        if not consumed:
+    for passes in list(_watching):
+        consumed = _consumed_by(passes, params)
+        opt = passes.opt()
+        if not consumed or opt is None:
             continue
-        if not getattr(opt, "_trainer_checked", False):
-            opt._refuse_trainer_settings(sys._getframe(2))
+        if not passes.trainer_checked:
+            passes.refuse_trainer_settings(sys._getframe(2))
         if math.isinf(float(max_norm)) and float(max_norm) > 0:
             return _norm_only(opt, consumed)
         return _emsa_norm(opt, consumed, float(max_norm), float(norm_type),
@@ -132,8 +133,9 @@ def _value_call(original):
     @functools.wraps(original)
     def clip_grad_value_(parameters, clip_value, foreach=None):
         params = _as_list(parameters)
-        for opt in list(_watching):
-            if _consumed_by(opt, params):
+        for passes in list(_watching):
+            opt = passes.opt()
+            if opt is not None and _consumed_by(passes, params):
                 raise RuntimeError(
                     f"torch.nn.utils.clip_grad_value_ after an in-backward pass of "
                     f"emsa.{type(opt).__name__}(step_in_backward=True): emsa updated from these "

@@ -1,5 +1,6 @@
-"""The checks of the optimizers' arguments (emsa.optimizers): hyperparameters, param groups,
-the options of emsa's own and torch.optim's that pick among torch's implementations.
+"""The optimizers' arguments: emsa's own keyword options (EmsaOptions, defined once for the
+three classes), and the checks of hyperparameters, param groups and torch.optim's options that
+pick among torch's implementations.
 
 One definition of each rule, shared by the constructor, add_param_group and load_state_dict.
 Each check raises before anything changes, with a message that says what to do instead.
@@ -8,12 +9,92 @@ Each check raises before anything changes, with a message that says what to do i
 from __future__ import annotations
 
 import math
+import os
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
-from ._backend import check_param, select
-from .plan import STATE_DTYPES
+from .._native.planner import parse_bytes, profile_json, state_dtype_code
+from .params import check_param
+
+__all__ = ["EmsaOptions", "check_hyper", "check_group", "check_max_norm", "impl_defaults",
+           "refuse_amsgrad"]
+
+
+@dataclass
+class EmsaOptions:
+    """emsa's keyword options, as every class takes them (docs: emsa.optimizers' Args)."""
+
+    probe: Any = None
+    budget: int | str | None = None
+    state_dtype: torch.dtype = torch.float32
+    skip_nonfinite: bool | None = None
+    max_grad_norm: float | None = None
+    profile: Any = None
+    step_in_backward: bool = False
+    accumulate: int = 1
+    tier: str | None = None
+    grad_scaler: Any = None
+    process_group: Any = None
+    ddp: Any = None
+    # Resolved by resolve(): the budget in bytes, the profile as JSON text.
+    budget_bytes: int | None = field(default=None, init=False, repr=False)
+    profile_text: str | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.init]
+
+    @classmethod
+    def given(cls, owner: str, options: dict[str, Any]) -> "EmsaOptions":
+        """The options an emsa.<owner>(...) call was given; TypeError for an unknown one, as
+        Python's own for an unexpected keyword."""
+        unknown = sorted(set(options) - set(cls.names()))
+        if unknown:
+            raise TypeError(f"{owner}.__init__() got an unexpected keyword argument "
+                            f"{unknown[0]!r}; emsa's own options are " + ", ".join(cls.names()))
+        return cls(**options)
+
+    def resolve(self) -> "EmsaOptions":
+        """Checks every option, fills in the mode's defaults; raises before anything exists."""
+        if self.tier not in (None, "device", "host"):
+            raise ValueError(f"tier={self.tier!r}; use None (the planner decides under "
+                             "budget=), 'device' or 'host'")
+        state_dtype_code(self.state_dtype)
+        accumulate = self.accumulate
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"accumulate={accumulate!r}; it is the number of backward passes "
+                             "per update, an int >= 1")
+        if not self.step_in_backward:
+            if accumulate != 1:
+                raise ValueError(f"accumulate={accumulate} applies only with "
+                                 "step_in_backward=True; otherwise accumulate by calling step() "
+                                 "every N backwards")
+            if self.grad_scaler is not None:
+                raise ValueError("grad_scaler= applies with step_in_backward=True; in step() "
+                                 "mode scaler.step(opt) hands its scale to emsa by itself: drop "
+                                 "it")
+        # The non-finite check is on by default in step() mode. In backward it makes every
+        # update of a pass wait for the end of backward (the verdict needs every gradient),
+        # which is what that mode exists to avoid: off by default there.
+        if self.skip_nonfinite is None:
+            self.skip_nonfinite = not self.step_in_backward
+        self.skip_nonfinite = bool(self.skip_nonfinite)
+        self.step_in_backward = bool(self.step_in_backward)
+        self.max_grad_norm = check_max_norm(self.max_grad_norm)
+        self.budget_bytes = parse_bytes(self.budget) if self.budget is not None else None
+        self.profile_text = profile_json(self.profile)
+        if self.probe is not None:
+            from ..probe_record import ProbeRecord
+
+            if isinstance(self.probe, (str, os.PathLike)):
+                self.probe = ProbeRecord.load(self.probe)
+            if not isinstance(self.probe, ProbeRecord):
+                raise TypeError("probe= takes an emsa.ProbeRecord (from emsa.probe) or a path "
+                                f"to one, not {type(self.probe).__name__}")
+        return self
+
 
 # torch.optim options that pick among torch's own implementations. emsa has one implementation,
 # so each is accepted only at torch's default; the message says why.
@@ -29,24 +110,6 @@ TORCH_IMPL_OPTIONS = {
 }
 
 
-def check_tier(tier) -> None:
-    if tier not in (None, "device", "host"):
-        raise ValueError(f"tier={tier!r}; use None (the planner decides under budget=), "
-                         "'device' or 'host'")
-
-
-def check_state_dtype(state_dtype) -> None:
-    if state_dtype not in STATE_DTYPES:
-        raise ValueError(f"state_dtype={state_dtype}; emsa keeps optimizer state in "
-                         "torch.float32 or torch.bfloat16")
-
-
-def check_grad_scaler(grad_scaler, step_in_backward) -> None:
-    if grad_scaler is not None and not step_in_backward:
-        raise ValueError("grad_scaler= applies with step_in_backward=True; in step() mode "
-                         "scaler.step(opt) hands its scale to emsa by itself: drop it")
-
-
 def check_max_norm(value) -> float | None:
     """max_grad_norm as given: None or 0 turn clipping off; else a finite number > 0."""
     if value is None:
@@ -58,22 +121,6 @@ def check_max_norm(value) -> float | None:
         raise ValueError(f"max_grad_norm={value!r}; it is the clipping threshold of the global "
                          "L2 gradient norm, a finite number > 0 (None or 0: no clipping)")
     return float(value) if value > 0 else None
-
-
-def in_backward_options(step_in_backward, accumulate, skip_nonfinite) -> bool:
-    """Checks step_in_backward/accumulate; returns skip_nonfinite resolved (None: the mode's
-    default)."""
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        raise ValueError(f"accumulate={accumulate!r}; it is the number of backward passes per "
-                         "update, an int >= 1")
-    if not step_in_backward:
-        if accumulate != 1:
-            raise ValueError(f"accumulate={accumulate} applies only with step_in_backward=True; "
-                             "otherwise accumulate by calling step() every N backwards")
-        return True if skip_nonfinite is None else bool(skip_nonfinite)
-    # In backward the check makes every update of a pass wait for the end of backward (the
-    # verdict needs every gradient), which is what the mode exists to avoid: off by default.
-    return False if skip_nonfinite is None else bool(skip_nonfinite)
 
 
 def impl_defaults(foreach, capturable, differentiable, fused) -> dict[str, Any]:
@@ -137,4 +184,6 @@ def check_group(group: dict[str, Any], g: int, cls: str,
             + ", ".join(sorted(str(d) for d in devices)) + "); emsa plans one device per "
             "optimizer: build one optimizer per device")
     for d in devices:
-        select(d)  # refuses devices without an engine, now rather than at the first step
+        if d.type not in ("cpu", "cuda"):
+            raise NotImplementedError(f"emsa: parameters on {d} are not supported; emsa runs "
+                                      "on the CPU and on CUDA devices")

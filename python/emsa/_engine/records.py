@@ -1,21 +1,16 @@
-"""Which probe-record entry each optimizer parameter is, and the record to plan from.
+"""Which probe-record entry each planned parameter is, and the record to plan from.
 
 Three ways to match, in order of preference: by identity (a record emsa.probe() made in this
 process keeps weak references), by name (the optimizer got named_parameters()), by position
 among the record's trainable parameters (shapes must agree). Record entries the optimizer does
 not hold are planned as frozen, so no state is laid out for them.
 
-Only parameters with requires_grad=True when the optimizer plans get a slot (state, arena bytes,
-a state_dict entry), as torch.optim keeps state only for parameters it updates. The others are
-frozen for this optimizer: frozen_of lists them, the front end keeps them out of every call to
-the engine and refuses one that later gets a gradient.
-
 Without a probe, the record is built at the first step from the parameters' shapes and the
 gradient-ready order that hooks installed at construction saw in the first backward
 (FirstBackwardRecorder). Forward order is then inferred as the reverse of it: backward visits
 layers in the reverse of forward, which is what the planner needs to rank slack.
 
-A DTensor parameter (FSDP2) is planned as its local shard (emsa._dtensor.local): its shape,
+A DTensor parameter (FSDP2) is planned as its local shard (emsa._distributed.dtensor.local): its shape,
 bytes and record entry are this rank's piece; hooks and names stay on the DTensor.
 """
 
@@ -24,43 +19,12 @@ from __future__ import annotations
 import copy
 import time
 import weakref
-from dataclasses import dataclass
 
 import torch
 
-from ._backend import DTYPE_NAMES
-from ._dtensor import local
-from .probe_record import ParamRecord, ProbeRecord
-
-
-@dataclass
-class Slot:
-    """One parameter the optimizer updates."""
-
-    param: torch.Tensor
-    group: int
-    index: int  # position within its group
-    name: str
-    record_index: int = -1
-
-
-def _name(group: dict, g: int, j: int) -> str:
-    names = group.get("param_names")
-    return names[j] if names else f"param_groups[{g}].params[{j}]"
-
-
-def slots_of(param_groups: list[dict]) -> list[Slot]:
-    """The planned parameters: those with requires_grad=True, in param_groups order."""
-    return [Slot(param=p, group=g, index=j, name=_name(group, g, j))
-            for g, group in enumerate(param_groups)
-            for j, p in enumerate(group["params"]) if p.requires_grad]
-
-
-def frozen_of(param_groups: list[dict]) -> list[Slot]:
-    """The parameters frozen at planning (requires_grad=False): no slot, no state."""
-    return [Slot(param=p, group=g, index=j, name=_name(group, g, j))
-            for g, group in enumerate(param_groups)
-            for j, p in enumerate(group["params"]) if not p.requires_grad]
+from .._distributed.dtensor import local
+from ..probe_record import ParamRecord, ProbeRecord
+from .params import DTYPE_NAMES, Slot
 
 
 class FirstBackwardRecorder:

@@ -1,5 +1,6 @@
-"""state_dict conversion for the optimizers (emsa.optimizers): checking a state_dict, emsa's or
-torch.optim's (the same layout), against an optimizer, and copying its state into emsa's arenas.
+"""An optimizer's state as torch sees it: opt.state's entries (emsa's own tensors, views into its
+arenas), and state_dicts, emsa's or torch.optim's (the same layout), checked against the planned
+parameters and copied into emsa's memory.
 
 load_state_dict checks everything first (check_state_dict) and only then changes anything
 (copy_state): a state_dict that does not fit leaves the optimizer as it was.
@@ -7,14 +8,18 @@ load_state_dict checks everything first (check_state_dict) and only then changes
 
 from __future__ import annotations
 
+import collections
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from . import _dtensor, _validate
+from .._distributed import dtensor
+from . import options
+from .params import PlannedParams, Slot
 
-__all__ = ["check_state_dict", "copy_state", "state_keys"]
+__all__ = ["StateEntries", "AssignedState", "state_keys", "check_state_dict", "copy_state",
+           "assign_entry"]
 
 # A loaded step count must be a whole number the engines' int64 counters and torch's float
 # "step" both hold exactly: at most the largest integer a float64 holds exactly.
@@ -45,69 +50,88 @@ class StateEntries(dict):
             held.copy_(value)
 
 
+class AssignedState(collections.defaultdict):
+    """opt.state under ZeroRedundancyOptimizer, whose load_state_dict assigns opt.state[p] =
+    {...} (copies of the saved tensors) instead of calling opt.load_state_dict. emsa's engine
+    reads only its own memory, so `assign(p, value)` copies an assigned entry into emsa's state
+    (checked first) and returns the entry to keep, emsa's; None keeps the value as given."""
+
+    def __init__(self, items, assign: Callable[[torch.Tensor, Any], Any]):
+        super().__init__(dict, items)
+        self._assign = assign
+
+    def __setitem__(self, p, value) -> None:
+        kept = self._assign(p, value)
+        super().__setitem__(p, value if kept is None else kept)
+
+
 def state_keys(kind: str) -> set[str]:
     """The state_dict keys of one parameter's state for the optimizer kind ("adamw", ...)."""
     return {"step", "exp_avg"} if kind == "lion" else {"step", "exp_avg", "exp_avg_sq"}
 
 
-def check_state_dict(opt: Any, sd: dict[str, Any], slots) -> dict[int, dict[str, Any]]:
-    """Checks a state_dict against the optimizer opt, whose planned parameters are slots;
-    returns the state by slot index."""
+def check_state_dict(sd: dict[str, Any], param_groups: list[dict], defaults: dict[str, Any],
+                     planned: PlannedParams, kind: str, cls: str,
+                     warn_once: Callable[[str, str], None]) -> dict[int, dict[str, Any]]:
+    """Checks a state_dict against an emsa.<cls> whose groups are param_groups and whose planned
+    parameters are planned; returns the state by slot index."""
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise ValueError("not an optimizer state_dict: expected 'state' and 'param_groups'")
     saved = sd["param_groups"]
-    _check_groups(opt, saved)
+    _check_groups(saved, param_groups, defaults)
+    slots = planned.slots
     # Saved ids in order are this optimizer's parameters in order, frozen ones included.
     where = {(s.group, s.index): i for i, s in enumerate(slots)}
-    flat = [where.get((g, j)) for g, group in enumerate(opt.param_groups)
+    flat = [where.get((g, j)) for g, group in enumerate(param_groups)
             for j in range(len(group["params"]))]
     ids = dict(zip((i for g in saved for i in g["params"]), flat))
     positions = dict(zip((i for g in saved for i in g["params"]),
-                         ((g, j) for g, group in enumerate(opt.param_groups)
+                         ((g, j) for g, group in enumerate(param_groups)
                           for j in range(len(group["params"])))))
-    keys = state_keys(opt._kind)
+    keys = state_keys(kind)
     sources = {}
     for k, st in sd["state"].items():
         if k not in ids:
             continue
         if ids[k] is None:
-            frozen = next(f.name for f in opt._frozen if (f.group, f.index) == positions[k])
-            opt._warn_once("frozen-state", (
+            frozen = next(f.name for f in planned.frozen if (f.group, f.index) == positions[k])
+            warn_once("frozen-state", (
                 "emsa: the state_dict holds state for parameters that were frozen "
                 "(requires_grad=False) when this optimizer planned (e.g. " + frozen + "); "
                 "emsa keeps no state for them, so it is not loaded (torch.optim would keep "
-                "it unused while they stay frozen)"), stacklevel=4)
+                "it unused while they stay frozen)"))
             continue
         sources[ids[k]] = st
-        _check_entry(slots[ids[k]], st, keys, type(opt).__name__)
+        _check_entry(slots[ids[k]], st, keys, cls)
     return sources
 
 
-def _check_groups(opt: Any, saved: list[dict[str, Any]]) -> None:
+def _check_groups(saved: list[dict[str, Any]], param_groups: list[dict],
+                  defaults: dict[str, Any]) -> None:
     """The saved param groups: as many, as long, of the same kind and with valid
     hyperparameters."""
-    if len(saved) != len(opt.param_groups) or any(
-            len(a["params"]) != len(b["params"]) for a, b in zip(saved, opt.param_groups)):
+    if len(saved) != len(param_groups) or any(
+            len(a["params"]) != len(b["params"]) for a, b in zip(saved, param_groups)):
         raise ValueError(
             "the state_dict's parameter groups hold "
             f"{[len(g['params']) for g in saved]} parameters, this optimizer's "
-            f"{[len(g['params']) for g in opt.param_groups]}; load a state_dict saved for "
+            f"{[len(g['params']) for g in param_groups]}; load a state_dict saved for "
             "the same parameter groups")
     for g, group in enumerate(saved):
         if group.get("amsgrad"):
             raise ValueError(f"the state_dict's param_groups[{g}] uses amsgrad, which emsa "
                              "does not support; keep using torch.optim for it")
         dwd = group.get("decoupled_weight_decay")
-        mine = opt.defaults.get("decoupled_weight_decay")
+        mine = defaults.get("decoupled_weight_decay")
         if dwd is not None and mine is not None and bool(dwd) != bool(mine):
             raise ValueError(
                 f"the state_dict's param_groups[{g}] has decoupled_weight_decay={dwd}: it "
                 f"is {'an AdamW' if dwd else 'an Adam'} state; load it into "
                 f"emsa.{'AdamW' if dwd else 'Adam'}")
-        _validate.check_hyper({**opt.defaults, **group}, f"state_dict param_groups[{g}]")
+        options.check_hyper({**defaults, **group}, f"state_dict param_groups[{g}]")
 
 
-def _check_entry(s, st: dict[str, Any], keys: set[str], cls: str) -> None:
+def _check_entry(s: Slot, st: dict[str, Any], keys: set[str], cls: str) -> None:
     """One parameter's saved state st, for the slot s of an emsa.<cls> whose state has keys."""
     extra = set(st) - keys - {"master"}
     if "max_exp_avg_sq" in extra:
@@ -130,23 +154,55 @@ def _check_entry(s, st: dict[str, Any], keys: set[str], cls: str) -> None:
             "bias correction), or load a state_dict saved by training")
 
 
-def copy_state(opt: Any, slots, sources: dict[int, dict[str, Any]]) -> None:
-    """Copies the checked state (by slot index) into the backend's state views, straight from
-    the source (no per-tensor cast copies); what a source lacks starts at zero, a master
-    from its parameter."""
-    backend = opt._backend
+def copy_state(engine, planned: PlannedParams,
+               sources: dict[int, dict[str, Any]]) -> dict[torch.Tensor, dict]:
+    """Copies the checked state (by slot index) into the engine's state views, straight from
+    the source (no per-tensor cast copies); what a source lacks starts at zero, a master from
+    its parameter. Returns opt.state's new entries, by parameter."""
+    entries = {}
     with torch.no_grad():
-        for i, s in enumerate(slots):
+        for i, s in enumerate(planned.slots):
             src = sources.get(i, {})
-            views = backend.state(i)
+            views = engine.state(i)
             for key, view in views.items():
                 if key == "step":
                     view.fill_(float(src.get("step", 0)))
                 elif key in src:
-                    view.copy_(_dtensor.shard_like(src[key], s.param))
+                    view.copy_(dtensor.shard_like(src[key], s.param))
                 elif key == "master":
-                    view.copy_(_dtensor.local(s.param))
+                    view.copy_(dtensor.local(s.param))
                 else:
                     view.zero_()
-            opt.state[s.param] = _dtensor.wrap_state(views, s.param)
-    backend.state_loaded()
+            entries[s.param] = StateEntries(dtensor.wrap_state(views, s.param))
+    engine.state_loaded()
+    return entries
+
+
+def assign_entry(engine, planned: PlannedParams, p: torch.Tensor, value) -> dict | None:
+    """opt.state[p] = value under ZeroRedundancyOptimizer (AssignedState): value's tensors
+    copied into p's state views, which are returned as the entry to keep; None when p is not a
+    planned parameter (or value is its entry already), so value is kept as given."""
+    i = next((k for k, q in enumerate(planned.slots) if q.param is p), None)
+    if i is None or value is engine.state(i):
+        return None
+    views = engine.state(i)
+    name = planned.names[i]
+    keys = set(views) - {"master"}
+    if not isinstance(value, dict) or not keys - {"step"} <= set(value) or (
+            set(value) - keys - {"master"}):
+        got = sorted(value) if isinstance(value, dict) else type(value).__name__
+        raise ValueError(f"state for {name} has keys {got}; emsa expects {sorted(keys)}: "
+                         "is it another optimizer's?")
+    for key, t in value.items():
+        if key != "step" and (not isinstance(t, torch.Tensor) or t.shape != p.shape):
+            raise ValueError(f"state for {name}: {key} does not have the parameter's shape "
+                             f"{tuple(p.shape)}; load a state_dict saved for this model")
+    engine.sync_state()
+    with torch.no_grad():
+        for key, view in views.items():
+            if key == "step":
+                view.fill_(float(value.get("step", 0)))
+            elif key in value:
+                view.copy_(value[key])
+    engine.state_loaded()
+    return views

@@ -1,42 +1,17 @@
-"""The trainers emsa works under (Hugging Face's, Lightning's): what their callbacks (emsa.hf,
-emsa.lightning) hand an emsa optimizer (gradient accumulation, the clipping threshold), and
-what an in-backward optimizer reads of a trainer stepping it without one (calling_trainer,
-lightning_request). No trainer library is imported here."""
+"""What an in-backward optimizer reads of a trainer stepping it (Hugging Face's, Lightning's):
+calling_trainer finds a Hugging Face Trainer that runs no emsa callback, lightning_request what
+Lightning will do after a closure. No trainer library and no emsa integration is imported here:
+a callback that hands the trainer's settings to emsa carries the class attribute
+HANDS_OVER_TO_EMSA, which is what is looked for."""
 
 from __future__ import annotations
 
 import inspect
 import sys
-import warnings
 
-
-def hand_accumulation(opt, steps: int, callback: str, setting: str) -> int | None:
-    """With step_in_backward the trainer's `steps` backwards per optimizer step become emsa's
-    accumulate= (emsa updates in the last). Returns the value to restore at the end, or None
-    when nothing changed. An optimizer built with another accumulate= is refused: the trainer
-    zeroes the gradients after each optimizer step, so the two must agree."""
-    if not opt._in_backward or opt._accumulate == steps:
-        return None
-    if opt._accumulate != 1:
-        raise ValueError(
-            f"{callback}: the emsa optimizer accumulates {opt._accumulate} backward passes "
-            f"(accumulate=), the trainer's {setting} is {steps}. The trainer zeroes the "
-            f"gradients after each optimizer step, so they must agree: pass {setting}=N to the "
-            "trainer (the callback hands it to emsa) and leave emsa's accumulate at 1")
-    previous, opt._accumulate = opt._accumulate, steps
-    return previous
-
-
-def hand_clipping(opt, wanted: float, callback: str, setting: str) -> None:
-    """The trainer's clipping threshold becomes emsa's max_grad_norm, unless the optimizer was
-    given its own (kept, with a warning when they differ)."""
-    if opt.max_grad_norm is None:
-        opt.max_grad_norm = wanted
-    elif opt.max_grad_norm != wanted:
-        warnings.warn(
-            f"{callback}: the emsa optimizer clips at max_grad_norm={opt.max_grad_norm}, the "
-            f"trainer's {setting} is {wanted}; emsa's threshold is kept and the trainer's "
-            "clipping is turned off", RuntimeWarning, stacklevel=3)
+# The marker of a trainer callback that hands the trainer's clipping and accumulation to emsa
+# (emsa.hf.EmsaTrainerCallback sets it as a class attribute).
+HANDS_OVER_TO_EMSA = "emsa_hands_over"
 
 
 def clip_algorithm(trainer) -> str:
@@ -71,10 +46,8 @@ def calling_trainer(frame):
         frame = frame.f_back
     else:
         return None
-    from .hf import EmsaTrainerCallback  # transformers is loaded: its Trainer called
-
     handler = getattr(trainer, "callback_handler", None)
-    if any(isinstance(c, EmsaTrainerCallback) for c in getattr(handler, "callbacks", [])):
+    if any(getattr(c, HANDS_OVER_TO_EMSA, False) for c in getattr(handler, "callbacks", [])):
         return None
     return trainer
 

@@ -1,6 +1,6 @@
 """A libemsa device arena seen from torch: one device allocation, state tensors are CUDA views.
 
-Each view is a DLPack export holding the arena's memory (emsa._dlpack), so the memory is freed
+Each view is a DLPack export holding the arena's memory (emsa._native.dlpack), so the memory is freed
 when this handle is closed and the last view is gone, in either order: a state_dict may outlive
 its optimizer.
 """
@@ -11,8 +11,8 @@ import ctypes
 
 import torch
 
-from ._capi import check, lib, take_string
-from ._dlpack import export_view
+from .dlpack import export_view
+from .library import check, lib, take_string
 
 KINDS = {0: "vmm", 1: "cudaMalloc"}
 

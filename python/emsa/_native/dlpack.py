@@ -14,8 +14,8 @@ import ctypes
 
 import torch
 
-from . import _capi
-from ._capi import check, lib
+from .library import check, lib
+from .structs import DTYPE
 
 _NAME = b"dltensor"  # module-lifetime bytes: capsules keep a pointer to this name
 _Destructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -49,8 +49,8 @@ def to_torch(dlmanaged: int) -> torch.Tensor:
     return torch.utils.dlpack.from_dlpack(capsule(dlmanaged))
 
 
-_DTYPE_CODES = {torch.float32: _capi.DTYPE["float32"], torch.bfloat16: _capi.DTYPE["bfloat16"],
-                torch.float16: _capi.DTYPE["float16"]}
+_DTYPE_CODES = {torch.float32: DTYPE["float32"], torch.bfloat16: DTYPE["bfloat16"],
+                torch.float16: DTYPE["float16"]}
 
 
 def export_view(export_fn, handle, offset: int, like: torch.Tensor,

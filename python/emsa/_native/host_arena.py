@@ -22,7 +22,8 @@ import warnings
 
 import torch
 
-from ._capi import HostArenaFacts, HostArenaOptions, check, lib, take_string
+from .library import check, lib, take_string
+from .structs import HostArenaFacts, HostArenaOptions
 
 # EMSA_HOST_PIN_* as words, for reports.
 PIN_NAMES = {0: "pageable", 1: "cudaHostRegister", 2: "cudaHostAlloc"}
@@ -153,11 +154,10 @@ def pinned_arena(nbytes: int, times: dict, locked_bytes: int | None = None) -> H
     return arena
 
 
-def host_memory(backend) -> dict:
-    """The host memory a backend's arenas hold: bytes page-locked and pageable, and how each
-    arena was obtained (opt._host_memory, for the report)."""
-    arenas = [getattr(backend, "host_arena", None), *getattr(backend, "arenas", {}).values()]
-    described = [a.describe() for a in arenas if isinstance(a, HostArena)]
+def host_memory(arenas: list[HostArena]) -> dict:
+    """The host memory these arenas hold: bytes page-locked and pageable, and how each arena
+    was obtained (for the report)."""
+    described = [a.describe() for a in arenas]
     return {"locked_bytes": sum(d["locked_bytes"] for d in described),
             "pageable_bytes": sum(d["pageable_bytes"] for d in described),
             "arenas": described}

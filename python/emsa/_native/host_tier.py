@@ -45,8 +45,9 @@ import weakref
 
 import torch
 
-from . import _capi, _tuning
-from ._capi import HostTierOptions, HostTierStepStats, HostTierTensor, check, lib
+from . import tuning
+from .library import check, lib
+from .structs import OPTIMIZER, SIMD, HostTierOptions, HostTierStepStats, HostTierTensor
 
 
 def _is_compiling_function():
@@ -117,23 +118,23 @@ class HostTier:
         self.h2d = torch.cuda.Stream(device)
         # libemsa's rule for the pool (one core fewer than this process may use; the profile
         # measures on as many), unless EMSA_HOST_THREADS overrides it.
-        threads = _tuning.host_threads() or lib.emsa_host_tier_threads(
+        threads = tuning.host_threads() or lib.emsa_host_tier_threads(
             len(os.sched_getaffinity(0)))
-        check(lib.emsa_cpu_updater_create(threads, _capi.SIMD["avx512"],
+        check(lib.emsa_cpu_updater_create(threads, SIMD["avx512"],
                                           ctypes.byref(self.updater)))
         # libemsa's defaults (HostTierOptions) are the product's; this states only how buckets
         # are submitted and what the caller's budget lets pacing hold. The rest are overrides
-        # for A/B runs, read by _tuning (None: keep the default).
+        # for A/B runs, read by tuning (None: keep the default).
         options = HostTierOptions()
         lib.emsa_host_tier_options_init(ctypes.byref(options))
-        options.optimizer = _capi.OPTIMIZER[optimizer]
+        options.optimizer = OPTIMIZER[optimizer]
         options.device = device.index
         options.submit_in_backward = 1 if in_backward else 0
         options.paced_hold_bytes = hold_bytes
-        for field, value in (("paced_copies", _tuning.host_pace()),
-                             ("device_delta", _tuning.host_delta()),
-                             ("stream_slots", _tuning.host_stream_slots()),
-                             ("stream_piece_elements", _tuning.host_stream_piece())):
+        for field, value in (("paced_copies", tuning.host_pace()),
+                             ("device_delta", tuning.host_delta()),
+                             ("stream_slots", tuning.host_stream_slots()),
+                             ("stream_piece_elements", tuning.host_stream_piece())):
             if value is not None:
                 setattr(options, field, int(value))
         self.paced = in_backward and options.paced_copies > 0
@@ -172,7 +173,7 @@ class HostTier:
             bucket_of[id(p)] = int(t.bucket)
         self._bucket_of = bucket_of
         self._module_buckets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.sharded = False  # FSDP2's all-gathers read this tier's shards (emsa._dtensor)
+        self.sharded = False  # FSDP2's all-gathers read this tier's shards (emsa._distributed.dtensor)
         self._compiled_warned = False
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(
             forward_pre_hook(self))

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import ctypes
 
-from . import _capi
-from ._capi import ModelOptions, check, lib, take_string
+from .library import check, lib, take_string
+from .structs import DTYPE, ModelOptions
 
 __all__ = ["model_probe", "model_options", "device_preset"]
 
@@ -27,7 +27,7 @@ def model_options(*, batch: int = 1, seq_len: int = 0, checkpointing: bool = Fal
     options.seq_len = int(seq_len)
     options.activation_checkpointing = int(bool(checkpointing))
     options.eager_attention = int(bool(eager_attention))
-    options.param_dtype = _capi.DTYPE[PARAM_DTYPES[param_dtype]]
+    options.param_dtype = DTYPE[PARAM_DTYPES[param_dtype]]
     options.matmul_flops = float(matmul_flops)
     return options
 

@@ -13,15 +13,21 @@ from typing import Any
 
 import torch
 
-from . import _capi
-from ._capi import EmsaError, ModelOptions, PlanOptions, check, lib, take_string
+from .library import EMSA_INFEASIBLE, EmsaError, check, lib, take_string
+from .structs import DTYPE, OPTIMIZER, ModelOptions, PlanOptions
 
 __all__ = ["Plan", "make_plan", "infeasible_message", "measure_profile", "parse_bytes",
            "InfeasibleBudgetError"]
 
-EMSA_INFEASIBLE = 4
-
 STATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def state_dtype_code(state_dtype) -> int:
+    """libemsa's code for a state dtype; ValueError naming the ones emsa keeps state in."""
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype={state_dtype}; emsa keeps optimizer state in "
+                         "torch.float32 or torch.bfloat16")
+    return DTYPE[STATE_DTYPES[state_dtype]]
 
 
 class InfeasibleBudgetError(EmsaError):
@@ -62,7 +68,7 @@ def measure_profile(measure_bandwidth: bool = True, gpu_device: int = 0, *, cach
     read fresh): cache=False measures them without reading or writing it, refresh=True measures
     and rewrites it (as `emsa profile --refresh`)."""
     if measure_bandwidth and cache:
-        from ._profile_cache import cached_profile
+        from .profile_cache import cached_profile
 
         return cached_profile(gpu_device, refresh=refresh)["profile"]
     out = ctypes.c_void_p()
@@ -136,7 +142,7 @@ class Plan:
 
     def __del__(self):
         handle, self._handle = getattr(self, "_handle", None), None
-        if handle and _capi is not None and lib._dll is not None:
+        if handle and lib is not None and lib._dll is not None:
             lib.emsa_plan_destroy(handle)
 
 
@@ -195,15 +201,13 @@ def _plan_options(optimizer: str = "adamw", state_dtype: torch.dtype = torch.flo
                   budget: int | str | None = None, allow_host_tier: bool = True,
                   force_all_host: bool = False, release_grads: bool = False,
                   device_update_share: float = -1.0, gated_steps: bool = False) -> PlanOptions:
-    if optimizer not in _capi.OPTIMIZER:
-        raise ValueError(f"optimizer={optimizer!r}; use one of {sorted(_capi.OPTIMIZER)}")
-    if state_dtype not in STATE_DTYPES:
-        raise ValueError(f"state_dtype={state_dtype}; emsa keeps optimizer state in "
-                         "torch.float32 or torch.bfloat16")
+    if optimizer not in OPTIMIZER:
+        raise ValueError(f"optimizer={optimizer!r}; use one of {sorted(OPTIMIZER)}")
+    state_code = state_dtype_code(state_dtype)
     options = PlanOptions()
     lib.emsa_plan_options_init(ctypes.byref(options))
-    options.optimizer = _capi.OPTIMIZER[optimizer]
-    options.state_dtype = _capi.DTYPE[STATE_DTYPES[state_dtype]]
+    options.optimizer = OPTIMIZER[optimizer]
+    options.state_dtype = state_code
     options.allow_host_tier = int(allow_host_tier)
     options.force_all_host = int(force_all_host)
     options.release_grads = int(release_grads)

@@ -20,7 +20,7 @@ import logging
 import os
 from typing import Any, Iterator
 
-from ._capi import check, lib, take_string
+from .library import check, lib, take_string
 
 __all__ = ["cached_profile", "measurement_count", "source_line", "last_source", "watching"]
 
