@@ -21,7 +21,8 @@ emsa_apt_install() {
 }
 
 emsa_build_deps() {
-  emsa_apt_install build-essential cmake ccache libgtest-dev libgmock-dev python3 python3-venv
+  emsa_apt_install build-essential cmake ccache libgtest-dev libgmock-dev nlohmann-json3-dev \
+    python3 python3-venv
 }
 
 # ccache, when installed, in front of every compiler (nvcc included); paths are made relative

@@ -1,9 +1,12 @@
-// json.h — a small JSON value, reader and writer for emsa's own files (probe records, device
-// profiles, plans). Internal: not part of the public API.
+// json.h — a small JSON value, parser, reader and writer for emsa's own files (probe records,
+// device profiles, plans) and Hugging Face config.json files. Internal: not part of the public API.
 //
-// Why our own: the core must build with nothing but a compiler (the GPU host installs nothing),
-// and errors must name the field that is wrong ("params[3].shape[1]: expected an integer"),
-// which the Reader below does. Objects keep insertion order so written files are byte-stable.
+// Parse reads the text with nlohmann/json's parser (header-only, included by json_parse.cc alone)
+// and adds emsa's limits and rules. The Value, the Reader and the writer are emsa's: a Value is one
+// word, so a parsed record stays within a small multiple of its text; errors name the field that
+// is wrong ("params[3].shape[1]: expected an integer"); and written files keep emsa's layout and
+// insertion order byte for byte (examples/probes/ are compared as bytes). docs/decisions.md has
+// the measurements behind the split.
 #pragma once
 
 #include <cstdint>
@@ -98,8 +101,11 @@ inline constexpr size_t kMaxValues = size_t{1} << 22;
 // Files larger than this are refused before they are read.
 inline constexpr uint64_t kMaxFileBytes = uint64_t{128} << 20;
 
-// Parses one JSON document. Errors are kParseError with "line L, column C: what".
-// Nesting deeper than kMaxDepth or more than kMaxValues values is refused. Linear in the text.
+// Parses one JSON document (RFC 8259: strings must be UTF-8; a leading byte order mark is
+// skipped). Errors are kParseError with "line L, column C: what"; kOutOfMemory if an allocation
+// fails. Refused beyond the RFC: nesting deeper than kMaxDepth, more than kMaxValues values, a key
+// repeated in an object, an integer outside int64 (never rounded to a double), a NUL byte.
+// Linear in the text.
 Result<Value> Parse(std::string_view text);
 
 // Where Parse hands over the elements of the root object's large arrays, so that a document
@@ -116,6 +122,7 @@ Result<Value> Parse(std::string_view text, const ElementSink& sink);
 
 // Writes compact (indent < 0) or pretty (indent >= 0 spaces) JSON. Doubles are written with the
 // fewest digits that read back to the same value, so identical values give identical text.
+// Strings are written as held: one that is not UTF-8 gives text Parse refuses.
 std::string Write(const Value& value, int indent = 2);
 
 // Writes an object one member at a time, the same text as Write(object, indent), so that a
