@@ -1,8 +1,8 @@
 // tuning.h — the environment variables libemsa's C++ code reads: all of them, here and nowhere
 // else in src/.
 //
-// Each is an override for tests and A/B runs; none is needed for normal use. The README's table
-// "Environment variables" (and python/emsa/_tuning.py's KNOBS) lists the same names and
+// Each is an override for tests and A/B runs; none is needed for normal use. CONTRIBUTING.md's
+// table "Environment variables" (and python/emsa/_tuning.py's KNOBS) lists the same names and
 // meanings: change them together. Each function reads the environment on every call, so a test
 // may set a variable for one scope.
 #pragma once

@@ -1,9 +1,9 @@
 """The environment variables emsa reads, all of them, here and nowhere else.
 
-Each is an override for benchmarks and A/B runs or a path; none is needed for normal use. The
-README's table "Environment variables" lists the same names, defaults and meanings: change both
-together. Values are checked: a malformed one raises ValueError naming the variable and what it
-accepts, rather than being ignored.
+Each is an override for benchmarks and A/B runs or a path; none is needed for normal use.
+CONTRIBUTING.md's table "Environment variables" lists the same names, defaults and meanings:
+change both together. Values are checked: a malformed one raises ValueError naming the variable
+and what it accepts, rather than being ignored.
 """
 
 from __future__ import annotations
