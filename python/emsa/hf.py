@@ -1,43 +1,18 @@
 """Hugging Face Trainer with an emsa optimizer: clipping by emsa, exact in every mode.
 
-Trainer clips between backward and optimizer.step() (args.max_grad_norm, 1.0 by default) with
-torch.nn.utils.clip_grad_norm_. With step_in_backward=True emsa has already updated from (and
-released) the gradients by then, so Trainer's clipping would silently act on nothing; in
-step() mode it costs a separate pass over every gradient that emsa fuses into its update. The
-recipe hands the threshold to emsa instead:
+Trainer clips with clip_grad_norm_ between backward and optimizer.step() (max_grad_norm=1.0 by
+default); with step_in_backward=True emsa has already updated from the gradients by then, and in
+step() mode that clipping is an extra pass emsa fuses into its update. The callback hands
+Trainer's threshold, gradient accumulation and fp16 GradScaler to emsa at train begin and gives
+them back at train end:
 
-    import emsa
-    from emsa.hf import EmsaTrainerCallback
-
-    opt = emsa.AdamW(model.parameters(), lr=5e-5, weight_decay=0.0,
-                     step_in_backward=True, tier="host")      # or any emsa options
-    sched = transformers.get_linear_schedule_with_warmup(opt, 100, 1000)
+    opt = emsa.AdamW(model.parameters(), lr=5e-5, step_in_backward=True, tier="host")
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
                                    optimizers=(opt, sched), callbacks=[EmsaTrainerCallback()])
-    trainer.train()
 
-At train begin the callback sets opt.max_grad_norm = args.max_grad_norm (unless the optimizer
-was given its own max_grad_norm=) and args.max_grad_norm = 0, so Trainer does not clip; at
-train end it restores args.max_grad_norm. emsa then clips by the global norm of every gradient
-the optimizer holds, as clip_grad_norm_ does, inside its update.
-
-Gradient accumulation: Trainer(gradient_accumulation_steps=N) runs N backwards per optimizer
-step. With step_in_backward=True the callback hands N to emsa (accumulate=N), which then
-updates, and clips by the accumulated gradients' norm, in the Nth backward. An emsa optimizer
-built with another accumulate= is refused: Trainer zeroes the gradients after each optimizer
-step, so the two must agree.
-
-Without the callback, an emsa optimizer with step_in_backward=True refuses Trainer's first
-step() if Trainer clips (args.max_grad_norm > 0, its default) or accumulates batches that emsa
-does not: that clipping would act on nothing, and emsa would update in every backward.
-
-Also, with step_in_backward=True:
-- fp16 (Trainer/Accelerate's GradScaler): the callback gives the scaler to the optimizer
-  (opt.grad_scaler), so emsa unscales in backward, skips inf/nan passes and reports them to
-  scaler.update();
-- the logged "grad_norm" is emsa's (Trainer's own norm reads .grad, which emsa released).
-Trainer still computes a norm for logging each step (clip_grad_norm_ with max_norm=inf):
-that pass is Trainer's, not emsa's.
+Without the callback, an in-backward emsa optimizer refuses Trainer's first step() if Trainer
+clips or accumulates, since that clipping would act on nothing. The logged "grad_norm" is
+emsa's. docs/usage.md ("Hugging Face Trainer") has the recipe in full.
 """
 
 from __future__ import annotations

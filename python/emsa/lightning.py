@@ -1,33 +1,15 @@
 """Lightning's Trainer with an emsa optimizer: clipping by emsa, exact in every mode.
 
-Lightning clips after the closure has run backward and before optimizer.step(), with
-torch.nn.utils.clip_grad_norm_ (Trainer(gradient_clip_val=...)). With step_in_backward=True
-emsa has already updated from, and released, the gradients by then, so that clipping would act
-on nothing. emsa refuses such a step (see lightning_clip_request). In step() mode Lightning's
-clipping is exact but costs a separate pass over every gradient, which emsa fuses into its
-update. The recipe hands the threshold to emsa:
-
-    import lightning as L
-    import emsa
-    from emsa.lightning import EmsaLightningCallback
-
-    class Model(L.LightningModule):
-        def configure_optimizers(self):
-            return emsa.AdamW(self.parameters(), lr=1e-3, step_in_backward=True, tier="host")
+Lightning clips with clip_grad_norm_ after backward; with step_in_backward=True emsa has already
+updated from the gradients by then, and in step() mode that clipping is an extra pass emsa fuses
+into its update. The callback hands the threshold (and accumulate_grad_batches, and fp16's
+GradScaler) to emsa at fit start and gives them back at fit end:
 
     trainer = L.Trainer(gradient_clip_val=1.0, callbacks=[EmsaLightningCallback()])
-    trainer.fit(Model(), loader)
+    trainer.fit(Model(), loader)   # configure_optimizers returns an emsa optimizer
 
-With step_in_backward=True the callback hands the Trainer's accumulate_grad_batches=N to emsa
-(accumulate=N): Lightning runs N backwards per optimizer step and emsa updates in the last.
-At fit start the callback sets opt.max_grad_norm = trainer.gradient_clip_val on every emsa
-optimizer that was not given its own max_grad_norm=. It then sets trainer.gradient_clip_val =
-None, so Lightning does not clip, and restores it at fit end. emsa clips by the global norm of
-every gradient the optimizer holds, as clip_grad_norm_ does, inside its update. Clipping by
-value (gradient_clip_algorithm="value") has no fused form: the callback refuses it with
-step_in_backward=True; in step() mode it leaves it to Lightning. With step_in_backward=True and
-fp16 ("16-mixed"), the callback gives Lightning's GradScaler to the optimizer (opt.grad_scaler).
-emsa then unscales in backward, skips inf/nan passes and reports them to scaler.update().
+Clipping by value has no fused form: refused with step_in_backward=True, left to Lightning in
+step() mode. docs/usage.md ("Lightning") has the recipe in full.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ most is emsa's own next forward reading its parameters. Against torch.optim.Adam
 optimizer is compared on shared gradients (see test_matches_torch_every_step).
 
 Parameters are read outside a module's forward only after opt.synchronize(), as the CUDA
-backend's docstring asks for host-tier parameters.
+engine's docstring asks for host-tier parameters.
 """
 
 import copy

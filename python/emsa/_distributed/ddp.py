@@ -1,31 +1,13 @@
 """step_in_backward under DistributedDataParallel: updates from DDP's communication hook.
 
-emsa's own gradient hooks fire when a parameter's local gradient is accumulated, before DDP
-has averaged it; here they are removed and DDP's communication hook drives the pass instead.
-Per DDP bucket, in backward:
-  - the hook divides the bucket by the world size and all-reduces it (what DDP's default
-    allreduce_hook does), and returns that future to DDP;
-  - once the all-reduce is done, each of the bucket's parameters is handed to the optimizer's
-    in-backward path (as its own hook would: emsa's buckets update as their members become
-    final) with .grad pointing at its averaged gradient in DDP's bucket. On CUDA the NCCL
-    future is complete at once (its work is ordered by events), so the updates are enqueued on
-    a side stream that waits for the all-reduce, and backward's own stream goes on without
-    waiting for the communication; on the CPU (gloo) a bucket is taken at the next hook call
-    that finds its all-reduce done, or at the end of backward.
-  - at the end of backward, after DDP's own finalize (queued by DDP once its last bucket is
-    ready, so this queues itself again from a callback queued at the pass's first bucket),
-    before emsa's end of the pass (run from here, not queued): the rest, then the parameters that
-    got no local gradient (find_unused_parameters): DDP has by then written .grad for those some
-    rank used (updated as usual) and left the rest None (skipped with their step count, as
-    torch.optim skips them); DDP's finalize wrote .grad back for parameters emsa had already
-    updated from, which are set to None again so that the end of the pass does not update
-    them twice; the compute stream waits for the side stream.
-
-Accumulation: backward passes under ddp_model.no_sync() call no hook, so emsa updates nothing
-and .grad accumulates; the next synchronized backward reduces and updates (accumulate= must
-stay 1). static_graph=True and find_unused_parameters=True work (the latter as above). A comm
-hook replaces DDP's default reduction, and DDP takes one: another registered hook (fp16
-compression, PowerSGD) cannot be combined with ddp=.
+emsa's own gradient hooks fire before DDP has averaged a gradient, so here DDP's comm hook
+drives the pass: per DDP bucket it averages and all-reduces (as DDP's default hook), and once
+the all-reduce is done hands the bucket's parameters to the optimizer's in-backward path with
+.grad pointing at the averaged gradient. On CUDA the updates are enqueued on a side stream that
+waits for the all-reduce; on gloo a bucket is taken at the next hook call that finds it done.
+The end of backward, after DDP's own finalize, handles unused parameters and ends emsa's pass.
+Under ddp_model.no_sync() nothing updates and .grad accumulates (accumulate= stays 1). Another
+comm hook (fp16 compression, PowerSGD) cannot be combined with ddp=. Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,48 +1,13 @@
 """DTensor parameters (FSDP2's fully_shard, tensor parallel): emsa optimizes each rank's shard.
 
-A DTensor parameter is a global tensor of which this rank holds a local piece
-(`param._local_tensor`, what to_local() returns outside autograd). emsa plans, binds and updates
-those local pieces: the engines see plain tensors of the local shape, the optimizer's param
-groups and opt.state keep the DTensors, as torch.optim does under FSDP2. Each rank plans its own
-shards under its own budget= (a rank's shards may differ in size from another's: FSDP2 pads the
-last ranks' shards of a dim that does not divide evenly), so ranks do not share one plan.
-
-- Binding: Shards.engine_slots gives the engines the local tensors. FSDP2 keeps the sharded
-  parameters' storage in place across steps and across reshard_after_forward (only the
-  unsharded copies come and go), so the engines' raw pointers stay valid; a storage that moves
-  (model.to(), load_state_dict(assign=True)) is what the engines already detect.
-- Gradients: FSDP2 sets the DTensor's .grad after its reduce-scatter. Before an engine reads
-  gradients, Shards.pull makes each local tensor's .grad the DTensor gradient's local piece
-  (the same memory, no copy); release() drops both, so the reduce-scatter output is freed.
-- Updates in backward: FSDP2 calls the sharded parameters' post-accumulate-grad hooks once
-  their reduced gradient is set (from its reduce-scatter, on its reduce stream), which is when
-  emsa's hooks update; autograd never accumulates into a sharded parameter itself.
-- The next forward: what reads a sharded parameter is its FSDP unit's pre-forward (the
-  all-gather's copy-in, or at world size 1 a copy into the unsharded parameter on the current
-  stream), not the module that uses it, and FSDP orders its all-gather streams after the
-  compute stream only once, at the root's pre-forward. forward_waits() therefore makes each
-  unit's pre-forward wait for exactly its own parameters' host-tier uploads (and those of the
-  units it prefetches), on the current stream and on FSDP's all-gather streams, before FSDP's
-  own pre-forward hook runs (global forward pre-hooks run before a module's own); the uploads
-  of later units overlap the earlier units' forward. A plain module's own DTensor parameters
-  (tensor parallel) are waited for at its forward. Where FSDP's internals cannot be read, the
-  unit waits for every pending upload. An explicit FSDPModule.unshard() after a step reads the
-  shards outside any forward: call the optimizer's synchronize() first. Shard the embedding and
-  the output layer as units of their own (as torchtitan does): a root unit's gradients are
-  reduced only when the whole backward ends and its parameters are read first by the next
-  forward, so host-tier parameters in the root unit make that forward wait for the step's last
-  update.
-- State: opt.state and state_dict() hold each DTensor parameter's state tensors as DTensors
-  with its mesh and placements (aliasing emsa's arenas), so torch.distributed.checkpoint
-  reshards them between world sizes; "step" stays a plain scalar, as torch.optim keeps it.
-  load_state_dict takes DTensor state (any placements: redistributed), the full tensor (this
-  rank's piece is cut out) or, for a plain parameter, a DTensor (gathered).
-- Gradient accumulation: FSDP2 reduce-scatters (and so runs the hooks) only in backwards with
-  gradient sync on; with updates in backward, accumulate under
-  model.set_requires_gradient_sync(False) and leave accumulate=1: the synchronized backward
-  updates from the accumulated gradients.
-- Clipping and the non-finite verdict across shards: norm_group() is the process group whose
-  SUM all-reduce of the squared norm gives the global norm of the sharded model.
+The engines plan, bind and update the local pieces (plain tensors of the local shape); the param
+groups and opt.state keep the DTensors, as torch.optim does under FSDP2, and each rank plans its
+own shards under its own budget=. Shards.pull points each local .grad at the DTensor gradient's
+local piece before an engine reads it; release() drops both. forward_waits() makes each FSDP
+unit's pre-forward wait for exactly its own parameters' host-tier uploads. State is returned as
+DTensors with the parameter's mesh and placements (aliasing emsa's arenas), so
+torch.distributed.checkpoint reshards it; norm_group() is the group whose SUM all-reduce gives
+the global norm. The whole story (FSDP2's streams, root units, accumulation): docs/internals.md.
 """
 
 from __future__ import annotations

@@ -2,27 +2,13 @@
 kernels on torch's current stream; state the plan puts on the host tier updated by the CPU while
 the GPU runs.
 
-Bound once, before the first step, all synchronously: the arenas and each slot's views and
-masters (CudaState), the scalars and the plan's buckets as update tables (DeviceKernels), and,
-when the plan uses it, libemsa's host tier (emsa._native.host_tier.HostTier). A step enqueues on
-torch.cuda.current_stream() and never waits for the GPU: the hyperparameters of groups whose
-values changed, the gradient addresses if any changed, and the update.
-
-Absent gradients: a parameter whose .grad is None at step() (or that got no gradient in a
-pass) gets a NULL gradient in its table: not updated, its own step count stays, as torch skips
-it. Gated steps (the non-finite check, clipping, a loss scale) wait for the statistics of every
-gradient and the verdict the device makes of them (kernels/step_verdict.h, the CPU engine's
-rule too): in step() mode summed at step(), in backward per bucket as its gradients become final
-(device-tier gradients are then held until backward ends). Skipped steps and norms are learned
-late (cuda_stats.HeaderRing): last_step_skipped, last_grad_norm, clip_count and state_dict()
-wait for the GPU; until a skip is read the "step" counts in opt.state include it.
-
-Parameters stay at the addresses they had when planned (the tables record them): copy new values
-in (model.load_state_dict does); replacing the storage (p.data = ..., .to()) raises. The host
-tier's buckets: gradients down on a D2H stream, the CPU update, parameters (or, for fp32
-parameters under AdamW and Lion, the update's delta) up on an H2D stream, the next forward
-waiting per module; with step_in_backward submitted from the gradient hooks, so the copies hide
-under backward. docs/usage.md ("The host tier") says what a user sees of it.
+Bound once, before the first step: the arenas, views and masters (CudaState), the scalars and
+buckets as update tables (DeviceKernels) and, when the plan uses it, libemsa's host tier. A step
+enqueues on torch.cuda.current_stream() and never waits for the GPU. A parameter whose .grad is
+None gets a NULL gradient in its table (not updated, its step count stays). Gated steps wait for
+every gradient's statistics and the device's verdict (kernels/step_verdict.h, the CPU engine's
+rule too); skips and norms are learned late (cuda_stats.HeaderRing). Parameters stay at the
+addresses they had when planned: replacing the storage raises. Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """The CUDA engine's state memory: its arenas, each slot's views, the host tier's hidden staging,
 the masters' values, and the host arena's population.
 
-Views, at the plan's offsets: exp_avg, exp_avg_sq (not Lion) and, for a 16-bit parameter, its
-fp32 master, in the device arena (device tier) or the pinned host arena (host tier). A host-tier
-slot also holds, hidden from the state: the gradient staging (the copy down lands there; a 16-bit
-parameter's update writes the rounded parameter over it, and the copy up reads it there) and, for
-an fp32 parameter, its host master (the parameter the CPU updates).
-
-The host arena's two parts (the plan's host_locked_bytes): every view a copy to or from the
-device touches (gradient staging, fp32 masters, GPU-updated buckets' moments) lies in a
-page-locked prefix; the moments and masters that only CPU threads touch lie after it, in
-pageable memory that libemsa populates in the background, front to back in gradient-ready
-order. Before a host-tier bucket's update reads its state, the population must have passed it
-(no page fault inside a step): await_populated waits for that, which costs nothing once it has.
-
-Masters are fp32(param) exactly (bf16 and fp16 widen to fp32 without rounding): a device-tier
-master is converted on the device; a host-tier 16-bit parameter is copied down by DMA into its
-pinned gradient staging, then widened into its master on CPU threads (which also populates the
-master's pageable pages); an fp32 parameter's host master is in the prefix: one DMA.
+Views at the plan's offsets: exp_avg, exp_avg_sq (not Lion) and a 16-bit parameter's fp32
+master, in the device arena (device tier) or the pinned host arena (host tier). A host-tier slot
+also holds, hidden from the state, its gradient staging and, for an fp32 parameter, its host
+master. The host arena's page-locked prefix holds every view a copy touches; what only CPU
+threads touch lies after it in pageable memory that libemsa populates in the background, and
+await_populated makes sure no step faults a page in. Masters are fp32(param) exactly. Where
+each byte lives and why: docs/internals.md.
 """
 
 from __future__ import annotations

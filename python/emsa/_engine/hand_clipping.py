@@ -1,29 +1,14 @@
-"""Clipping by hand after an in-backward pass: torch.nn.utils.clip_grad_norm_ and
-clip_grad_value_ called on gradients an emsa optimizer with step_in_backward=True has already
-updated from and released.
+"""Clipping by hand after an in-backward pass: clip_grad_norm_ and clip_grad_value_ called on
+gradients an emsa optimizer with step_in_backward=True has already updated from and released.
 
-torch's functions skip parameters whose .grad is None, so such a call clips nothing and
-returns a norm of 0, silently: the update it was meant to bound is already done. While an
-in-backward emsa optimizer exists, both functions (as torch.nn.utils and
-torch.nn.utils.clip_grad name them, which is where torch, Accelerate and Lightning look them
-up at each call) and Accelerate's Accelerator.clip_grad_norm_ (which skips parameters without
-a gradient before calling torch) first ask each live in-backward optimizer whether the call
-names parameters whose gradients its last pass consumed:
-  - clip_grad_norm_ with emsa's own max_grad_norm (L2 norm): emsa clipped those gradients,
-    exactly, inside backward. The call returns emsa's norm of that pass (a 0-d float32 tensor
-    on the parameters' device; reading it waits for the GPU) and warns once that the call is
-    redundant.
-  - max_norm=inf (the norm alone, which Hugging Face Trainer asks for each step to log it):
-    emsa's norm of that pass when emsa clips, else nan with a warning (emsa computes the norm
-    only when it clips; torch's call would say 0).
-  - any other threshold, norm type, or clip_grad_value_: refused (RuntimeError) with what to
-    do. Nothing has changed by then but the update the pass already made.
-  - a Hugging Face Trainer making the call without emsa.hf.EmsaTrainerCallback, while it
-    clips or accumulates: refused as its optimizer.step() would be, with what to do.
-Calls naming no such parameter run the original function unchanged. Accelerate imported after
-the optimizer was built is put under the guard at the end of the next pass. Not seen: a name
-bound before emsa was imported (`from torch.nn.utils import clip_grad_norm_` at the top of a
-script that imports emsa later).
+torch's functions skip parameters whose .grad is None, so such a call would silently clip
+nothing. While an in-backward emsa optimizer exists, torch.nn.utils' (and torch.nn.utils.
+clip_grad's) functions and Accelerate's Accelerator.clip_grad_norm_ first ask each live
+in-backward optimizer whether the call names parameters its last pass consumed: emsa's own
+threshold returns emsa's norm of that pass (warning once that the call is redundant);
+max_norm=inf returns emsa's norm, or nan with a warning when emsa did not clip; anything else is
+refused with what to do. Calls naming no such parameter run the original function unchanged.
+The rules in full: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,15 @@
 """The host tier for CUDA parameters, seen from torch: libemsa's HostTier (emsa/host_tier.h) fed
-from the CUDA backend, and the forward pre-hook that makes the next forward wait per module.
+from the CUDA engine, and the forward pre-hook that makes the next forward wait per module.
 
-For each host-tier bucket of a step: submit() enqueues its gradients' copy to pinned staging on
-a D2H stream after an event on the compute stream (record_stream keeps each gradient's memory
-until the copy has read it, so the caller may drop .grad at once). With step_in_backward the
-copies are paced instead (HostTierOptions.paced_copies, which applies when buckets are
-submitted from backward): libemsa's worker enqueues them a few pieces ahead of its CPU update,
-and this class holds each bucket's gradients until their copies are enqueued (then
-record_stream takes over), at most hold_bytes of them. libemsa's worker updates the bucket on
-the CPU pool and enqueues the upload of its parameters on an H2D stream (for fp32 parameters
-under AdamW or Lion, by default, the upload of the update's delta and a kernel that applies it:
-HostTierOptions.device_delta). Buckets the plan marks device_update instead bring
-their moments from the pinned arena into device staging, a kernel on update_stream updates them
-and the parameters on the GPU, and the moments go back (with step_in_backward libemsa's streamer
-enqueues those runs, and their gradients are held the same way until it has). The bucket is
-then pending: the first module
-forward that reads one of its parameters makes the compute stream wait for that upload (a
-global module forward pre-hook looks at the module's own parameters, not its children's, so a
-parent's forward does not wait for the whole model; a forward under torch.compile waits for
-every pending upload before its compiled region: forward_pre_hook). Nothing here
-synchronizes the compute stream with the host; wait() may block the host only while the worker
-has not yet enqueued the upload that forward is about to need.
-
-Gated steps (begin_step(..., gated=True): clipping, the non-finite check or a loss scale need
-every gradient of the step before any update): submit() enqueues each bucket's copies whole (no
-pacing), the CPU updates nothing until release() hands libemsa the step header the GPU finished
-(found_inf: the whole step is skipped; else gradients are multiplied by its grad_multiplier),
-and a bucket becomes pending only at the release. Device-updated buckets are enqueued by
-libemsa after the release, so their gradients are held until then. Step counts are per tensor
-and kept by libemsa (read_steps, set_steps): an absent tensor (None gradient) keeps its count.
-
-A parameter read outside a module's forward (a functional use, model.state_dict()) is not seen
-by the hook: call synchronize() first (the optimizer's synchronize() does).
+Per host-tier bucket: submit() copies its gradients to pinned staging on a D2H stream (paced by
+libemsa's worker with step_in_backward, holding at most hold_bytes of gradients until their
+copies are enqueued); libemsa updates the bucket on the CPU, or on the GPU for buckets the plan
+marks device_update, and enqueues the upload. The bucket is then pending until the first module
+forward that reads one of its parameters makes the compute stream wait for that upload. Gated
+steps (begin_step(..., gated=True)) copy whole buckets and update nothing until release() hands
+libemsa the GPU's verdict. Step counts are per tensor and kept by libemsa (read_steps,
+set_steps). A parameter read outside a module's forward is not seen by the hook: call
+synchronize() first. Details (pacing, device deltas, compiled forwards): docs/internals.md.
 """
 
 from __future__ import annotations
