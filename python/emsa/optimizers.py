@@ -32,8 +32,8 @@ _ADAM_ARGS = """\
         amsgrad (bool, optional): refused when True (default: False)
         maximize (bool, optional): maximize the objective instead of minimizing it
             (default: False)
-        foreach, fused (bool, optional): accepted only at torch's default None: emsa's step
-            is one fused multi-tensor call already
+        foreach, fused (bool, optional): accepted at any value (both True refused, as torch
+            does): emsa's step is one fused multi-tensor call whichever it is
         capturable, differentiable (bool, optional): accepted only at False"""
 
 _EMSA_ARGS = """\

@@ -191,14 +191,41 @@ def test_amsgrad_refused(cls, name):
 
 
 @pytest.mark.parametrize("option,match", [
-    ("foreach", "already one multi-tensor call"), ("fused", "already fused"),
     ("capturable", "CUDA graph capture"), ("differentiable", "not: use torch.optim"),
 ])
 def test_torch_implementation_options_refused(option, match):
     with pytest.raises(ValueError, match=match):
         emsa.AdamW(nn.Linear(2, 2).parameters(), **{option: True})
-    emsa.AdamW(nn.Linear(2, 2).parameters(), **{option: None if option in ("foreach", "fused")
-                                                 else False})
+    emsa.AdamW(nn.Linear(2, 2).parameters(), **{option: False})
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("cls", ["AdamW", "Adam"])
+@pytest.mark.parametrize("impl", [{"fused": True}, {"foreach": True}, {"fused": False},
+                                  {"foreach": False, "fused": False}])
+def test_fused_and_foreach_accepted_as_torch_takes_them(cls, impl):
+    """Scripts pass fused=/foreach= to torch's AdamW by habit: emsa takes either value, with
+    the same result as torch given the same options, and refuses both True as torch does."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    ref = copy.deepcopy(model)
+    opt = getattr(emsa, cls)(model.parameters(), lr=1e-2, weight_decay=0.1, **impl)
+    ref_opt = getattr(torch.optim, cls)(ref.parameters(), lr=1e-2, weight_decay=0.1, **impl)
+    for _ in range(5):
+        x = torch.randn(3, 8)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).square().sum().backward()
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert opt.param_groups[0]["fused"] == ref_opt.param_groups[0]["fused"]
+    with pytest.raises(RuntimeError, match="cannot be `True` together"):
+        getattr(torch.optim, cls)(nn.Linear(2, 2).parameters(), fused=True, foreach=True)
+    with pytest.raises(RuntimeError, match="cannot be `True` together"):
+        getattr(emsa, cls)(nn.Linear(2, 2).parameters(), fused=True, foreach=True)
+    with pytest.raises(ValueError, match="None, True or False"):
+        getattr(emsa, cls)([{"params": nn.Linear(2, 2).parameters(), "fused": "yes"}])
 
 
 def test_invalid_hyperparameters():

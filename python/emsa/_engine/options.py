@@ -96,13 +96,11 @@ class EmsaOptions:
         return self
 
 
-# torch.optim options that pick among torch's own implementations. emsa has one implementation,
-# so each is accepted only at torch's default; the message says why.
+# torch.optim's foreach= and fused= pick among torch's own implementations; emsa has one, fused
+# and multi-tensor, which either value names (scripts pass them to torch's AdamW by habit), so
+# both are accepted and change nothing; True for both is refused as torch refuses it. The
+# options below change what the update is, and are accepted only at torch's default.
 TORCH_IMPL_OPTIONS = {
-    "foreach": (None, "selects one of torch's implementations; emsa's step is already one "
-                      "multi-tensor call: drop the argument"),
-    "fused": (None, "selects torch's fused kernel; emsa's step is already fused: drop the "
-                    "argument"),
     "capturable": (False, "is for CUDA graph capture, which emsa does not support yet: use "
                           "torch.optim with capturable=True"),
     "differentiable": (False, "makes the update differentiable; emsa's update is not: use "
@@ -163,6 +161,12 @@ def check_group(group: dict[str, Any], g: int, cls: str,
     for key, (default, why) in TORCH_IMPL_OPTIONS.items():
         if key in group and group[key] != default and group[key] is not False:
             raise ValueError(f"{key}={group[key]!r} {why}")
+    for key in ("foreach", "fused"):
+        if group.get(key) not in (None, True, False):
+            raise ValueError(f"param_groups[{g}] sets {key}={group[key]!r}; it is None, True or "
+                             "False (emsa's step is fused and multi-tensor whichever it is)")
+    if group.get("foreach") and group.get("fused"):
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
     names = group.get("param_names")
     first: dict[int, int] = {}
     for j, p in enumerate(group["params"]):
