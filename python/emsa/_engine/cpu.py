@@ -33,6 +33,7 @@ from .._native.planner import Plan
 from .._native.structs import (DTYPE, OPTIMIZER, SIMD, Hyperparams, StepGate, StepOptions,
                                StepReport, StepVerdict, TensorUpdate)
 from .engine import Engine, Gate, StepResult
+from .step_counts import StepCounts
 from .params import DTYPE_NAMES, PlannedParams, check_param, kernel_grad, state_view
 
 __all__ = ["CpuEngine"]
@@ -81,7 +82,8 @@ class CpuEngine(Engine):
         self.mv = memoryview(self.raw).cast("B").cast("q")
         # Step counts as torch keeps them (float32 scalars), one storage for all: "step" in
         # state is a 0-d view of it, bumped by one add_ per step.
-        self.steps = torch.zeros(n, dtype=torch.float32)
+        self.counts = StepCounts(n)
+        self.steps = self.counts.tensor
         self._has_raw = (ctypes.c_float * max(n, 1))()
         self.has_grad = torch.frombuffer(self._has_raw, dtype=torch.float32)[:n]
         self._has = memoryview(self._has_raw).cast("B").cast("f")
@@ -140,7 +142,15 @@ class CpuEngine(Engine):
 
     def state_loaded(self) -> None:
         self.committed = [int(v) for v in self.steps.tolist()]
+        self.counts.written()
         self.versions = [p._version for p in self.planned.params]
+
+    def _follow_step_edits(self) -> None:
+        """state[p]["step"] written from outside (as torch allows): the bias correction
+        counts from what was written, as torch's does."""
+        if self.counts.edited():
+            self.committed = [int(v) for v in self.steps.tolist()]
+            self.counts.written()
 
     def refresh_master(self, i: int) -> None:
         """Someone else wrote the parameter (emsa's raw writes leave _version alone): the
@@ -248,6 +258,7 @@ class CpuEngine(Engine):
 
     def _step(self, param_groups: list[dict], gate: Gate) -> StepResult:
         self.planned.check_counts(param_groups)
+        self._follow_step_edits()
         self._load_hyper(param_groups)
         keep = self._fill(param_groups)
         n, has, committed = len(self.planned), self._has, self.committed
@@ -270,6 +281,7 @@ class CpuEngine(Engine):
                 if has[j]:
                     committed[j] += 1
             self.steps.add_(self.has_grad)
+            self.counts.written()
         return result
 
     def last_grad_norm(self) -> float | None:
@@ -295,6 +307,7 @@ class CpuEngine(Engine):
     # ---- step in backward: one parameter per call, from its post-accumulate-grad hook -----
     def begin_pass(self, param_groups: list[dict], gate: Gate) -> None:
         self.planned.check_counts(param_groups)
+        self._follow_step_edits()
         self._load_hyper(param_groups)
         self.pass_groups = param_groups
         self.pass_gate = gate
@@ -330,6 +343,7 @@ class CpuEngine(Engine):
         del g
         self.committed[i] += 1
         self.steps[i] += 1.0
+        self.counts.written()
         return True
 
     def end_pass(self) -> None:

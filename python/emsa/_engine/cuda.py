@@ -29,6 +29,7 @@ from .cuda_state import CudaState
 from .cuda_stats import HeaderRing, StepClock, counted_mask
 from .engine import Engine, Gate, StepResult
 from .params import PlannedParams, kernel_grad
+from .step_counts import StepCounts
 
 __all__ = ["CudaEngine", "planning_profile"]
 
@@ -67,7 +68,8 @@ class CudaEngine(Engine):
         entries = [plan.json["params"][s.record_index] for s in planned.engine_slots]
         # Step counts as torch keeps them (float32 CPU scalars), one storage for all: "step" in
         # state is a 0-d view of it.
-        self.steps = torch.zeros(len(planned), dtype=torch.float32)
+        self.counts = StepCounts(len(planned))
+        self.steps = self.counts.tensor
         # The optimizer's set-up phases: those measured here, and later the first step's waits.
         self.setup_times = {} if setup_times is None else setup_times
         self.memory: CudaState | None = None
@@ -91,7 +93,7 @@ class CudaEngine(Engine):
                 stream = torch.cuda.current_stream(self.device)
                 self.kernels.set_inputs(0.0, None, stream)
                 self.last_stream = stream  # the masters were copied on it
-                self.headers = HeaderRing(self.steps)
+                self.headers = HeaderRing(self.counts)
         except BaseException:
             self._release()
             raise
@@ -159,6 +161,7 @@ class CudaEngine(Engine):
 
     def step(self, param_groups: list[dict], gate: Gate) -> StepResult:
         with on(self.index):
+            self._follow_step_edits()
             self.headers.poll(wait=False)
             grads = self._gradients(param_groups)
             if grads is None:
@@ -199,6 +202,7 @@ class CudaEngine(Engine):
             self.last_stream = stream
             counted = counted_mask(present, len(self.planned))
             self.steps.add_(1.0 if counted is None else counted)  # taken back if skipped
+            self.counts.written()
             if gate.gated:
                 self.headers.record(kernels.scalars, stream, self.calls, counted)
         return StepResult()
@@ -274,6 +278,7 @@ class CudaEngine(Engine):
 
     def begin_pass(self, param_groups: list[dict], gate: Gate) -> None:
         with on(self.index):
+            self._follow_step_edits()
             self.passes.begin(param_groups, gate)
 
     def step_bucket(self, b: int) -> bool:
@@ -320,6 +325,7 @@ class CudaEngine(Engine):
                 for i, step in zip(self.buckets.host_order, self.host.read_steps()):
                     values[i] = step
         self.steps.copy_(torch.tensor(values, dtype=torch.float32))
+        self.counts.written()
 
     def state_loaded(self) -> None:
         """The optimizer wrote the views (steps included): the device's counts follow."""
@@ -337,6 +343,13 @@ class CudaEngine(Engine):
             if self.host is not None:
                 self.host.set_steps([values[i] for i in self.buckets.host_order])
             self.last_stream = stream
+        self.counts.written()
+
+    def _follow_step_edits(self) -> None:
+        """state[p]["step"] written from outside (as torch allows): the device's and the host
+        tier's counts follow, as after a load (waits for the GPU, only when it happened)."""
+        if self.counts.edited():
+            self.state_loaded()
         self.memory.versions = [p._version for p in self.planned.params]
 
     # ---- measurements and lifetime ----------------------------------------------------------

@@ -124,6 +124,7 @@ class CudaPasses:
         p.present.extend(present)
         if not p.gated:  # counted now: nothing can take it back
             e.steps[torch.tensor(present, dtype=torch.int64)] += 1.0
+            e.counts.written()
         e.last_stream = stream
         return consumed
 
@@ -160,5 +161,6 @@ class CudaPasses:
                 g.record_stream(stream)
         counted = counted_mask(p.present, len(e.planned))
         e.steps.add_(1.0 if counted is None else counted)  # taken back if skipped
+        e.counts.written()
         e.headers.record(kernels.scalars, stream, e.calls, counted)
         e.last_stream = stream

@@ -19,6 +19,7 @@ import torch
 from .._native.library import check, lib
 from .._native.structs import DeviceStepHeader
 from .engine import StepResult
+from .step_counts import StepCounts
 
 RING = 8  # gated steps whose headers may be in flight before step() waits for the oldest
 HEADER = ctypes.sizeof(DeviceStepHeader)
@@ -29,11 +30,12 @@ _CLIP_COEF = DeviceStepHeader.clip_coef.offset // 4  # as a float32 index
 
 
 class HeaderRing:
-    """The pinned ring of step headers. steps: the engine's "step" mirror (float32 per slot),
-    from which a skipped step's counts are taken back."""
+    """The pinned ring of step headers. counts: the engine's "step" mirror (StepCounts), from
+    which a skipped step's counts are taken back."""
 
-    def __init__(self, steps: torch.Tensor):
-        self.steps = steps
+    def __init__(self, counts: StepCounts):
+        self.counts = counts
+        self.steps = counts.tensor
         self.ring = torch.zeros((RING, HEADER), dtype=torch.uint8, pin_memory=True)
         self.events = [torch.cuda.Event() for _ in range(RING)]
         self.found = self.ring.view(torch.int32)[:, _FOUND_INF]
@@ -77,6 +79,7 @@ class HeaderRing:
             self.norms[call] = (norm, False)
             if count_steps:  # the host counted it when it was enqueued
                 self.steps.sub_(1.0 if counted is None else counted)
+                self.counts.written()
         else:
             clipped = float(self.coef[slot]) < 1.0
             self.clips += int(clipped)
