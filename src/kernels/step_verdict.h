@@ -22,13 +22,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if !defined(EMSA_HD)
-#if defined(__CUDACC__)
-#define EMSA_HD __host__ __device__ __forceinline__
-#else
-#define EMSA_HD inline
-#endif
-#endif
+#include "kernels/host_device.h"
 
 namespace emsa {
 namespace verdict {
