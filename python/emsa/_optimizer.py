@@ -26,6 +26,7 @@ from ._engine import state_dict as state_io
 from ._engine.binding import Binding, bind
 from ._engine.engine import Gate
 from ._engine.options import EmsaOptions
+from ._engine.opt_state import OptimizerState
 from ._engine.passes import Passes
 from ._engine.setup_times import SetupTimes
 from ._native.planner import Plan, require_library
@@ -66,10 +67,8 @@ class EmsaOptimizer(Optimizer):
             self._bind(None)  # no step() will come to plan at: plan from the shapes now
         else:
             self._recorder = records.FirstBackwardRecorder(self._all_params())
-        if self._dist.zero is not None:  # ZeRO may load state before the first step
-            if self._bound is None:
-                self._bind(None)
-            self.state = state_io.AssignedState(self.state, self._assign_state)
+        if self._dist.zero is not None and self._bound is None:
+            self._bind(None)  # ZeRO may load state before the first step
         if self._dist.ddp_model is not None and self._passes is not None:
             self._ddp_updates = DdpUpdates(self._passes, self._dist.ddp_model)
 
@@ -94,9 +93,13 @@ class EmsaOptimizer(Optimizer):
 
     def _check_group(self, g: int) -> None:
         checks.check_group(self.param_groups[g], g, type(self).__name__, self._all_params())
+        checks.check_fixed_keys(self.param_groups[g], g, self._kind, type(self).__name__)
 
     def _engine_groups(self, unfrozen: bool = False) -> list[dict]:
-        """param_groups as the engine planned them, checked (PlannedParams.engine_groups)."""
+        """param_groups as the engine planned them, checked (PlannedParams.engine_groups), and
+        the keys emsa fixed at construction unchanged."""
+        for g, group in enumerate(self.param_groups):
+            checks.check_fixed_keys(group, g, self._kind, type(self).__name__)
         return self._bound.planned.engine_groups(self.param_groups, unfrozen)
 
     # ---- planning -------------------------------------------------------------------------
@@ -118,7 +121,7 @@ class EmsaOptimizer(Optimizer):
                          record=record, recorder=self._recorder, dist=self._dist,
                          setup=self._setup, gated_in_backward=self._gated_in_backward(),
                          releases_grads=self._releases_grads())
-        self.state.update(bound.entries())
+        self.state.attach(bound.engine, bound.planned)
         self._bound = bound
         if self._recorder is not None:
             self._recorder.remove()
@@ -156,6 +159,21 @@ class EmsaOptimizer(Optimizer):
         return Gate(check_finite=bool(self.skip_nonfinite or amp),
                     max_norm=float(self._max_grad_norm or 0.0), loss_scale=loss_scale,
                     found_inf_out=found_inf_out)
+
+    # ---- opt.state: torch's mapping over emsa's memory (OptimizerState) --------------------
+    @property
+    def state(self) -> OptimizerState:
+        return self.__dict__["_state"]
+
+    @state.setter
+    def state(self, items) -> None:
+        # torch.optim.Optimizer.__init__ assigns the first one; any later assignment starts
+        # every parameter afresh and copies in what items hold, as torch would read them.
+        held = self.__dict__.get("_state")
+        if held is None:
+            self.__dict__["_state"] = OptimizerState(items)
+        elif items is not held:
+            held.replace(items)
 
     # ---- options --------------------------------------------------------------------------
     @property
@@ -348,6 +366,8 @@ class EmsaOptimizer(Optimizer):
         with self._setup.first_step():
             with bound.shards.step_groups(self._engine_groups()) as engine_groups:
                 result = engine.step(engine_groups, gate)
+        if self.state.hidden:  # parameters updated for the first time get their entries
+            self.state.reveal_stepped()
         if engine.deferred:
             self._warn_skipped(engine.finished_skips(), stacklevel=3)
         else:
@@ -419,13 +439,9 @@ class EmsaOptimizer(Optimizer):
         # torch's loader takes the param groups (hyperparameters, hooks); the state is copied
         # here straight from the source, without torch's per-tensor cast copies.
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        self.state.update(state_io.copy_state(engine, bound.planned, sources))
-
-    def _assign_state(self, p: torch.Tensor, value):
-        """opt.state[p] = value under ZeroRedundancyOptimizer (state_io.AssignedState)."""
-        bound = self._bound
-        return None if bound is None else state_io.assign_entry(bound.engine, bound.planned,
-                                                                  p, value)
+        self.__dict__.pop("state", None)  # torch's __setstate__ put its own beside emsa's
+        state_io.copy_state(engine, bound.planned, sources)
+        self.state.loaded(sources)
 
     def __getstate__(self):
         raise TypeError(f"emsa.{type(self).__name__} cannot be pickled or deep-copied (its state "

@@ -75,7 +75,8 @@ _EMSA_ARGS = """\
 
 _STATE = """\
     State (opt.state[p], and state_dict() in torch.optim's layout): "step", "exp_avg"{sq}, and
-    "master" (fp32) for bf16/fp16 parameters; the tensors are views into emsa's arenas."""
+    "master" (fp32) for bf16/fp16 parameters; the tensors are views into emsa's arenas. An entry
+    appears at its parameter's first update; clear(), del or {{}} start it afresh, as in torch."""
 
 
 def _with_emsa_options(init):
@@ -165,12 +166,6 @@ class Adam(EmsaOptimizer):
                         **checks.impl_defaults(foreach, capturable, differentiable, fused),
                         decoupled_weight_decay=bool(decoupled_weight_decay))
         super().__init__(params, defaults, EmsaOptions.given("Adam", emsa_options))
-
-    def _check_group(self, g: int) -> None:
-        super()._check_group(g)
-        if bool(self.param_groups[g]["decoupled_weight_decay"]) != (self._kind == "adamw"):
-            raise ValueError("decoupled_weight_decay must be the same in every param group; "
-                             "build one optimizer per kind of weight decay")
 
 
 class Lion(EmsaOptimizer):

@@ -24,7 +24,6 @@ from .engine import Engine
 from .options import EmsaOptions
 from .params import PlannedParams, frozen_of, slots_of
 from .setup_times import SetupTimes
-from .state_dict import StateEntries
 
 __all__ = ["Binding", "bind", "engine_class"]
 
@@ -40,14 +39,6 @@ class Binding:
     shards: Shards  # DTensor parameters: the engine binds their local shards
     releases_grads: bool  # what the plan assumed: gradients freed during backward
     host_memory: dict[str, Any]  # the host memory the engine's arenas hold (for the report)
-
-    def entries(self) -> dict[torch.Tensor, StateEntries]:
-        """opt.state's entry of every planned parameter: emsa's own views (DTensors for
-        DTensor parameters)."""
-        from .._distributed.dtensor import wrap_state
-
-        return {s.param: StateEntries(wrap_state(self.engine.state(i), s.param))
-                for i, s in enumerate(self.planned.slots)}
 
 
 def engine_class(device: torch.device) -> type[Engine]:

@@ -18,8 +18,8 @@ import torch
 from .._native.planner import parse_bytes, profile_json, state_dtype_code
 from .params import check_param
 
-__all__ = ["EmsaOptions", "check_hyper", "check_group", "check_max_norm", "impl_defaults",
-           "refuse_amsgrad"]
+__all__ = ["EmsaOptions", "check_hyper", "check_group", "check_fixed_keys", "check_max_norm",
+           "impl_defaults", "refuse_amsgrad"]
 
 
 @dataclass
@@ -150,14 +150,31 @@ def check_hyper(group: dict[str, Any], where: str) -> None:
         raise ValueError(f"Invalid weight_decay value: {group['weight_decay']} ({where})")
 
 
+def check_fixed_keys(group: dict[str, Any], g: int, kind: str, cls: str) -> None:
+    """Group keys torch reads at every step that emsa fixes for the whole optimizer when it is
+    built: checked at construction, add_param_group and every step (a dict lookup per group),
+    so a change mid-run is refused before anything changes, never ignored."""
+    if kind == "lion":
+        return
+    if group.get("amsgrad"):
+        raise ValueError(f"param_groups[{g}] sets amsgrad=True, which emsa does not "
+                         f"support; use torch.optim.{cls}(amsgrad=True)")
+    dwd = group.get("decoupled_weight_decay")
+    if dwd is not None and bool(dwd) != (kind == "adamw"):
+        now, other = ("AdamW", "Adam") if kind == "adamw" else ("Adam", "AdamW")
+        raise ValueError(
+            f"param_groups[{g}] has decoupled_weight_decay={dwd}, but this emsa.{cls} "
+            f"updates as {now} (decoupled_weight_decay={kind == 'adamw'}) in every group: "
+            "emsa fixes the kind of weight decay for the whole optimizer when it is built. "
+            f"Build an emsa.{other} and load this optimizer's state_dict into it (or one "
+            "optimizer per kind of weight decay)")
+
+
 def check_group(group: dict[str, Any], g: int, cls: str,
                 all_params: list[torch.Tensor]) -> None:
     """param_groups[g] of an emsa.<cls> whose groups hold all_params: its hyperparameters and
     options, each parameter, no parameter listed twice, one device with an engine."""
     check_hyper(group, f"param_groups[{g}]")
-    if group.get("amsgrad"):
-        raise ValueError(f"param_groups[{g}] sets amsgrad=True, which emsa does not "
-                         f"support; use torch.optim.{cls}(amsgrad=True)")
     for key, (default, why) in TORCH_IMPL_OPTIONS.items():
         if key in group and group[key] != default and group[key] is not False:
             raise ValueError(f"{key}={group[key]!r} {why}")

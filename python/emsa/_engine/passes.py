@@ -40,6 +40,7 @@ class Passes:
         self.accumulate = accumulate  # the optimizer sets it when a trainer hands it over
         self.names = binding.planned.names
         self.fired: set[int] = set()
+        self.touched: set[int] = set()  # slots with a gradient since the last updating pass
         self.count = 0  # passes ended
         self.consumed = False  # the last pass updated from and released the gradients
         self.updating = False
@@ -95,6 +96,7 @@ class Passes:
                     # device the caching allocator reuses the memory in stream order, after the
                     # update that reads it.
                     shards.release(members)
+                    self.touched.update(members)  # updated, even if the backward fails later
         except BaseException:
             self.abandon_pass()
             raise
@@ -145,6 +147,16 @@ class Passes:
         starts a new pass (begin_pass discards what the engine kept of this one)."""
         self.is_open = False
         self.fired.clear()
+        self._reveal()
+
+    def _reveal(self) -> None:
+        """Slots updated since the last call get their opt.state entries, in parameter order
+        (torch creates them in that order at a step)."""
+        if self.touched:
+            state = self._opt().state
+            if state.hidden:
+                state.reveal(sorted(self.touched))
+            self.touched.clear()
 
     def close_current(self) -> None:
         """The pass under way ends now (DDP's hook, after DDP's own finalize)."""
@@ -154,17 +166,23 @@ class Passes:
         if token != self.token or not self.is_open:
             return
         self.is_open = False
+        opt = self._opt()
+        if opt.state.hidden:
+            self.touched |= self.fired
         self.fired.clear()
         self.count += 1
         if not self.updating:
             return
-        opt = self._opt()
         opt._engine_groups()  # a frozen parameter with a gradient: refuse before finishing
+        if opt.state.hidden:  # end_pass updates every slot with a gradient now
+            self.touched.update(i for i, s in enumerate(self.binding.planned.slots)
+                                if s.param.grad is not None)
         shards = self.binding.shards
         shards.pull()
         with torch.no_grad():
             self.engine.end_pass()
         shards.release()
+        self._reveal()  # parameters updated for the first time get their opt.state entries
         self.consumed = True  # clipping them by hand now would act on nothing (hand_clipping)
         hand_clipping.install()  # Accelerate imported since: its clip_grad_norm_ too
         skips = self.engine.finished_skips()  # deferred engines: those known by now

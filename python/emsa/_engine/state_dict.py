@@ -1,6 +1,5 @@
-"""An optimizer's state as torch sees it: opt.state's entries (emsa's own tensors, views into its
-arenas), and state_dicts, emsa's or torch.optim's (the same layout), checked against the planned
-parameters and copied into emsa's memory.
+"""An optimizer's state_dicts, emsa's or torch.optim's (the same layout), checked against the
+planned parameters and copied into emsa's memory (opt.state itself: emsa._engine.opt_state).
 
 load_state_dict checks everything first (check_state_dict) and only then changes anything
 (copy_state): a state_dict that does not fit leaves the optimizer as it was.
@@ -8,7 +7,6 @@ load_state_dict checks everything first (check_state_dict) and only then changes
 
 from __future__ import annotations
 
-import collections
 import math
 from typing import Any, Callable
 
@@ -18,51 +16,11 @@ from .._distributed import dtensor
 from . import options
 from .params import PlannedParams, Slot
 
-__all__ = ["StateEntries", "AssignedState", "state_keys", "check_state_dict", "copy_state",
-           "assign_entry"]
+__all__ = ["state_keys", "check_state_dict", "copy_state"]
 
 # A loaded step count must be a whole number the engines' int64 counters and torch's float
 # "step" both hold exactly: at most the largest integer a float64 holds exactly.
 _MAX_STEP = 2**53
-
-
-class StateEntries(dict):
-    """One parameter's entry of opt.state: emsa's own tensors (views into its arenas). Assigning
-    a tensor to a key that holds one writes the values into emsa's tensor (converted to its
-    device and dtype) instead of replacing it. A replaced tensor would go unread, since the
-    engine updates its arena. Lightning, for one, assigns every state tensor moved to the
-    model's device after setup and after loading a checkpoint, which would have put a copy of
-    the host tier's state on the GPU and left emsa's state out of the next checkpoint."""
-
-    def __setitem__(self, key, value) -> None:
-        held = self.get(key)
-        if not (isinstance(held, torch.Tensor) and isinstance(value, torch.Tensor)):
-            super().__setitem__(key, value)
-            return
-        if value is held:
-            return
-        if tuple(value.shape) != tuple(held.shape):
-            raise ValueError(
-                f"emsa: opt.state[...][{key!r}] is emsa's own memory of shape "
-                f"{tuple(held.shape)}: a tensor assigned to it is copied in, and this one has "
-                f"shape {tuple(value.shape)}")
-        with torch.no_grad():
-            held.copy_(value)
-
-
-class AssignedState(collections.defaultdict):
-    """opt.state under ZeroRedundancyOptimizer, whose load_state_dict assigns opt.state[p] =
-    {...} (copies of the saved tensors) instead of calling opt.load_state_dict. emsa's engine
-    reads only its own memory, so `assign(p, value)` copies an assigned entry into emsa's state
-    (checked first) and returns the entry to keep, emsa's; None keeps the value as given."""
-
-    def __init__(self, items, assign: Callable[[torch.Tensor, Any], Any]):
-        super().__init__(dict, items)
-        self._assign = assign
-
-    def __setitem__(self, p, value) -> None:
-        kept = self._assign(p, value)
-        super().__setitem__(p, value if kept is None else kept)
 
 
 def state_keys(kind: str) -> set[str]:
@@ -102,7 +60,8 @@ def check_state_dict(sd: dict[str, Any], param_groups: list[dict], defaults: dic
                 "it unused while they stay frozen)"))
             continue
         sources[ids[k]] = st
-        _check_entry(slots[ids[k]], st, keys, cls)
+        if st:  # an empty entry ({}, as torch saves one after opt.state[p] = {}) is fresh
+            _check_entry(slots[ids[k]], st, keys, cls)
     return sources
 
 
@@ -154,17 +113,14 @@ def _check_entry(s: Slot, st: dict[str, Any], keys: set[str], cls: str) -> None:
             "bias correction), or load a state_dict saved by training")
 
 
-def copy_state(engine, planned: PlannedParams,
-               sources: dict[int, dict[str, Any]]) -> dict[torch.Tensor, dict]:
+def copy_state(engine, planned: PlannedParams, sources: dict[int, dict[str, Any]]) -> None:
     """Copies the checked state (by slot index) into the engine's state views, straight from
     the source (no per-tensor cast copies); what a source lacks starts at zero, a master from
-    its parameter. Returns opt.state's new entries, by parameter."""
-    entries = {}
+    its parameter (opt.state's entries are then OptimizerState.loaded's)."""
     with torch.no_grad():
         for i, s in enumerate(planned.slots):
             src = sources.get(i, {})
-            views = engine.state(i)
-            for key, view in views.items():
+            for key, view in engine.state(i).items():
                 if key == "step":
                     view.fill_(float(src.get("step", 0)))
                 elif key in src:
@@ -173,36 +129,4 @@ def copy_state(engine, planned: PlannedParams,
                     view.copy_(dtensor.local(s.param))
                 else:
                     view.zero_()
-            entries[s.param] = StateEntries(dtensor.wrap_state(views, s.param))
     engine.state_loaded()
-    return entries
-
-
-def assign_entry(engine, planned: PlannedParams, p: torch.Tensor, value) -> dict | None:
-    """opt.state[p] = value under ZeroRedundancyOptimizer (AssignedState): value's tensors
-    copied into p's state views, which are returned as the entry to keep; None when p is not a
-    planned parameter (or value is its entry already), so value is kept as given."""
-    i = next((k for k, q in enumerate(planned.slots) if q.param is p), None)
-    if i is None or value is engine.state(i):
-        return None
-    views = engine.state(i)
-    name = planned.names[i]
-    keys = set(views) - {"master"}
-    if not isinstance(value, dict) or not keys - {"step"} <= set(value) or (
-            set(value) - keys - {"master"}):
-        got = sorted(value) if isinstance(value, dict) else type(value).__name__
-        raise ValueError(f"state for {name} has keys {got}; emsa expects {sorted(keys)}: "
-                         "is it another optimizer's?")
-    for key, t in value.items():
-        if key != "step" and (not isinstance(t, torch.Tensor) or t.shape != p.shape):
-            raise ValueError(f"state for {name}: {key} does not have the parameter's shape "
-                             f"{tuple(p.shape)}; load a state_dict saved for this model")
-    engine.sync_state()
-    with torch.no_grad():
-        for key, view in views.items():
-            if key == "step":
-                view.fill_(float(value.get("step", 0)))
-            elif key in value:
-                view.copy_(value[key])
-    engine.state_loaded()
-    return views
