@@ -72,7 +72,8 @@ emsa_build_libcxx() {
 # the repo, created once and reused by every clone ($EMSA_VENV to put it elsewhere). torch comes
 # from PyPI (a CUDA build; it runs on the CPU too); matplotlib draws `emsa report`'s plots;
 # transformers and accelerate run the recipe tests' Hugging Face models and Trainer, lightning
-# the Lightning Trainer's.
+# the Lightning Trainer's; expecttest lets torch's own optimizer inputs
+# (torch.testing._internal.common_optimizers) be imported by the conformance test.
 # Installs only the packages the venv lacks.
 EMSA_VENV=${EMSA_VENV:-$HOME/.cache/emsa/venv}
 export EMSA_VENV
@@ -84,7 +85,7 @@ emsa_python_env() {
   local missing
   missing=$("$EMSA_VENV/bin/python" -c 'import importlib.util as u
 print(" ".join(m for m in ("torch", "numpy", "pytest", "matplotlib", "transformers",
-                          "accelerate", "lightning") if not u.find_spec(m)))')
+                          "accelerate", "lightning", "expecttest") if not u.find_spec(m)))')
   if [ -n "$missing" ]; then
     echo "emsa: installing $missing into $EMSA_VENV (torch is several GB, once)"
     "$EMSA_VENV/bin/python" -m pip install -q --upgrade pip
