@@ -19,6 +19,7 @@ from typing import Any, Iterable
 import torch
 
 from .._distributed import dtensor
+from .state_dict import write_slot
 
 __all__ = ["StateEntries", "OptimizerState"]
 
@@ -178,13 +179,7 @@ class OptimizerState(collections.defaultdict):
         engine.sync_state()
         with torch.no_grad():
             for i in slots:
-                for key, view in engine.state(i).items():
-                    if key == "step":
-                        view.fill_(0.0)
-                    elif key == "master":
-                        view.copy_(dtensor.local(self._planned.slots[i].param))
-                    else:
-                        view.zero_()
+                write_slot(engine.state(i), {}, self._planned.slots[i].param)
         engine.state_loaded()
         self._shown.difference_update(slots)
 
@@ -207,12 +202,6 @@ class OptimizerState(collections.defaultdict):
                                  "this model")
         engine.sync_state()
         with torch.no_grad():
-            for key, view in views.items():
-                if key == "step":
-                    view.fill_(float(value.get("step", 0)))
-                elif key in value:
-                    view.copy_(dtensor.shard_like(value[key], s.param))
-                elif key == "master":
-                    view.copy_(dtensor.local(s.param))
+            write_slot(views, value, s.param)
         engine.state_loaded()
         self._show(i)

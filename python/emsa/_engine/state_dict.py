@@ -16,7 +16,7 @@ from .._distributed import dtensor
 from . import options
 from .params import PlannedParams, Slot
 
-__all__ = ["state_keys", "check_state_dict", "copy_state"]
+__all__ = ["state_keys", "check_state_dict", "copy_state", "write_slot"]
 
 # A loaded step count must be a whole number the engines' int64 counters and torch's float
 # "step" both hold exactly: at most the largest integer a float64 holds exactly.
@@ -115,18 +115,24 @@ def _check_entry(s: Slot, st: dict[str, Any], keys: set[str], cls: str) -> None:
 
 def copy_state(engine, planned: PlannedParams, sources: dict[int, dict[str, Any]]) -> None:
     """Copies the checked state (by slot index) into the engine's state views, straight from
-    the source (no per-tensor cast copies); what a source lacks starts at zero, a master from
-    its parameter (opt.state's entries are then OptimizerState.loaded's)."""
+    the source (no per-tensor cast copies); opt.state's entries are then
+    OptimizerState.loaded's."""
     with torch.no_grad():
         for i, s in enumerate(planned.slots):
-            src = sources.get(i, {})
-            for key, view in engine.state(i).items():
-                if key == "step":
-                    view.fill_(float(src.get("step", 0)))
-                elif key in src:
-                    view.copy_(dtensor.shard_like(src[key], s.param))
-                elif key == "master":
-                    view.copy_(dtensor.local(s.param))
-                else:
-                    view.zero_()
+            write_slot(engine.state(i), sources.get(i, {}), s.param)
     engine.state_loaded()
+
+
+def write_slot(views: dict[str, torch.Tensor], src: dict[str, Any], param: torch.Tensor) -> None:
+    """One slot's state views from src (checked): what src lacks starts afresh, step 0, moments
+    zero, a master from the parameter ({} resets the slot). The caller synchronizes the engine
+    before and calls its state_loaded() after."""
+    for key, view in views.items():
+        if key == "step":
+            view.fill_(float(src.get("step", 0)))
+        elif key in src:
+            view.copy_(dtensor.shard_like(src[key], param))
+        elif key == "master":
+            view.copy_(dtensor.local(param))
+        else:
+            view.zero_()
