@@ -254,3 +254,20 @@ def test_fixed_group_key_changed_mid_run_is_refused(cls, key, value, in_backward
         _one_step(model, opt)
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p.detach(), b)
+
+
+def test_state_copies_are_plain_and_detached():
+    """copy() and copy.deepcopy of opt.state are plain defaultdicts: editing them changes
+    nothing in emsa, as a copy of torch's state changes nothing in torch."""
+    model = _with_unused()
+    opt = emsa.AdamW(model.parameters(), **HYPER, profile=str(CPU_PROFILE))
+    _one_step(model, opt)
+    p = model[0].weight
+    for dup in (opt.state.copy(), copy.deepcopy(opt.state)):
+        assert type(dup) is collections.defaultdict and len(dup) == len(opt.state) == 4
+    assert set(opt.state.copy()) == set(opt.state)
+    deep = copy.deepcopy(opt.state)  # its keys are copies of the parameters too
+    next(iter(deep.values()))["exp_avg"].fill_(5.0)
+    deep.clear()
+    assert p in opt.state and not torch.equal(opt.state[p]["exp_avg"],
+                                              torch.full_like(p, 5.0))

@@ -100,6 +100,9 @@ class OptimizerState(collections.defaultdict):
     def copy(self) -> collections.defaultdict:
         return collections.defaultdict(dict, self)
 
+    def __reduce__(self):  # copy.deepcopy, pickle: a plain defaultdict of the entries
+        return collections.defaultdict, (dict,), None, None, iter(self.items())
+
     # ---- torch's ways of forgetting and assigning --------------------------------------------
     def __setitem__(self, p, value) -> None:
         i = self._slot(p)
