@@ -121,7 +121,7 @@ class EmsaOptimizer(Optimizer):
                          record=record, recorder=self._recorder, dist=self._dist,
                          setup=self._setup, gated_in_backward=self._gated_in_backward(),
                          releases_grads=self._releases_grads())
-        self.state.attach(bound.engine, bound.planned)
+        self.state.attach(bound.engine, bound.planned, type(self).__name__)
         self._bound = bound
         if self._recorder is not None:
             self._recorder.remove()
@@ -367,7 +367,7 @@ class EmsaOptimizer(Optimizer):
             with bound.shards.step_groups(self._engine_groups()) as engine_groups:
                 result = engine.step(engine_groups, gate)
         if self.state.hidden:  # parameters updated for the first time get their entries
-            self.state.reveal_stepped()
+            self.state.reveal(self.state.unshown_with_grads())
         if engine.deferred:
             self._warn_skipped(engine.finished_skips(), stacklevel=3)
         else:

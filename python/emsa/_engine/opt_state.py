@@ -19,7 +19,7 @@ from typing import Any, Iterable
 import torch
 
 from .._distributed import dtensor
-from .state_dict import write_slot
+from .state_dict import check_entry, write_slot
 
 __all__ = ["StateEntries", "OptimizerState"]
 
@@ -55,42 +55,45 @@ class OptimizerState(collections.defaultdict):
         super().__init__(dict, items)
         self._engine = None
         self._planned = None
+        self._cls = ""  # the optimizer's class name, for messages
         self._slot_of: dict[int, int] = {}  # id(param) -> slot (identity checked on use)
-        self._shown: set[int] = set()  # slots whose entry is emsa's views
+        # Slots with no entry of emsa's views yet: what a step scans (often none, or the few
+        # parameters that never get a gradient), never every slot.
+        self._unshown: set[int] = set()
 
     # ---- the optimizer's side ---------------------------------------------------------------
-    def attach(self, engine, planned) -> None:
+    def attach(self, engine, planned, cls: str) -> None:
         """Planning made the engine: from now on entries are its views. Entries already here
         (a load before planning cannot happen: load plans first) are dropped."""
-        self._engine, self._planned = engine, planned
+        self._engine, self._planned, self._cls = engine, planned, cls
         self._slot_of = {id(s.param): i for i, s in enumerate(planned.slots)}
-        self._shown = set()
+        self._unshown = set(range(len(planned)))
         super().clear()
 
     @property
     def hidden(self) -> bool:
         """Whether some planned parameter has no entry yet (reveal() has work to do)."""
-        return self._planned is not None and len(self._shown) < len(self._planned)
+        return bool(self._unshown)
 
     def reveal(self, slots: Iterable[int]) -> None:
         """These slots were updated: each gets its entry (emsa's views), as torch's first update
         creates one."""
         for i in slots:
-            if i not in self._shown:
+            if i in self._unshown:
                 self._show(i)
 
-    def reveal_stepped(self) -> None:
-        """After step(): every slot whose parameter has a gradient was updated."""
-        for i, s in enumerate(self._planned.slots):
-            if i not in self._shown and s.param.grad is not None:
-                self._show(i)
+    def unshown_with_grads(self) -> list[int]:
+        """The slots without an entry whose parameter has a gradient now (a step or a pass's
+        end updates them), in parameter order."""
+        slots = self._planned.slots
+        return sorted(i for i in self._unshown if slots[i].param.grad is not None)
 
     def loaded(self, sources: dict[int, dict]) -> None:
         """load_state_dict wrote every slot from sources (by slot; zero where it has none):
         entries for those it had, an empty one where its entry was empty, none for the rest,
         as torch's load leaves opt.state."""
         super().clear()
-        self._shown = set()
+        self._unshown = set(range(len(self._planned)))
         for i, st in sources.items():
             if st:
                 self._show(i)
@@ -113,7 +116,7 @@ class OptimizerState(collections.defaultdict):
             self._reset([i])
             super().__setitem__(p, value)
             return
-        if i in self._shown and value is super().get(p):
+        if i not in self._unshown and value is super().get(p):
             return
         self._assign(i, value)
 
@@ -141,7 +144,8 @@ class OptimizerState(collections.defaultdict):
         return p, value
 
     def clear(self) -> None:
-        self._reset(sorted(self._shown))
+        if self._planned is not None:
+            self._reset(range(len(self._planned)))
         super().clear()
 
     def update(self, *args, **kwargs) -> None:
@@ -171,11 +175,12 @@ class OptimizerState(collections.defaultdict):
         s = self._planned.slots[i]
         entry = StateEntries(dtensor.wrap_state(self._engine.state(i), s.param))
         dict.__setitem__(self, s.param, entry)
-        self._shown.add(i)
+        self._unshown.discard(i)
 
-    def _reset(self, slots: list[int]) -> None:
-        """These slots' memory afresh: step 0, moments zero, a master from its parameter."""
-        slots = [i for i in slots if i in self._shown]
+    def _reset(self, slots: Iterable[int]) -> None:
+        """These slots' memory afresh: step 0, moments zero, a master from its parameter (those
+        without an entry are fresh already)."""
+        slots = [i for i in slots if i not in self._unshown]
         if not slots:
             return
         engine = self._engine
@@ -184,25 +189,16 @@ class OptimizerState(collections.defaultdict):
             for i in slots:
                 write_slot(engine.state(i), {}, self._planned.slots[i].param)
         engine.state_loaded()
-        self._shown.difference_update(slots)
+        self._unshown.update(slots)
 
     def _assign(self, i: int, value: Any) -> None:
         """opt.state[p] = {...tensors...}: checked, then copied into slot i's memory."""
         engine, s = self._engine, self._planned.slots[i]
         views = engine.state(i)
-        name = self._planned.names[i]
-        keys = set(views) - {"master"}
-        if not isinstance(value, dict) or not keys - {"step"} <= set(value) or (
-                set(value) - keys - {"master"}):
-            got = sorted(value) if isinstance(value, dict) else type(value).__name__
-            raise ValueError(f"state for {name} has keys {got}; emsa expects {sorted(keys)} "
-                             "(or {} to start it afresh): is it another optimizer's?")
-        for key, t in value.items():
-            if key != "step" and (not isinstance(t, torch.Tensor)
-                                  or tuple(t.shape) != tuple(s.param.shape)):
-                raise ValueError(f"state for {name}: {key} does not have the parameter's "
-                                 f"shape {tuple(s.param.shape)}; load a state_dict saved for "
-                                 "this model")
+        if not isinstance(value, dict):
+            raise ValueError(f"state for {s.name} is a {type(value).__name__}; emsa expects a "
+                             "dict of its state tensors (or {} to start it afresh)")
+        check_entry(s, value, set(views) - {"master"}, self._cls)
         engine.sync_state()
         with torch.no_grad():
             write_slot(views, value, s.param)

@@ -40,7 +40,8 @@ class Passes:
         self.accumulate = accumulate  # the optimizer sets it when a trainer hands it over
         self.names = binding.planned.names
         self.fired: set[int] = set()
-        self.touched: set[int] = set()  # slots with a gradient since the last updating pass
+        self.state = opt.state  # opt.state (one object for the optimizer's life)
+        self.touched: set[int] = set()  # slots updated, while some have no opt.state entry
         self.count = 0  # passes ended
         self.consumed = False  # the last pass updated from and released the gradients
         self.updating = False
@@ -96,7 +97,8 @@ class Passes:
                     # device the caching allocator reuses the memory in stream order, after the
                     # update that reads it.
                     shards.release(members)
-                    self.touched.update(members)  # updated, even if the backward fails later
+                    if self.state.hidden:  # updated, even if the backward fails later
+                        self.touched.update(members)
         except BaseException:
             self.abandon_pass()
             raise
@@ -153,9 +155,7 @@ class Passes:
         """Slots updated since the last call get their opt.state entries, in parameter order
         (torch creates them in that order at a step)."""
         if self.touched:
-            state = self._opt().state
-            if state.hidden:
-                state.reveal(sorted(self.touched))
+            self.state.reveal(sorted(self.touched))
             self.touched.clear()
 
     def close_current(self) -> None:
@@ -166,17 +166,14 @@ class Passes:
         if token != self.token or not self.is_open:
             return
         self.is_open = False
-        opt = self._opt()
-        if opt.state.hidden:
-            self.touched |= self.fired
         self.fired.clear()
         self.count += 1
         if not self.updating:
             return
+        opt = self._opt()
         opt._engine_groups()  # a frozen parameter with a gradient: refuse before finishing
-        if opt.state.hidden:  # end_pass updates every slot with a gradient now
-            self.touched.update(i for i, s in enumerate(self.binding.planned.slots)
-                                if s.param.grad is not None)
+        if self.state.hidden:  # end_pass updates every slot with a gradient now
+            self.touched.update(self.state.unshown_with_grads())
         shards = self.binding.shards
         shards.pull()
         with torch.no_grad():

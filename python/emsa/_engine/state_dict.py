@@ -16,7 +16,7 @@ from .._distributed import dtensor
 from . import options
 from .params import PlannedParams, Slot
 
-__all__ = ["state_keys", "check_state_dict", "copy_state", "write_slot"]
+__all__ = ["state_keys", "check_state_dict", "check_entry", "copy_state", "write_slot"]
 
 # A loaded step count must be a whole number the engines' int64 counters and torch's float
 # "step" both hold exactly: at most the largest integer a float64 holds exactly.
@@ -61,7 +61,7 @@ def check_state_dict(sd: dict[str, Any], param_groups: list[dict], defaults: dic
             continue
         sources[ids[k]] = st
         if st:  # an empty entry ({}, as torch saves one after opt.state[p] = {}) is fresh
-            _check_entry(slots[ids[k]], st, keys, cls)
+            check_entry(slots[ids[k]], st, keys, cls)
     return sources
 
 
@@ -90,21 +90,23 @@ def _check_groups(saved: list[dict[str, Any]], param_groups: list[dict],
         options.check_hyper({**defaults, **group}, f"state_dict param_groups[{g}]")
 
 
-def _check_entry(s: Slot, st: dict[str, Any], keys: set[str], cls: str) -> None:
+def check_entry(s: Slot, st: dict[str, Any], keys: set[str], cls: str) -> None:
     """One parameter's saved state st, for the slot s of an emsa.<cls> whose state has keys."""
     extra = set(st) - keys - {"master"}
     if "max_exp_avg_sq" in extra:
         raise ValueError(f"state for {s.name} holds max_exp_avg_sq: it was saved with "
                          "amsgrad=True, which emsa does not support")
     if extra or not keys - {"step"} <= set(st):
-        raise ValueError(f"state for {s.name} has keys {sorted(st)}; "
-                         f"emsa.{cls} expects {sorted(keys)}: is it another optimizer's?")
+        raise ValueError(f"state for {s.name} has keys {sorted(st)}; emsa expects "
+                         f"{sorted(keys)} (emsa.{cls}; {{}} starts it afresh): is it another "
+                         "optimizer's?")
     for key in keys - {"step"} | ({"master"} & set(st)):
         t = st[key]
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(s.param.shape):
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"state for {s.name}: {key} is {got}, the parameter is "
-                             f"{tuple(s.param.shape)}; load a state_dict saved for this model")
+                             f"{tuple(s.param.shape)}; the shapes must match: load a "
+                             "state_dict saved for this model")
     step = float(st.get("step", 0))
     if not (math.isfinite(step) and 0 <= step <= _MAX_STEP and step == int(step)):
         raise ValueError(
